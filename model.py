@@ -1,0 +1,621 @@
+"""
+A Llama-style decoder with pluggable positional encodings, read top to bottom:
+
+    config -> positional priors (ALiBi, BAM) -> RoPE / sinusoidal -> attention (flex / sdpa / eager)
+    -> blocks -> Transformer -> conveniences (optimizer groups, generation, checkpoint loading)
+
+Every additive positional encoding is a *log-prior over relative position* (PAPER.md §1): a bias
+g_h(i - j) added to the attention logit of head h, query position i and key position j. That bias is
+written once, as a plain torch expression on broadcastable tensors (`positional_scores`), and the
+same expression serves the FlexAttention `score_mod`, the dense bias of the `sdpa` path and the
+materialised `eager` reference, so the three cannot drift apart.
+"""
+
+import glob
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+PE_CHOICES = ("nope", "rope", "alibi", "sinusoidal", "bam")
+ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")
+BAM_INITS = ("alibi", "uniform", "constant", "sampled", "linear")
+
+# The paper's model sizes (PAPER.md §4), named by their parameter count with the paper's 32,768-token
+# vocabulary; with GPT-2's 50,257 tokens the counts are higher (`Transformer.num_params` says by how much).
+PRESETS = {
+    "49m": dict(n_embd=512, n_layer=6, n_head=16),
+    "98m": dict(n_embd=768, n_layer=8, n_head=16),
+    "121m": dict(n_embd=768, n_layer=12, n_head=16),
+    "275m": dict(n_embd=1152, n_layer=15, n_head=24),
+    "525m": dict(n_embd=1536, n_layer=18, n_head=32),
+    "1.1b": dict(n_embd=2048, n_layer=24, n_head=64),
+}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50257
+    n_layer: int = 12
+    n_head: int = 16
+    n_kv_head: int = 0  # grouped-query attention; 0 means n_head (plain multi-head attention)
+    n_embd: int = 768
+    mlp_hidden: int = 0  # SwiGLU hidden width; 0 means 2 * n_embd as in the paper
+    block_size: int = 512  # training context; nothing at inference depends on it
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    pe: str = "bam"  # nope | rope | alibi | sinusoidal | bam
+    rope_theta: float = 500_000.0  # the paper's RoPE baseline
+    sinusoidal_base: float = 10_000.0
+    ssmax: bool = False  # Scalable-Softmax (Nakanishi 2025), PAPER.md §3
+    attn_impl: str = "auto"  # auto | flex | sdpa | eager
+    # BAM's Generalized-Gaussian prior (PAPER.md §2). The official code and the paper's runs start
+    # from `alibi` (shape 1, scale = ALiBi slopes), so BAM begins training exactly as ALiBi.
+    bam_per_layer: bool = True  # one prior per layer (the paper's 2 x heads x layers parameters)
+    bam_init: str = "alibi"  # alibi | uniform | constant | sampled | linear
+    bam_init_shape: float = 1.0  # used by bam_init = "constant"
+    bam_init_log_scale: float = 0.0  # used by bam_init = "constant"
+    bam_train_shape: bool = True
+    bam_train_scale: bool = True
+    bam_train_loc: bool = False  # the paper keeps the location at 0
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"model config: {msg}")
+
+        if self.pe not in PE_CHOICES:
+            bad(f"unknown pe {self.pe!r}; allowed: {', '.join(PE_CHOICES)}")
+        if self.attn_impl not in ATTN_IMPLS:
+            bad(f"unknown attn_impl {self.attn_impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
+        if self.bam_init not in BAM_INITS:
+            bad(f"unknown bam_init {self.bam_init!r}; allowed: {', '.join(BAM_INITS)}")
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
+            if getattr(self, name) <= 0:
+                bad(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            bad(f"n_head={self.n_head} must divide n_embd={self.n_embd}")
+        if (self.n_embd // self.n_head) % 2 and self.pe in ("rope", "sinusoidal"):
+            bad(f"{self.pe} needs an even head/embedding width, got head_dim={self.n_embd // self.n_head}")
+        if self.n_kv_head < 0 or (self.n_kv_head and self.n_head % self.n_kv_head):
+            bad(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (or be 0 for n_head)")
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hidden_dim(self):
+        return self.mlp_hidden or 2 * self.n_embd
+
+    @classmethod
+    def preset(cls, name, **overrides):
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Positional priors: the bias g_h(distance) that an additive encoding adds to every attention logit.
+# Each bias function takes the distance i - j (float), the head index and the prior's tensors, and is a
+# plain broadcastable torch expression: scalars inside FlexAttention's score_mod, (H, Tq, Tk) for the
+# dense paths.
+
+GGD_EPS = 1e-5  # PAPER.md §2: keeps distance 0 finite when the shape is negative
+# exp(50) ~ 5e21: far past anything softmax can tell from -inf, far below fp32's overflow even after the
+# SSMax factor, so an extreme negative shape at distance 0 (the only key of a document's first token)
+# gives a finite logit instead of -inf - -inf = NaN. The shape itself is never clamped.
+MAX_LOG_BIAS = 50.0
+
+
+def alibi_slopes(n_head):
+    """ALiBi's per-head slopes (Press et al. 2022): a geometric sequence from 2^(-8/n) for a power of two;
+    otherwise the power of two below, then every other slope of the power of two above."""
+
+    def power_of_two_slopes(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_head).is_integer():
+        return power_of_two_slopes(n_head)
+    below = 2 ** math.floor(math.log2(n_head))
+    return power_of_two_slopes(below) + power_of_two_slopes(2 * below)[0::2][: n_head - below]
+
+
+def alibi_bias(dist, head, slopes):
+    """Laplace log-prior: -m_h |i - j| (PAPER.md §1)."""
+    return -slopes[head] * dist.abs()
+
+
+def ggd_bias(dist, head, shape, log_scale, loc):
+    """BAM's Generalized-Gaussian log-prior (PAPER.md §2):
+
+        -exp(a_h) * (|i - j - mu_h| + eps) ** b_h,    mu_h = exp(l_h) - exp(-l_h)
+
+    evaluated as -exp(a + b * log(|d - mu| + eps)), the same number, so that the magnitude can be capped
+    (MAX_LOG_BIAS) before it overflows for very negative shapes."""
+    mu = 2.0 * torch.sinh(loc[head])
+    log_magnitude = log_scale[head] + shape[head] * torch.log((dist - mu).abs() + GGD_EPS)
+    return -torch.exp(torch.clamp(log_magnitude, max=MAX_LOG_BIAS))
+
+
+class ALiBiPrior(nn.Module):
+    bias_fn = staticmethod(alibi_bias)
+
+    def __init__(self, n_head):
+        super().__init__()
+        self.register_buffer("slopes", torch.tensor(alibi_slopes(n_head)), persistent=False)
+
+    def tensors(self):
+        return (self.slopes,)
+
+    def summary(self):
+        return {"alibi_slope": self.slopes.tolist()}
+
+
+class BAMPrior(nn.Module):
+    """Per-head shape b, log-scale a and location parameter l of one GGD prior."""
+
+    bias_fn = staticmethod(ggd_bias)
+
+    def __init__(self, cfg: ModelConfig, generator=None):
+        super().__init__()
+        H = cfg.n_head
+        log_slopes = torch.tensor(alibi_slopes(H)).log()
+        if cfg.bam_init == "alibi":  # exactly ALiBi: b = 1, a = log m_h
+            shape, log_scale = torch.ones(H), log_slopes
+        elif cfg.bam_init == "uniform":  # exactly NoPE: b = 0 makes the bias a constant
+            shape, log_scale = torch.zeros(H), torch.zeros(H)
+        elif cfg.bam_init == "constant":
+            shape, log_scale = torch.full((H,), cfg.bam_init_shape), torch.full((H,), cfg.bam_init_log_scale)
+        elif cfg.bam_init == "sampled":  # as the official code: b ~ N(0, 1), a ~ N(0, 1)
+            shape, log_scale = torch.randn(H, generator=generator), torch.randn(H, generator=generator)
+        else:  # "linear": shapes from flat (0) to Laplace (1) across heads, ALiBi scales
+            shape, log_scale = torch.linspace(0.0, 1.0, H), log_slopes
+        self.shape = nn.Parameter(shape, requires_grad=cfg.bam_train_shape)
+        self.log_scale = nn.Parameter(log_scale, requires_grad=cfg.bam_train_scale)
+        self.loc = nn.Parameter(torch.zeros(H), requires_grad=cfg.bam_train_loc)
+
+    def tensors(self):
+        return (self.shape, self.log_scale, self.loc)
+
+    def summary(self):
+        return {"bam_shape": self.shape.tolist(), "bam_log_scale": self.log_scale.tolist(),
+                "bam_loc": (2.0 * torch.sinh(self.loc)).tolist()}
+
+
+def positional_scores(scores, head, q_pos, k_pos, log_n, prior, ssmax_scale):
+    """The one place where positions change attention logits (before masking and softmax):
+
+        ((q.k / sqrt(d) + g_h(i - j)) * s_h * log(n_i))
+
+    PAPER.md §3: for every additive prior the SSMax factor multiplies the content score *and* the prior
+    (the official ALiBi+SSMax baseline scales only q.k; we are consistent across encodings instead).
+    `prior` is (bias_fn, tensors) or None; `ssmax_scale` is the per-head s_h or None; `log_n` is
+    log(number of keys query i may attend to)."""
+    if prior is not None:
+        bias_fn, tensors = prior
+        scores = scores + bias_fn((q_pos - k_pos).to(torch.float32), head, *tensors)
+    if ssmax_scale is not None:
+        scores = scores * (ssmax_scale[head] * log_n)
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rotary and sinusoidal encodings, computed from positions on the fly: no table that runs out past the
+# training length.
+
+
+def _angles(positions, dim, base):
+    # float64: at 500K positions fp32 angles would be off by ~0.03 rad before the cosine.
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
+    return positions.to(torch.float64)[..., None] * inv_freq
+
+
+def rope_cos_sin(positions, head_dim, theta):
+    angles = _angles(positions, head_dim, theta)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate (B, H, T, hd) by position; the pairs are (x[:hd/2], x[hd/2:]), a fixed permutation of
+    Llama's interleaved pairs that leaves the attention scores the same."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def sinusoidal_embedding(positions, dim, base):
+    """Vaswani et al.'s absolute encoding, (..., T) positions -> (..., T, dim): sin on even, cos on odd."""
+    angles = _angles(positions, dim, base)
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).float()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention. Three implementations of one function; `eager` is the reference the tests hold the others to.
+
+
+@dataclass
+class AttnContext:
+    """What every layer's attention needs to know about the positions of one forward pass."""
+
+    impl: str  # flex | sdpa | eager (after `auto` was resolved)
+    q_pos: torch.Tensor  # (Tq,) absolute positions of the queries
+    k_pos: torch.Tensor  # (Tk,) absolute positions of the keys
+    doc_ids: torch.Tensor | None  # (B, T) document of each token, or None for one document per row
+    log_n: torch.Tensor | None  # (B or 1, Tq) log of how many keys each query sees (SSMax)
+    rope: tuple | None  # (cos, sin) of the queries' positions
+    block_mask: BlockMask | None  # flex only
+
+
+def _allowed(ctx):
+    """Dense causal (+ document) mask, (B or 1, 1, Tq, Tk) bool."""
+    allowed = ctx.k_pos[None, :] <= ctx.q_pos[:, None]
+    if ctx.doc_ids is not None:
+        allowed = allowed & (ctx.doc_ids[:, :, None] == ctx.doc_ids[:, None, :])
+    else:
+        allowed = allowed[None]
+    return allowed[:, None]
+
+
+def _head_index(n_head, device):
+    return torch.arange(n_head, device=device).view(n_head, 1, 1)
+
+
+def _dense_log_n(ctx):
+    return None if ctx.log_n is None else ctx.log_n[:, None, :, None]
+
+
+def eager_attention(q, k, v, ctx, prior, ssmax_scale):
+    """Materialised fp32 scores: the reference implementation, O(Tq x Tk) memory."""
+    H, hd = q.shape[1], q.shape[-1]
+    k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(hd)
+    scores = positional_scores(scores, _head_index(H, q.device), ctx.q_pos[:, None], ctx.k_pos[None, :],
+                               _dense_log_n(ctx), prior, ssmax_scale)
+    scores = scores.masked_fill(~_allowed(ctx), float("-inf"))
+    return (scores.softmax(dim=-1) @ v.float()).type_as(q)
+
+
+def sdpa_attention(q, k, v, ctx, prior, ssmax_scale):
+    """torch's scaled_dot_product_attention. With nothing positional in the logits it is the flash
+    kernel (O(T) memory). Otherwise the prior and masks become one dense fp32 bias, and SSMax's factor,
+    which multiplies the whole logit, is folded into q:  (q.k/sqrt(d) + g) * c = (c q).k/sqrt(d) + g * c."""
+    gqa = k.shape[1] != q.shape[1]
+    if prior is None and ssmax_scale is None and ctx.doc_ids is None and ctx.q_pos.shape == ctx.k_pos.shape:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    H = q.shape[1]
+    head = _head_index(H, q.device)
+    log_n = _dense_log_n(ctx)
+    bias = positional_scores(torch.zeros((), device=q.device), head, ctx.q_pos[:, None], ctx.k_pos[None, :],
+                             log_n, prior, ssmax_scale)
+    bias = torch.where(_allowed(ctx), bias, float("-inf"))
+    if ssmax_scale is not None:
+        q = q.float() * (ssmax_scale[head] * log_n)
+    y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias, enable_gqa=gqa)
+    return y.type_as(v)
+
+
+@torch.compile(fullgraph=True, dynamic=None)
+def _compiled_flex(q, k, v, block_mask, log_n, bias_fn, prior_tensors, ssmax_scale):
+    # Compiled as one function with the prior's tensors as arguments (not captured from a module), so
+    # every layer reuses a single compiled kernel instead of recompiling per layer.
+    prior = None if bias_fn is None else (bias_fn, prior_tensors)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        row_log_n = None if log_n is None else log_n[b, q_idx]
+        return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale)
+
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale):
+    """FlexAttention: the prior as score_mod, causal/document masking as a sparse BlockMask; never
+    materialises Tq x Tk. Queries and keys are the same positions 0..T-1 (no KV cache)."""
+    log_n = None
+    if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
+        log_n = ctx.log_n.expand(q.shape[0], -1) if ctx.log_n.shape[0] == 1 else ctx.log_n
+    bias_fn, tensors = (None, ()) if prior is None else prior
+    return _compiled_flex(q, k, v, ctx.block_mask, log_n, bias_fn, tensors, ssmax_scale)
+
+
+ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_fused}
+
+
+def make_block_mask(doc_ids, T, device):
+    if doc_ids is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+        # _compile builds the block structure without a dense T x T mask (needed at 500K tokens)
+        return create_block_mask(mask_mod, None, None, T, T, device=device, _compile=T > 8192)
+
+    def doc_mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+    return create_block_mask(doc_mask_mod, doc_ids.shape[0], None, T, T, device=device, _compile=T > 8192)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model
+
+
+class KVCache:
+    """Preallocated keys and values (after RoPE) of every layer, for generation."""
+
+    def __init__(self, cfg, batch_size, max_len, device, dtype):
+        shape = (batch_size, cfg.kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.max_len = max_len
+
+    def update(self, layer, start, k, v):
+        end = start + k.shape[2]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.wq = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False)
+        self.wk = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
+        # SSMax's s_h, per head and per layer, init 1 (PAPER.md §3)
+        self.ssmax_scale = nn.Parameter(torch.ones(cfg.n_head)) if cfg.ssmax else None
+
+    def forward(self, x, ctx: AttnContext, prior_module, layer, kv_cache=None):
+        B, T, _ = x.shape
+        cfg = self.cfg
+        q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        if ctx.rope is not None:
+            q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, int(ctx.q_pos[0]), k, v)
+        prior = None if prior_module is None else (prior_module.bias_fn, prior_module.tensors())
+        y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.n_embd, cfg.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.n_embd, cfg.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.n_embd, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x, ctx, prior_module, layer, kv_cache=None):
+        x = x + self.attn(self.attn_norm(x), ctx, prior_module, layer, kv_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied, as in the paper
+        if cfg.pe == "bam":
+            n_priors = cfg.n_layer if cfg.bam_per_layer else 1
+            self.priors = nn.ModuleList([BAMPrior(cfg) for _ in range(n_priors)])
+        elif cfg.pe == "alibi":
+            self.priors = nn.ModuleList([ALiBiPrior(cfg.n_head)])
+        else:
+            self.priors = nn.ModuleList()
+        self.apply(self._init_weights)
+        # GPT-2 / nanoGPT: shrink the residual-stream writes with depth so activations stay O(1)
+        for name, p in self.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+
+    # -- positions ---------------------------------------------------------------------------------
+
+    def _prior_of_layer(self, layer):
+        if len(self.priors) == 0:
+            return None
+        return self.priors[layer if len(self.priors) > 1 else 0]
+
+    def _resolve_impl(self, T_q, T_k, has_docs):
+        cfg = self.config
+        impl = cfg.attn_impl
+        if T_q != T_k:  # decoding with a KV cache: a few queries against all keys; flex needs Tq == Tk
+            return "eager" if impl == "eager" else "sdpa"
+        if impl != "auto":
+            return impl
+        positional = cfg.pe in ("alibi", "bam") or cfg.ssmax or has_docs
+        if not positional:
+            return "sdpa"  # flash attention with is_causal
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        on_cuda = self.lm_head.weight.is_cuda
+        if on_cuda:
+            return "flex"
+        # FlexAttention has no backward on CPU (torch 2.13), and below a few thousand tokens the dense
+        # bias costs less than flex's compile; past that the dense bias grows as T^2 and flex wins.
+        return "sdpa" if training or T_q <= 2048 else "flex"
+
+    def _context(self, B, T, device, start_pos, doc_ids):
+        cfg = self.config
+        q_pos = torch.arange(start_pos, start_pos + T, device=device)
+        k_pos = torch.arange(start_pos + T, device=device)
+        if doc_ids is not None:
+            if start_pos:
+                raise ValueError("doc_ids cannot be combined with a KV cache")
+            if doc_ids.shape != (B, T):
+                raise ValueError(f"doc_ids must have the shape of idx, {(B, T)}, got {tuple(doc_ids.shape)}")
+            if T > 1 and bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
+                raise ValueError("doc_ids must be non-decreasing along each row (documents are contiguous)")
+        impl = self._resolve_impl(T, start_pos + T, doc_ids is not None)
+        # position of each token inside its document: RoPE/ALiBi/BAM only see differences, which are the
+        # same either way; the sinusoidal encoding and SSMax's key count need the in-document position.
+        pos_in_doc = q_pos[None]
+        if doc_ids is not None:
+            idx = torch.arange(T, device=device).expand(B, T)
+            starts = torch.ones_like(doc_ids, dtype=torch.bool)
+            starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+            pos_in_doc = idx - torch.where(starts, idx, 0).cummax(dim=1).values
+        log_n = torch.log1p(pos_in_doc.float()) if cfg.ssmax else None  # n_i = in-document position + 1
+        rope = rope_cos_sin(q_pos, cfg.head_dim, cfg.rope_theta) if cfg.pe == "rope" else None
+        block_mask = make_block_mask(doc_ids, T, device) if impl == "flex" else None
+        ctx = AttnContext(impl, q_pos, k_pos, doc_ids, log_n, rope, block_mask)
+        return ctx, pos_in_doc
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def forward(self, idx, targets=None, doc_ids=None, last_k=None, kv_cache=None, start_pos=0):
+        """idx (B, T) tokens -> (logits, loss). With `last_k`, logits (and loss) only for the last k
+        positions: long-context evaluation never builds a T x vocab tensor. `doc_ids` (B, T) restricts
+        attention to earlier tokens of the same document."""
+        B, T = idx.shape
+        ctx, pos_in_doc = self._context(B, T, idx.device, start_pos, doc_ids)
+        x = self.tok_emb(idx)
+        if self.config.pe == "sinusoidal":
+            x = x + sinusoidal_embedding(pos_in_doc, self.config.n_embd, self.config.sinusoidal_base).to(x.dtype)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, ctx, self._prior_of_layer(layer), layer, kv_cache)
+        if last_k is not None:
+            x = x[:, -last_k:]
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if targets is not None:
+            if last_k is not None and targets.shape[1] != logits.shape[1]:
+                targets = targets[:, -last_k:]
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Sample continuations of idx (B, T) with a KV cache; temperature 0 is greedy decoding."""
+        B, T = idx.shape
+        dtype = self.lm_head.weight.dtype
+        cache = KVCache(self.config, B, T + max_new_tokens, idx.device, dtype)
+        logits, _ = self(idx, last_k=1, kv_cache=cache)
+        out = [idx]
+        for step in range(max_new_tokens):
+            logits = logits[:, -1].float()
+            if temperature == 0:
+                next_tok = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_tok = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+            out.append(next_tok)
+            if step + 1 < max_new_tokens:
+                logits, _ = self(next_tok, kv_cache=cache, start_pos=T + step)
+        return torch.cat(out, dim=1)
+
+    # -- conveniences ------------------------------------------------------------------------------
+
+    def prior_parameters(self):
+        """BAM's prior and SSMax's scales: trained in their own optimizer group (PAPER.md §4)."""
+        params = [p for prior in self.priors for p in prior.parameters()]
+        params += [b.attn.ssmax_scale for b in self.blocks if b.attn.ssmax_scale is not None]
+        return params
+
+    def optim_groups(self, weight_decay, decay_embeddings=True):
+        """Weight decay on matrices only (PAPER.md §4); none on norms, prior or SSMax parameters."""
+        prior_ids = {id(p) for p in self.prior_parameters()}
+        embeddings = {id(self.tok_emb.weight)}
+        decay, no_decay, prior = [], [], []
+        for p in self.parameters():
+            if not p.requires_grad:
+                continue
+            if id(p) in prior_ids:
+                prior.append(p)
+            elif p.dim() >= 2 and (decay_embeddings or id(p) not in embeddings):
+                decay.append(p)
+            else:
+                no_decay.append(p)
+        groups = [dict(name="decay", params=decay, weight_decay=weight_decay),
+                  dict(name="no_decay", params=no_decay, weight_decay=0.0),
+                  dict(name="prior", params=prior, weight_decay=0.0)]
+        return [g for g in groups if g["params"]]
+
+    def prior_summary(self):
+        """Every head's positional parameters, per layer: {name: [[head values] per layer]}."""
+        summary = {}
+        for prior in self.priors:
+            for name, values in prior.summary().items():
+                summary.setdefault(name, []).append(values)
+        ssmax = [b.attn.ssmax_scale.tolist() for b in self.blocks if b.attn.ssmax_scale is not None]
+        if ssmax:
+            summary["ssmax_scale"] = ssmax
+        return summary
+
+    def num_params(self, non_embedding=False):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6 N for the matmuls (the
+        embedding lookup is not one) plus 12 L H hd T for attention scores and values."""
+        cfg = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints: a dict with "model_config" (ModelConfig as a dict) and "model" (state dict); train.py adds
+# optimizer, data and RNG state next to them.
+
+
+def checkpoint_path(path):
+    """A checkpoint file as given, or the newest RUN/checkpoints/step_*.pt of a run directory."""
+    if os.path.isdir(path):
+        steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_*.pt")))
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {path}/checkpoints (expected step_*.pt files)")
+        return steps[-1]
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint file or run directory at {path}")
+    return path
+
+
+def model_from_checkpoint(ckpt, device="cpu", **overrides):
+    """Build the model described by a loaded checkpoint dict; `overrides` change config fields that do
+    not touch the weights (e.g. attn_impl)."""
+    known = {f.name for f in fields(ModelConfig)}
+    saved = {k: v for k, v in ckpt["model_config"].items() if k in known}
+    cfg = ModelConfig(**{**saved, **overrides})
+    model = Transformer(cfg)
+    model.load_state_dict(ckpt["model"])
+    return model.to(device)
+
+
+def load_model(path, device="cpu", **overrides):
+    ckpt = torch.load(checkpoint_path(path), map_location="cpu", weights_only=True)
+    return model_from_checkpoint(ckpt, device, **overrides)
+
+
+def save_model(model, path):
+    """A minimal checkpoint (config + weights), e.g. for tests and exported models."""
+    torch.save({"model_config": asdict(model.config), "model": model.state_dict()}, path)
