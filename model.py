@@ -302,18 +302,29 @@ def sdpa_attention(q, k, v, ctx, prior, ssmax_scale):
     return y.type_as(v)
 
 
-@torch.compile(fullgraph=True, dynamic=None)
-def _compiled_flex(q, k, v, block_mask, log_n, bias_fn, prior_tensors, ssmax_scale):
-    # Compiled as one function with the prior's tensors as arguments (not captured from a module), so
-    # every layer reuses a single compiled kernel instead of recompiling per layer.
-    prior = None if bias_fn is None else (bias_fn, prior_tensors)
+def _make_flex_kernel(bias_fn, use_ssmax):
+    """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
+    captured from a module, so every layer (and every model of that variant) reuses one compiled kernel
+    instead of recompiling per layer; each variant also gets its own recompile budget."""
 
-    def score_mod(score, b, h, q_idx, kv_idx):
-        row_log_n = None if log_n is None else log_n[b, q_idx]
-        return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale)
+    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale):
+        prior = None if bias_fn is None else (bias_fn, prior_tensors)
 
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                          enable_gqa=k.shape[1] != q.shape[1])
+        def score_mod(score, b, h, q_idx, kv_idx):
+            row_log_n = log_n[b, q_idx] if use_ssmax else None
+            return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale)
+
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                              enable_gqa=k.shape[1] != q.shape[1])
+
+    return torch.compile(kernel, fullgraph=True)
+
+
+_FLEX_KERNELS = {}
+# dynamo's recompile budget (8) is per code object, and every variant, sequence length and mask shape of
+# the kernel above shares one: an evaluation sweep over lengths, or a test comparing encodings, would
+# exhaust it and fail under fullgraph. Raise it (never lower a user's setting).
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
 
 def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale):
@@ -321,9 +332,13 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale):
     materialises Tq x Tk. Queries and keys are the same positions 0..T-1 (no KV cache)."""
     log_n = None
     if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
-        log_n = ctx.log_n.expand(q.shape[0], -1) if ctx.log_n.shape[0] == 1 else ctx.log_n
+        log_n = ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1 else ctx.log_n
     bias_fn, tensors = (None, ()) if prior is None else prior
-    return _compiled_flex(q, k, v, ctx.block_mask, log_n, bias_fn, tensors, ssmax_scale)
+    variant = (bias_fn, ssmax_scale is not None)
+    if variant not in _FLEX_KERNELS:
+        _FLEX_KERNELS[variant] = _make_flex_kernel(*variant)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one compiled kernel
+    return _FLEX_KERNELS[variant](q, k, v, ctx.block_mask, log_n, tensors, ssmax_scale)
 
 
 ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_fused}

@@ -1,0 +1,364 @@
+"""model.py: the three attention paths against each other, the priors against the paper's formulas,
+and the structural properties (causality, document isolation, KV cache) on tiny CPU models."""
+
+import math
+
+import pytest
+import torch
+
+from model import (PE_CHOICES, ModelConfig, Transformer, alibi_slopes, ggd_bias, load_model, rope_cos_sin,
+                   apply_rope, save_model)
+
+VOCAB = 97
+
+
+def tiny(pe="bam", ssmax=False, **kw):
+    cfg = dict(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, block_size=16, pe=pe, ssmax=ssmax)
+    cfg.update(kw)
+    return ModelConfig(**cfg)
+
+
+def make_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = Transformer(tiny(**kw))
+    # Move every prior and SSMax parameter off its initial value so a test cannot pass because of a
+    # special init (e.g. ALiBi's shape exactly 1, SSMax's scale exactly 1).
+    with torch.no_grad():
+        for prior in model.priors:
+            for p in prior.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        for block in model.blocks:
+            if block.attn.ssmax_scale is not None:
+                block.attn.ssmax_scale.add_(0.2 * torch.randn_like(block.attn.ssmax_scale))
+    return model
+
+
+def batch(B=2, T=40, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, VOCAB, (B, T), generator=g)
+    # row 0: three documents, row 1: two documents, boundaries not on flex's 128-token blocks
+    a, b, c = T // 4 + 1, T // 2 + 1, 5 * T // 8
+    doc_ids = torch.tensor([[0] * a + [1] * b + [2] * (T - a - b), [0] * c + [1] * (T - c)][:B])
+    return idx, doc_ids
+
+
+def logits_with(model, impl, idx, doc_ids=None, **kw):
+    model.config.attn_impl = impl
+    return model(idx, doc_ids=doc_ids, **kw)[0]
+
+
+GRID = [(pe, ssmax, docs) for pe in PE_CHOICES for ssmax in (False, True) for docs in (False, True)]
+
+
+@pytest.mark.parametrize("pe,ssmax,docs", GRID)
+def test_flex_and_sdpa_outputs_match_eager(pe, ssmax, docs):
+    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True)
+    idx, doc_ids = batch()
+    doc_ids = doc_ids if docs else None
+    with torch.no_grad():
+        ref = logits_with(model, "eager", idx, doc_ids)
+        for impl in ("sdpa", "flex"):
+            torch.testing.assert_close(logits_with(model, impl, idx, doc_ids), ref, atol=2e-5, rtol=1e-4,
+                                       msg=lambda m: f"{impl}: {m}")
+
+
+@pytest.mark.parametrize("pe,ssmax,docs", GRID)
+def test_sdpa_gradients_match_eager(pe, ssmax, docs):
+    # bam_train_loc so the location parameter's gradient is checked as well
+    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True)
+    idx, doc_ids = batch(T=24)
+    targets = torch.roll(idx, -1, dims=1)
+    grads = {}
+    for impl in ("eager", "sdpa"):
+        model.zero_grad(set_to_none=True)
+        model.config.attn_impl = impl
+        _, loss = model(idx, targets, doc_ids=doc_ids if docs else None)
+        loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads["eager"].keys() == grads["sdpa"].keys()
+    prior_names = [n for n in grads["eager"] if n.startswith("priors") or "ssmax" in n]
+    if pe == "bam" or ssmax:
+        assert prior_names, "the prior/SSMax parameters must receive gradients"
+    for name, g in grads["eager"].items():
+        assert g.abs().sum() > 0 or name.endswith("loc"), f"{name} got no gradient"
+        torch.testing.assert_close(grads["sdpa"][name], g, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward needs a GPU in torch 2.13")
+@pytest.mark.parametrize("pe,ssmax", [("bam", True), ("alibi", False), ("rope", True)])
+def test_flex_gradients_match_eager_on_gpu(pe, ssmax):
+    model = make_model(pe=pe, ssmax=ssmax).cuda()
+    idx, doc_ids = (t.cuda() for t in batch(T=256))
+    grads = {}
+    for impl in ("eager", "flex"):
+        model.zero_grad(set_to_none=True)
+        model.config.attn_impl = impl
+        model(idx, torch.roll(idx, -1, 1), doc_ids=doc_ids)[1].backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for name, g in grads["eager"].items():
+        torch.testing.assert_close(grads["flex"][name], g, atol=1e-4, rtol=1e-3)
+
+
+def test_ggd_bias_is_the_papers_formula():
+    """Against PAPER.md §2 written out independently: -exp(a) * (|d - mu| + eps) ** b, mu = e^l - e^-l."""
+    dist = torch.arange(0, 3000, 7, dtype=torch.float64)
+    for b, a, l in [(1.0, -2.0, 0.0), (0.0, 0.5, 0.0), (-0.6, 0.1, 0.0), (2.3, -5.0, 0.2), (-1.7, 1.0, -0.1)]:
+        mu = math.exp(l) - math.exp(-l)
+        expected = -math.exp(a) * ((dist - mu).abs() + 1e-5) ** b
+        t = lambda x: torch.tensor([x], dtype=torch.float64)
+        got = ggd_bias(dist, 0, t(b), t(a), t(l))
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=0)
+
+
+def test_alibi_slopes():
+    assert alibi_slopes(8) == [2.0 ** -(i + 1) for i in range(8)]
+    # 12 heads: the 8 slopes of 8 heads, then every other slope of 16 heads (ALiBi's reference code)
+    s16 = [2.0 ** (-(i + 1) / 2) for i in range(16)]
+    assert alibi_slopes(12) == pytest.approx(alibi_slopes(8) + s16[0::2][:4])
+
+
+def transplant(src, dst):
+    """Copy every weight except the positional priors, so two encodings differ only in the prior."""
+    state = {k: v for k, v in src.state_dict().items() if not k.startswith("priors")}
+    dst.load_state_dict(state, strict=False)
+    return dst
+
+
+@pytest.mark.parametrize("ssmax", [False, True])
+def test_bam_at_alibi_init_is_alibi(ssmax):
+    torch.manual_seed(0)
+    alibi = Transformer(tiny("alibi", ssmax=ssmax, attn_impl="eager"))
+    bam = transplant(alibi, Transformer(tiny("bam", ssmax=ssmax, bam_init="alibi", attn_impl="eager")))
+    idx, doc_ids = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(bam(idx, doc_ids=doc_ids)[0], alibi(idx, doc_ids=doc_ids)[0],
+                                   atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("setting", ["shape0", "scale_to_zero", "uniform_init"])
+def test_bam_reduces_to_nope(setting):
+    torch.manual_seed(0)
+    nope = Transformer(tiny("nope", attn_impl="eager"))
+    bam = transplant(nope, Transformer(tiny("bam", bam_init="uniform" if setting == "uniform_init" else "alibi",
+                                            attn_impl="eager")))
+    with torch.no_grad():
+        for prior in bam.priors:
+            if setting == "shape0":
+                prior.shape.zero_()
+                prior.log_scale.normal_()  # any scale: a constant bias is ignored by softmax
+            elif setting == "scale_to_zero":
+                prior.log_scale.fill_(-40.0)
+                prior.shape.normal_()
+    idx, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(bam(idx)[0], nope(idx)[0], atol=1e-6, rtol=1e-5)
+
+
+def test_negative_shape_prefers_distant_tokens():
+    """b < 0: with no content signal, a head gives more weight to far keys than to near ones (PAPER.md §2)."""
+    from model import AttnContext, eager_attention
+    H, T, hd = 1, 64, 8
+    q = torch.zeros(1, H, T, hd)  # q.k = 0: attention is the prior alone
+    v = torch.eye(T)[None, None, :, :hd].expand(1, H, T, hd)  # unused
+    shape, log_scale, loc = torch.tensor([-0.6]), torch.tensor([0.0]), torch.tensor([0.0])
+    dist = torch.arange(T, dtype=torch.float32)
+    bias = ggd_bias(dist, 0, shape, log_scale, loc)
+    assert torch.all(bias[1:] > bias[:-1]), "bias must increase (less negative) with distance"
+    assert bias[0] == pytest.approx(-1e3, rel=1e-3)  # eps = 1e-5 ** -0.6 = 1000 (PAPER.md §2)
+    pos = torch.arange(T)
+    ctx = AttnContext("eager", pos, pos, None, None, None, None)
+    # attention weights of the last query over its keys, via v = identity
+    v = torch.eye(T)[None, None]
+    w = eager_attention(torch.zeros(1, 1, T, T), torch.zeros(1, 1, T, T), v, ctx,
+                        (ggd_bias, (shape, log_scale, loc)), None)[0, 0, -1]
+    assert w[0] > w[T // 2] > w[-2] > w[-1]  # the farthest key gets the most weight, the query itself least
+
+
+def test_extreme_negative_shape_stays_finite():
+    model = make_model(pe="bam", ssmax=True)
+    with torch.no_grad():
+        for prior in model.priors:
+            prior.shape.fill_(-12.0)  # (1e-5) ** -12 = 1e60 would overflow fp32 without the cap
+    idx, doc_ids = batch()
+    for impl in ("eager", "sdpa"):
+        model.zero_grad(set_to_none=True)
+        model.config.attn_impl = impl
+        logits, loss = model(idx, torch.roll(idx, -1, 1), doc_ids=doc_ids)
+        assert torch.isfinite(logits).all() and torch.isfinite(loss)
+        loss.backward()
+        for n, p in model.named_parameters():
+            assert p.grad is None or torch.isfinite(p.grad).all(), n
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    hd, theta = 16, 500_000.0
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, hd, generator=g), torch.randn(1, 1, 1, hd, generator=g)
+
+    def score(i, j):
+        qi = apply_rope(q, *rope_cos_sin(torch.tensor([i]), hd, theta))
+        kj = apply_rope(k, *rope_cos_sin(torch.tensor([j]), hd, theta))
+        return (qi * kj).sum().item()
+
+    for i, j in [(5, 2), (100, 37), (3000, 0)]:
+        for shift in (1, 1000, 250_000):
+            assert score(i + shift, j + shift) == pytest.approx(score(i, j), rel=1e-4, abs=1e-4)
+    assert abs(score(5, 2) - score(5, 4)) > 1e-3  # and they do depend on it
+
+
+@pytest.mark.parametrize("pe,ssmax", [(pe, s) for pe in PE_CHOICES for s in (False, True)])
+def test_causality(pe, ssmax):
+    model = make_model(pe=pe, ssmax=ssmax)
+    idx, _ = batch(B=1)
+    changed = idx.clone()
+    changed[0, 25:] = (changed[0, 25:] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model(idx)[0], model(changed)[0]
+    torch.testing.assert_close(a[:, :25], b[:, :25], atol=1e-6, rtol=1e-5)
+    assert (a[:, 25:] - b[:, 25:]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("pe,ssmax", [(pe, s) for pe in PE_CHOICES for s in (False, True)])
+def test_packed_documents_equal_separate_documents(pe, ssmax):
+    """Document isolation: a document's logits inside a packed row equal the logits of the document on
+    its own (so changing another document changes nothing, and SSMax counts only in-document keys)."""
+    model = make_model(pe=pe, ssmax=ssmax)
+    idx, doc_ids = batch(B=1)
+    with torch.no_grad():
+        packed = model(idx, doc_ids=doc_ids)[0]
+        for d in doc_ids.unique():
+            cols = (doc_ids[0] == d).nonzero().flatten()
+            alone = model(idx[:, cols])[0]
+            torch.testing.assert_close(packed[:, cols], alone, atol=1e-5, rtol=1e-4)
+        other = idx.clone()
+        other[doc_ids == 1] = (other[doc_ids == 1] + 3) % VOCAB
+        changed = model(other, doc_ids=doc_ids)[0]
+    keep = doc_ids[0] != 1
+    torch.testing.assert_close(changed[:, keep], packed[:, keep], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pe,ssmax,per_layer,kv", [("bam", True, True, 0), ("bam", False, False, 2),
+                                                  ("rope", False, True, 2), ("sinusoidal", True, True, 0)])
+def test_parameter_count_matches_formula(pe, ssmax, per_layer, kv):
+    cfg = tiny(pe, ssmax=ssmax, bam_per_layer=per_layer, n_kv_head=kv, bam_train_loc=True)
+    d, L, H, V, hidden = cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.vocab_size, 2 * cfg.n_embd
+    kv_width = (kv or H) * (d // H)
+    per_block = d * d + 2 * d * kv_width + d * d + 3 * d * hidden + 2 * d  # q,k,v,o; SwiGLU; two norms
+    expected = 2 * V * d + L * per_block + d  # embedding + untied head + blocks + final norm
+    if pe == "bam":
+        expected += 3 * H * (L if per_layer else 1)  # shape, log-scale, location
+    if ssmax:
+        expected += H * L
+    assert Transformer(cfg).num_params() == expected
+
+
+def test_paper_prior_parameter_count():
+    """384 trainable prior parameters for the 12-layer, 16-head model (PAPER.md §2)."""
+    model = Transformer(ModelConfig.preset("121m", vocab_size=128, n_embd=64, pe="bam"))
+    trainable = sum(p.numel() for prior in model.priors for p in prior.parameters() if p.requires_grad)
+    assert trainable == 2 * 16 * 12 == 384
+
+
+@pytest.mark.parametrize("pe,ssmax,kv", [("bam", True, 0), ("rope", False, 2), ("sinusoidal", False, 0),
+                                         ("alibi", True, 0), ("nope", False, 0)])
+def test_kv_cache_generation_equals_full_recompute(pe, ssmax, kv):
+    model = make_model(pe=pe, ssmax=ssmax, n_kv_head=kv)
+    model.eval()
+    prompt, _ = batch(B=2, T=10)
+    out = model.generate(prompt, max_new_tokens=12, temperature=0)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            nxt = model(seq)[0][:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    assert torch.equal(out, seq)
+
+
+def test_sampling_with_top_k_stays_in_top_k():
+    model = make_model(pe="bam")
+    prompt, _ = batch(B=1, T=5)
+    g = torch.Generator().manual_seed(0)
+    out = model.generate(prompt, max_new_tokens=1, temperature=1.0, top_k=3, generator=g)
+    top3 = model(prompt)[0][0, -1].topk(3).indices
+    assert out[0, -1] in top3
+
+
+@pytest.mark.parametrize("impl", ["flex", "sdpa"])
+def test_logits_far_past_block_size_are_finite(impl):
+    model = make_model(pe="bam", ssmax=True)
+    with torch.no_grad():
+        model.priors[0].shape[:2] = torch.tensor([-0.8, -2.0])  # anti-local heads
+        idx = torch.randint(0, VOCAB, (1, 64 * model.config.block_size))
+        model.config.attn_impl = impl
+        logits = model(idx, last_k=4)[0]
+    assert logits.shape == (1, 4, VOCAB) and torch.isfinite(logits).all()
+
+
+def test_last_k_equals_slice_of_full_logits():
+    model = make_model(pe="bam", ssmax=True)
+    idx, doc_ids = batch()
+    with torch.no_grad():
+        full = model(idx, doc_ids=doc_ids)[0]
+        last = model(idx, doc_ids=doc_ids, last_k=3)[0]
+    torch.testing.assert_close(last, full[:, -3:])
+
+
+def test_gqa_matches_across_implementations():
+    model = make_model(pe="bam", ssmax=True, n_kv_head=2)
+    idx, doc_ids = batch()
+    with torch.no_grad():
+        ref = logits_with(model, "eager", idx, doc_ids)
+        torch.testing.assert_close(logits_with(model, "sdpa", idx, doc_ids), ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(logits_with(model, "flex", idx, doc_ids), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_shared_prior_has_one_set_of_parameters():
+    model = Transformer(tiny("bam", bam_per_layer=False))
+    assert len(model.priors) == 1
+    assert model.prior_summary()["bam_shape"] == [[1.0] * 4]
+
+
+def test_optimizer_groups_cover_every_trainable_parameter_once():
+    model = Transformer(tiny("bam", ssmax=True))
+    groups = {g["name"]: g for g in model.optim_groups(0.1)}
+    ids = [id(p) for g in groups.values() for p in g["params"]]
+    assert len(ids) == len(set(ids)) == sum(1 for p in model.parameters() if p.requires_grad)
+    assert groups["decay"]["weight_decay"] == 0.1
+    assert groups["prior"]["weight_decay"] == groups["no_decay"]["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in groups["decay"]["params"])
+    assert len(groups["prior"]["params"]) == 2 * 2 + 2  # shape + log-scale per layer, SSMax per layer
+
+
+def test_load_model_from_file_and_run_dir(tmp_path):
+    model = make_model(pe="bam", ssmax=True)
+    (tmp_path / "checkpoints").mkdir()
+    save_model(model, tmp_path / "checkpoints" / "step_00000010.pt")
+    idx, _ = batch()
+    for path in (tmp_path / "checkpoints" / "step_00000010.pt", tmp_path):
+        loaded = load_model(str(path), attn_impl="eager")
+        assert loaded.config.attn_impl == "eager"
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(idx)[0], model(idx)[0])
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_model(str(tmp_path / "nothing"))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(pe="xpos"), "allowed: nope, rope, alibi, sinusoidal, bam"),
+    (dict(attn_impl="flash"), "allowed: auto, flex, sdpa, eager"),
+    (dict(n_head=5), "must divide n_embd"),
+    (dict(n_kv_head=3), "must divide n_head"),
+    (dict(bam_init="zeros"), "allowed: alibi, uniform"),
+])
+def test_bad_config_names_what_is_allowed(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**kw)
+
+
+def test_bad_doc_ids_shape():
+    model = make_model()
+    idx, doc_ids = batch()
+    with pytest.raises(ValueError, match="doc_ids must have the shape of idx"):
+        model(idx, doc_ids=doc_ids[:, :-1])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        model(idx, doc_ids=doc_ids.flip(1))
