@@ -285,19 +285,28 @@ def eager_attention(q, k, v, ctx, prior, ssmax_scale):
 
 def sdpa_attention(q, k, v, ctx, prior, ssmax_scale):
     """torch's scaled_dot_product_attention. With nothing positional in the logits it is the flash
-    kernel (O(T) memory). Otherwise the prior and masks become one dense fp32 bias, and SSMax's factor,
-    which multiplies the whole logit, is folded into q:  (q.k/sqrt(d) + g) * c = (c q).k/sqrt(d) + g * c."""
+    kernel (O(T) memory). Otherwise the prior and the masks become one dense fp32 bias, and SSMax's
+    factor, which multiplies the whole logit, is folded into q:  (q.k/sqrt(d) + g) c = (c q).k/sqrt(d) + g c.
+    This is the CPU training path (flex has no CPU backward), so the bias is built cheaply: the prior
+    depends on i - j only, so it is evaluated once per distance (H x (Tq + Tk - 1) values, not
+    H x Tq x Tk) and spread over the grid by indexing, whose backward is a scatter-add."""
     gqa = k.shape[1] != q.shape[1]
     if prior is None and ssmax_scale is None and ctx.doc_ids is None and ctx.q_pos.shape == ctx.k_pos.shape:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    H = q.shape[1]
+    H, Tq, Tk = q.shape[1], ctx.q_pos.shape[0], ctx.k_pos.shape[0]
     head = _head_index(H, q.device)
-    log_n = _dense_log_n(ctx)
-    bias = positional_scores(torch.zeros((), device=q.device), head, ctx.q_pos[:, None], ctx.k_pos[None, :],
-                             log_n, prior, ssmax_scale)
-    bias = torch.where(_allowed(ctx), bias, float("-inf"))
+    bias = torch.zeros((), device=q.device)
+    if prior is not None:
+        dist = ctx.q_pos[:, None] - ctx.k_pos[None, :]
+        smallest = ctx.q_pos[0] - ctx.k_pos[-1]  # a tensor, so no device sync
+        distances = smallest + torch.arange(Tq + Tk - 1, device=q.device)
+        table = positional_scores(bias, head[:, 0], distances[None, :], 0, None, prior, None)  # (H, D)
+        bias = table[:, dist - smallest]
     if ssmax_scale is not None:
-        q = q.float() * (ssmax_scale[head] * log_n)
+        factor = positional_scores(torch.ones((), device=q.device), head, None, None, _dense_log_n(ctx),
+                                   None, ssmax_scale)  # s_h log n_i, (B, H, Tq, 1)
+        bias, q = bias * factor, q.float() * factor
+    bias = torch.where(_allowed(ctx), bias, float("-inf"))
     y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias, enable_gqa=gqa)
     return y.type_as(v)
 
@@ -464,13 +473,16 @@ class Transformer(nn.Module):
         impl = cfg.attn_impl
         if T_q != T_k:  # decoding with a KV cache: a few queries against all keys; flex needs Tq == Tk
             return "eager" if impl == "eager" else "sdpa"
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        on_cuda = self.lm_head.weight.is_cuda
+        if impl == "flex" and training and not on_cuda:
+            raise ValueError("attn_impl='flex' has no backward pass on CPU (torch 2.13): train on CPU with "
+                             "'sdpa', 'eager' or 'auto', or run inference under torch.no_grad()")
         if impl != "auto":
             return impl
         positional = cfg.pe in ("alibi", "bam") or cfg.ssmax or has_docs
         if not positional:
             return "sdpa"  # flash attention with is_causal
-        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
-        on_cuda = self.lm_head.weight.is_cuda
         if on_cuda:
             return "flex"
         # FlexAttention has no backward on CPU (torch 2.13), and below a few thousand tokens the dense

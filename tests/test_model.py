@@ -362,3 +362,10 @@ def test_bad_doc_ids_shape():
         model(idx, doc_ids=doc_ids[:, :-1])
     with pytest.raises(ValueError, match="non-decreasing"):
         model(idx, doc_ids=doc_ids.flip(1))
+
+
+def test_flex_training_on_cpu_is_a_clear_error():
+    model = make_model(pe="bam", attn_impl="flex")
+    idx, _ = batch()
+    with pytest.raises(ValueError, match="no backward pass on CPU"):
+        model(idx, torch.roll(idx, -1, 1))

@@ -1,0 +1,171 @@
+"""
+Attention cost per positional encoding and implementation, side by side in one run.
+
+    python bench/attention.py                 # CPU: the issue's grid (a few minutes on 2 cores)
+    python bench/attention.py --quick         # smaller grid
+    python bench/attention.py --device cuda   # GPU, bf16; absolute times are only meaningful there
+
+Part 1: forward+backward time and peak memory of one attention call with the paper's 12-layer head
+shapes (16 heads of 48), for T = 512 ... 4096, as ratios against NoPE on `sdpa` (flash) at the same T.
+FlexAttention has no backward on CPU, so there flex is timed forward-only (marked "fwd").
+Part 2: forward-only peak memory of flex for T = 4K ... 64K: it must grow linearly (x2 per doubling).
+Peak memory on CPU is the resident-set high-water mark above the level before the call, sampled by a
+thread every millisecond (torch keeps no CPU allocator statistics); on CUDA it is max_memory_allocated.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model import ATTENTION, AttnContext, BAMPrior, ModelConfig, apply_rope, alibi_bias, make_block_mask, \
+    rope_cos_sin  # noqa: E402
+
+H, HD = 16, 48  # the paper's 12-layer model: 768 wide, 16 heads
+ENCODINGS = ["nope", "rope", "alibi", "bam", "bam+ssmax"]
+
+
+class PeakMemory:
+    """Peak extra memory (bytes) while the block runs."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def _rss(self):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self):
+        while not self._done.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.001)
+
+    def __enter__(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = self.peak = self._rss()
+            self._done = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self._done.set()
+            self._thread.join()
+            self.bytes = max(self.peak, self._rss()) - self.base
+
+
+def setup(encoding, T, device, dtype, requires_grad):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, T, HD, device=device, dtype=dtype, requires_grad=requires_grad)
+               for _ in range(3))
+    pos = torch.arange(T, device=device)
+    ssmax = encoding.endswith("+ssmax")
+    log_n = torch.log1p(pos.float())[None] if ssmax else None
+    prior = None
+    if encoding.startswith("bam"):
+        p = BAMPrior(ModelConfig(n_head=H, n_embd=H * HD, bam_init="alibi")).to(device)
+        prior = (p.bias_fn, p.tensors())
+    elif encoding == "alibi":
+        from model import alibi_slopes
+        prior = (alibi_bias, (torch.tensor(alibi_slopes(H), device=device),))
+    scale = torch.ones(H, device=device, requires_grad=True) if ssmax else None
+    rope = rope_cos_sin(pos, HD, 500_000.0) if encoding == "rope" else None
+    return q, k, v, pos, log_n, prior, scale, rope
+
+
+def attention_call(encoding, impl, T, device, dtype, backward):
+    q, k, v, pos, log_n, prior, scale, rope = setup(encoding, T, device, dtype, backward)
+    block_mask = make_block_mask(None, T, device) if impl == "flex" else None
+    ctx = AttnContext(impl, pos, pos, None, log_n, rope, block_mask)
+
+    @torch.set_grad_enabled(backward)
+    def run():
+        qq, kk = (apply_rope(q, *rope), apply_rope(k, *rope)) if rope is not None else (q, k)
+        y = ATTENTION[impl](qq, kk, v, ctx, prior, scale)
+        if backward:
+            y.float().sum().backward()
+        return y
+
+    return run
+
+
+def measure(run, device, repeats):
+    run()  # warm-up (and compile, for flex)
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    with PeakMemory(device) as mem:
+        run()
+    return statistics.median(times), mem.bytes
+
+
+def main():
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        # glibc raises its mmap threshold after large frees and then keeps freed blocks resident, which
+        # hides later peaks from the RSS sampler; a fixed threshold returns every large block on free.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
+        os.execv(sys.executable, [sys.executable] + sys.argv)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="T = 512, 1024 and 4K ... 16K only")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    print(f"# attention, 1 x {H} heads x {HD}, {dtype}, torch {torch.__version__}, {where}\n")
+
+    lengths = [512, 1024] if args.quick else [512, 1024, 2048, 4096]
+    impls = ["sdpa", "flex", "eager"]
+    print("## forward + backward (flex forward only on CPU): time and peak memory, ratios vs nope/sdpa\n")
+    print("| T | encoding | impl | pass | ms | x nope | peak MiB | x nope |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T in lengths:
+        base = None
+        for encoding in ENCODINGS:
+            for impl in impls:
+                if impl == "eager" and T > 4096:
+                    continue
+                backward = not (impl == "flex" and device == "cpu")
+                t, mem = measure(attention_call(encoding, impl, T, device, dtype, backward), device, args.repeats)
+                if base is None:
+                    base = (t, max(mem, 1))
+                fb = "fwd+bwd" if backward else "fwd"
+                print(f"| {T} | {encoding} | {impl} | {fb} | {t * 1e3:.1f} | {t / base[0]:.2f} | "
+                      f"{mem / 2**20:.1f} | {mem / base[1]:.2f} |", flush=True)
+
+    long_lengths = [4096, 8192, 16384] if args.quick else [4096, 8192, 16384, 32768, 65536]
+    print("\n## forward only, long context: peak memory must grow linearly with T\n")
+    print("| T | encoding | impl | ms | peak MiB | x previous T |")
+    print("|---|---|---|---|---|---|")
+    for encoding, impl in [("nope", "sdpa"), ("bam+ssmax", "flex")]:
+        prev = None
+        for T in long_lengths:
+            with torch.no_grad():
+                t, mem = measure(attention_call(encoding, impl, T, device, dtype, False), device, 1)
+            growth = f"{mem / prev:.2f}" if prev else "-"
+            prev = max(mem, 1)
+            print(f"| {T} | {encoding} | {impl} | {t * 1e3:.1f} | {mem / 2**20:.1f} | {growth} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
