@@ -1,0 +1,318 @@
+"""Token shards, the GPT-2 tokenizer, and a resumable distributed loader.
+
+Shard format (llm.c's, so the GPT-2 FineWeb shards that llm.c and modded-nanogpt publish,
+`fineweb_val_000000.bin`, `fineweb_train_000001.bin`, ..., load as they are):
+
+    header  256 little-endian int32; [0] = magic 20240520, [1] = version 1 (GPT-2: uint16 tokens),
+            [2] = n, the number of tokens that follow the header; the other 253 are zero.
+    body    n little-endian uint16 token ids.
+    size    exactly 256 * 4 + 2 * n bytes; anything else is a truncated or corrupt file.
+
+Every document is preceded by an EOT token (50256), as in llm.c's fineweb.py, and a document may
+continue from one shard into the next: the shards of a split, in name order, are one token stream.
+The first shard of a prepared directory (`<prefix>_val_000000.bin`) is the validation split.
+"""
+
+import bisect
+import functools
+import glob
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+
+import numpy as np
+import torch
+
+EOT = 50256  # <|endoftext|>; llm.c writes it *before* every document
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1  # version 1 = GPT-2 tokens as uint16 (llm.c's llama-3 shards use 7 and uint32)
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+TOKEN_DTYPE = np.dtype("<u2")
+
+
+class ShardError(ValueError):
+    """A shard file that is not a valid llm.c GPT-2 shard; the message names the file."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+
+# The GPT-2 ranks as OpenAI ship them in `gpt2.tiktoken`; byte-identical to tiktoken's r50k_base
+# file, so this is also the hash tiktoken itself checks that download against.
+GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# An sdist on PyPI that carries `whisper/assets/gpt2.tiktoken`: the offline route needs only the
+# package registry, which every machine that can `pip install -r requirements.txt` can reach.
+WHISPER_SDIST = "openai-whisper==20250625"
+# GPT-2's pre-tokenisation regex, identical to tiktoken_ext.openai_public.r50k_pat_str
+# (tests/test_data.py pins the equality, so a tiktoken change cannot silently alter our tokens).
+GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+HELLO_WORLD_IDS = [15496, 995]
+# tiktoken's own route downloads with `requests` and no timeout: on a network that drops packets
+# instead of refusing them that would hang for minutes, so we stop waiting after this long.
+TIKTOKEN_ONLINE_TIMEOUT_S = 30
+
+
+def gpt2_tiktoken_cache_path() -> str:
+    """Where the offline route keeps gpt2.tiktoken; $BAM_GPT2_TIKTOKEN overrides it."""
+    if os.environ.get("BAM_GPT2_TIKTOKEN"):
+        return os.environ["BAM_GPT2_TIKTOKEN"]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "bam", "gpt2.tiktoken")
+
+
+def _check_encoding(enc, origin: str):
+    ids = enc.encode_ordinary("Hello world")
+    if ids != HELLO_WORLD_IDS or enc.n_vocab != 50257 or enc.eot_token != EOT:
+        raise RuntimeError(f"the GPT-2 tokenizer from {origin} is wrong: 'Hello world' -> {ids}, "
+                           f"n_vocab {enc.n_vocab}, eot {enc.eot_token} (expected {HELLO_WORLD_IDS}, "
+                           f"50257, {EOT})")
+    return enc
+
+
+def load_gpt2_from_file(path: str):
+    """GPT-2 tiktoken Encoding from a local gpt2.tiktoken ranks file, checked before use."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if digest != GPT2_TIKTOKEN_SHA256:
+        raise RuntimeError(f"{path} is not OpenAI's gpt2.tiktoken (sha256 {digest}, expected "
+                           f"{GPT2_TIKTOKEN_SHA256}); delete it and run again")
+    enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=load_tiktoken_bpe(path),
+                            special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
+    return _check_encoding(enc, path)
+
+
+def download_gpt2_tiktoken(path: str) -> str:
+    """Fetch gpt2.tiktoken from the openai-whisper sdist on PyPI (via pip) into `path`."""
+    print(f"fetching GPT-2 ranks: pip download {WHISPER_SDIST} (sdist) -> {path}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+               WHISPER_SDIST, "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        sdists = glob.glob(os.path.join(tmp, "*.tar.gz"))
+        if proc.returncode != 0 or not sdists:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"`{' '.join(cmd[1:])}` failed: {last}")
+        with tarfile.open(sdists[0]) as tar:
+            member = next((m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken")),
+                          None)
+            if member is None:
+                raise RuntimeError(f"{os.path.basename(sdists[0])} has no whisper/assets/gpt2.tiktoken")
+            ranks = tar.extractfile(member).read()
+    if hashlib.sha256(ranks).hexdigest() != GPT2_TIKTOKEN_SHA256:
+        raise RuntimeError(f"gpt2.tiktoken in {WHISPER_SDIST} has an unexpected sha256")
+    atomic_write(path, [ranks])
+    return path
+
+
+def _tiktoken_online():
+    """tiktoken's usual route (its cache or the network), given up on after a timeout."""
+    import tiktoken
+
+    result = {}
+
+    def load():
+        try:
+            result["enc"] = tiktoken.get_encoding("gpt2")
+        except Exception as e:  # any failure just means "try the offline route"
+            result["error"] = e
+
+    # A daemon thread, because a hung download cannot be cancelled, only abandoned.
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(TIKTOKEN_ONLINE_TIMEOUT_S)
+    if "enc" in result:
+        return _check_encoding(result["enc"], "tiktoken")
+    raise RuntimeError(str(result.get("error", f"no answer within {TIKTOKEN_ONLINE_TIMEOUT_S}s")))
+
+
+@functools.lru_cache(maxsize=None)
+def get_tokenizer():
+    """tiktoken's GPT-2 Encoding (50257 tokens, EOT = 50256), online or from local ranks.
+
+    Order: a local gpt2.tiktoken when one exists (the same ranks, checked by sha256, and no network
+    call that could hang); tiktoken's own download or cache; else fetch gpt2.tiktoken from PyPI
+    (the openai-whisper sdist) into the local cache, so every later call is offline.
+    """
+    path = gpt2_tiktoken_cache_path()
+    if os.environ.get("BAM_GPT2_TIKTOKEN") and not os.path.exists(path):
+        raise RuntimeError(f"$BAM_GPT2_TIKTOKEN points to {path}, which does not exist")
+    if os.path.exists(path):
+        return load_gpt2_from_file(path)
+    errors = []
+    for route in (_tiktoken_online, lambda: load_gpt2_from_file(download_gpt2_tiktoken(path))):
+        try:
+            return route()
+        except Exception as e:
+            errors.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    raise RuntimeError(
+        "cannot load the GPT-2 tokenizer: tiktoken's download failed (" + errors[0] + ") and so did the "
+        "offline route (" + errors[1] + "). Fix: on any machine run `pip download --no-deps --no-binary "
+        f":all: {WHISPER_SDIST}`, take whisper/assets/gpt2.tiktoken out of the tarball and put it "
+        f"at {path} (or point $BAM_GPT2_TIKTOKEN at it)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Shards
+
+def atomic_write(path: str, chunks) -> None:
+    """Write to a temp file next to `path`, fsync, rename: a reader sees the old file or the new."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_shard(path: str, tokens) -> None:
+    """Write `tokens` (ints < 2**16) as an llm.c GPT-2 shard, atomically."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: token ids must be in [0, 65536) to fit uint16")
+    if tokens.size >= 2**31:
+        raise ValueError(f"{path}: {tokens.size} tokens do not fit the int32 count of the header")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    atomic_write(path, [header.tobytes(), tokens.astype(TOKEN_DTYPE, copy=False).tobytes()])
+
+
+def shard_num_tokens(path: str) -> int:
+    """Validate a shard's header against its file size and return its token count."""
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    magic, version, n = (int(v) for v in header[:3])
+    if magic != SHARD_MAGIC:
+        raise ShardError(f"{path}: magic {magic}, expected {SHARD_MAGIC} (not an llm.c token shard)")
+    if version != SHARD_VERSION:
+        raise ShardError(f"{path}: version {version}, expected {SHARD_VERSION} (GPT-2 uint16 tokens)")
+    expected = HEADER_BYTES + 2 * n
+    if n < 0 or size != expected:
+        raise ShardError(f"{path}: header declares {n} tokens ({expected} bytes) but the file has "
+                         f"{size} bytes (truncated or corrupt)")
+    return n
+
+
+def read_shard(path: str) -> np.memmap:
+    """The tokens of a shard as a read-only uint16 memmap (no copy), after validating it."""
+    n = shard_num_tokens(path)
+    if n == 0:
+        return np.zeros(0, dtype=TOKEN_DTYPE)  # numpy cannot map zero bytes
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n,))
+
+
+def shard_paths(data_dir: str, split: str) -> list:
+    """The shards of one split, in stream order: any `*_<split>_*.bin` (ours, llm.c's, modded-nanogpt's)."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    return sorted(glob.glob(os.path.join(glob.escape(data_dir), f"*_{split}_*.bin")))
+
+
+# ----------------------------------------------------------------------------------------------
+# Loader
+
+class ShardLoader:
+    """(x, y, doc_ids) batches of shape (B, T) from the shards of one split, for one DDP rank.
+
+    The split's shards, in name order, are one token stream (a shard's tail continues into the
+    next shard's head, as documents do). Each step all ranks together take W consecutive windows
+    of B*T+1 tokens starting at `position`; rank r gets window r, so over a run window k of the
+    stream goes to rank k % W. Consecutive windows overlap by one token, so every token after the
+    first is a target exactly once per epoch. When the next W windows no longer fit, the epoch
+    ends (the short remainder is skipped) and the stream starts over from the beginning.
+
+    The state is a position in the stream, the same on every rank, so any rank's `state_dict()`
+    restores all ranks, also under a different world size. doc_ids count EOTs along each row
+    (an EOT opens a document), so positions with equal doc_ids belong to the same document.
+    """
+
+    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+        self.data_dir, self.split = data_dir, split
+        self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
+        self.paths = shard_paths(data_dir, split)
+        if not self.paths:
+            raise FileNotFoundError(f"no {split} shards (*_{split}_*.bin) in {data_dir}")
+        self.counts = [shard_num_tokens(p) for p in self.paths]  # validates every header up front
+        counts = self.counts
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).tolist()  # stream offset of each shard
+        self.num_tokens = self.starts[-1]
+        if seq_len + 1 > max(counts):
+            raise ValueError(f"seq_len {seq_len} is longer than the {split} shards in {data_dir} "
+                             f"(at most {max(counts)} tokens each); use a shorter seq_len or a larger "
+                             f"--shard_size")
+        self.window = batch_size * seq_len  # tokens a rank advances per batch
+        if world_size * self.window + 1 > self.num_tokens:
+            raise ValueError(f"one step needs {world_size} x {batch_size} x {seq_len} + 1 tokens but the "
+                             f"{split} split in {data_dir} has only {self.num_tokens}")
+        self.reset()
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return (self.num_tokens - 1) // (self.world_size * self.window)
+
+    def reset(self):
+        """Back to the start of the stream: validation iterates the same batches every time."""
+        self.epoch, self.position = 0, 0
+
+    def _read(self, start: int, length: int) -> np.ndarray:
+        out = np.empty(length, dtype=np.int64)
+        filled = 0
+        shard = bisect.bisect_right(self.starts, start) - 1
+        while filled < length:
+            if self.counts[shard]:
+                # A fresh memmap per read, dropped right after, as nanoGPT does: the loader never
+                # holds more than one shard's mapping, and resident memory does not creep up over
+                # a multi-day run. Headers were validated once, in __init__.
+                tokens = np.memmap(self.paths[shard], dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES,
+                                   shape=(self.counts[shard],))
+                offset = start + filled - self.starts[shard]
+                piece = tokens[offset:offset + length - filled]
+                out[filled:filled + len(piece)] = piece
+                filled += len(piece)
+                del tokens, piece
+            shard += 1
+        return out
+
+    def next_batch(self):
+        if self.position + self.world_size * self.window + 1 > self.num_tokens:
+            self.epoch, self.position = self.epoch + 1, 0
+        buf = torch.from_numpy(self._read(self.position + self.rank * self.window, self.window + 1))
+        self.position += self.world_size * self.window
+        B, T = self.batch_size, self.seq_len
+        x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
+        doc_ids = torch.cumsum(x == EOT, dim=1)
+        return x, y, doc_ids
+
+    def state_dict(self) -> dict:
+        shard = bisect.bisect_right(self.starts, self.position) - 1
+        return {"split": self.split, "epoch": self.epoch, "position": self.position,
+                "shard": shard, "shard_offset": self.position - self.starts[shard],  # for humans
+                "num_tokens": self.num_tokens}
+
+    def load_state_dict(self, state: dict):
+        if state["num_tokens"] != self.num_tokens or state["split"] != self.split:
+            raise ValueError(f"loader state is for a {state['split']} stream of {state['num_tokens']} "
+                             f"tokens but {self.data_dir} holds a {self.split} stream of "
+                             f"{self.num_tokens}: the data changed since the checkpoint")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+

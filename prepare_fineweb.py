@@ -1,0 +1,500 @@
+"""Turn a text corpus into GPT-2 token shards (llm.c format, see data.py) once; train on them many times.
+
+    python prepare_fineweb.py --source fineweb --out_dir data/fineweb10B            # sample-10BT
+    python prepare_fineweb.py --source fineweb-edu --sample sample-100BT --out_dir data/edu100B
+    python prepare_fineweb.py --source local --input 'corpus/*.jsonl' --out_dir data/mine
+    python prepare_fineweb.py --source demo --out_dir data/demo                     # offline
+
+Sources: FineWeb / FineWeb-Edu samples streamed from the Hugging Face Hub with `datasets` (nothing
+is downloaded in full first); local parquet / jsonl / json files (a "text" field per record) and
+txt files (one document per file), read through the same `datasets` streaming path; and `demo`, a
+real English corpus that needs no network: the documentation that ships inside Python's standard
+library (the language reference topics of `pydoc_data`, every stdlib module's docstrings with the
+signatures they document, the prose comments of its source and IDLE's text files).
+
+Each document becomes [EOT] + its GPT-2 tokens (empty documents are dropped); documents are packed
+back to back into shards of --shard_size tokens (a document may continue into the next shard) and
+the first shard is the validation split. Shards are written to a temp file and renamed, and a
+manifest.json next to them records the source, tokenizer and every finished shard with where in the
+document stream it ends, so an interrupted run started again skips the finished shards (without
+re-tokenising them) and produces exactly the shards of an uninterrupted run.
+"""
+
+import argparse
+import ast
+import contextlib
+import glob
+import hashlib
+import html.parser
+import itertools
+import json
+import multiprocessing
+import os
+import random
+import signal
+import sys
+import sysconfig
+import threading
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from data import EOT, ShardError, get_tokenizer, shard_num_tokens, write_shard, atomic_write
+
+HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
+FINEWEB_SAMPLES = ("sample-10BT", "sample-100BT", "sample-350BT")
+SOURCES = ("fineweb", "fineweb-edu", "demo", "local")
+DEFAULT_SHARD_SIZE = 100_000_000  # llm.c's shard size: 200 MB of uint16 per shard
+# The demo corpus is ~1M tokens; 50k-token shards give one validation shard of ~5% of it and
+# ~20 training shards, so the demo also exercises the loader's crossing of shard boundaries.
+DEMO_SHARD_SIZE = 50_000
+LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+MANIFEST = "manifest.json"
+TOKENIZER = "gpt2"
+CHUNKSIZE = 64  # documents per task sent to a worker: fewer, larger messages keep the main process light
+
+
+class PrepareError(Exception):
+    """A user mistake (bad input or output directory); main() prints it as one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources: each returns an iterable of document texts, always in the same order.
+
+def hub_documents(source: str, sample: str):
+    """A FineWeb(-Edu) sample streamed from the Hub (this is the only code that needs the Hub)."""
+    import datasets
+    try:
+        ds = datasets.load_dataset(HUB_DATASETS[source], name=sample, split="train", streaming=True)
+    except (OSError, ConnectionError) as e:  # `datasets` retries for ~30 s before it gives up
+        raise PrepareError(f"cannot stream {HUB_DATASETS[source]} {sample} from the Hugging Face Hub "
+                           f"({str(e).splitlines()[0]}); offline, use --source demo or --source local")
+    return (row["text"] for row in ds)
+
+
+def resolve_inputs(patterns) -> list:
+    """Expand --input globs into a sorted, de-duplicated list of supported files."""
+    files = []
+    for pattern in patterns:
+        matches = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)]
+        if not matches:
+            raise PrepareError(f"--input {pattern!r} matches no files")
+        files += matches
+    files = sorted(set(os.path.abspath(p) for p in files))
+    for path in files:
+        local_builder(path)  # fail on an unsupported type before anything is read
+    return files
+
+
+def local_builder(path: str) -> str:
+    """The `datasets` builder that reads this file: parquet, json (also jsonl) or text."""
+    name = path.lower()
+    for compression in COMPRESSIONS:
+        name = name.removesuffix(compression)
+    ext = os.path.splitext(name)[1]
+    if ext not in LOCAL_BUILDERS:
+        raise PrepareError(f"{path}: unsupported file type {ext or '(none)'!r}; use one of "
+                           f"{', '.join(LOCAL_BUILDERS)} (optionally compressed: {', '.join(COMPRESSIONS)})")
+    return LOCAL_BUILDERS[ext]
+
+
+def local_documents(files):
+    """Texts of local files through `datasets` streaming, the same reader as the Hub path.
+
+    Files are grouped by type (parquet, json, text, each group in sorted path order); a txt file is
+    one document (`sample_by="document"`), parquet and json records need a "text" field.
+    """
+    import datasets
+    files = [f for f in files if os.path.getsize(f) > 0]  # no documents, and `datasets` trips on them
+    for builder in ("parquet", "json", "text"):
+        group = [f for f in files if local_builder(f) == builder]
+        if not group:
+            continue
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=group, split="train", streaming=True, **kwargs)
+        for row in ds:
+            if "text" not in row:
+                where = group[0] + (f" (or {len(group) - 1} more files)" if len(group) > 1 else "")
+                raise PrepareError(f"records in {where} have no 'text' field (fields: {', '.join(row)})")
+            yield row["text"]
+
+
+class _HTMLText(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.parts, self.skip = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        self.skip += tag in ("script", "style")
+
+    def handle_endtag(self, tag):
+        self.skip -= tag in ("script", "style")
+        if tag in ("p", "div", "pre", "li", "dt", "dd", "h1", "h2", "h3", "h4", "tr"):
+            self.parts.append("\n")
+
+    def handle_data(self, text):
+        if not self.skip:
+            self.parts.append(text)
+
+
+def _module_document(path_and_module) -> str:
+    """A module's documentation as pydoc would show it, then the prose comments of its source."""
+    path, module = path_and_module
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):  # also UnicodeDecodeError: a few modules are not UTF-8
+        return ""
+    sections = [f"Module {module}"]
+    if doc := ast.get_docstring(tree):
+        sections.append(doc)
+
+    def visit(node, owner):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                if doc := ast.get_docstring(child):
+                    sections.append(f"class {owner}{child.name}\n\n{doc}")
+                visit(child, f"{owner}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if doc := ast.get_docstring(child):
+                    sections.append(f"{owner}{child.name}({ast.unparse(child.args)})\n\n{doc}")
+
+    visit(tree, "")
+    # Runs of full-line comments form paragraphs; keep those that read as sentences, not the
+    # commented-out code, tables and banners that also live in comments.
+    paragraphs, current = [], []
+    for line in source.splitlines() + [""]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            current.append(stripped.lstrip("#").strip())
+        elif current:
+            paragraphs.append(" ".join(current))
+            current = []
+    for paragraph in paragraphs:
+        letters = sum(c.isalpha() or c == " " for c in paragraph)
+        if len(paragraph.split()) >= 8 and letters >= 0.85 * len(paragraph):
+            sections.append(paragraph)
+    return "\n\n".join(sections) if len(sections) > 1 else ""
+
+
+def demo_documents(workers: int = 1) -> list:
+    """Real English that ships with every Python: the stdlib's own documentation, one doc per
+    pydoc topic, module and IDLE text file, in a fixed shuffled order (so the validation shard,
+    the first one, samples all kinds of text rather than only the first kind)."""
+    docs = []
+    try:
+        from pydoc_data.topics import topics
+        docs += [topics[k].strip() for k in sorted(topics)]
+    except ImportError:  # some distributions package pydoc_data separately
+        pass
+    stdlib = sysconfig.get_paths()["stdlib"]
+    skip_dirs = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
+                 "encodings"}  # encodings: character tables, not prose
+    modules = []
+    for dirpath, dirnames, filenames in os.walk(stdlib):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs)
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            idle_text = name.endswith(".txt") and "idlelib" in dirpath  # IDLE's README, NEWS, ...
+            if name.endswith(".py"):
+                module = os.path.relpath(path, stdlib)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                modules.append((path, module))
+            elif idle_text or name in ("architecture.rst", "LICENSE.txt"):
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    docs.append(f.read())
+            elif name == "help.html":
+                parser = _HTMLText()
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    parser.feed(f.read())
+                docs.append("".join(parser.parts))
+    if workers > 1:  # parsing ~600 modules takes seconds on one core
+        with multiprocessing.Pool(workers) as pool:
+            docs += pool.map(_module_document, modules, chunksize=8)
+    else:
+        docs += map(_module_document, modules)
+    docs = [d.strip() for d in docs if d.strip()]
+    random.Random(0).shuffle(docs)
+    return docs
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenisation
+
+def tokenize(text: str) -> np.ndarray:
+    """[EOT] + GPT-2 tokens of one document, as uint16 (empty documents give nothing)."""
+    if not text or text.isspace():
+        return np.zeros(0, dtype=np.uint16)
+    tokens = np.array([EOT] + get_tokenizer().encode_ordinary(text), dtype=np.uint32)
+    if tokens.max() >= 2**16:
+        raise ValueError("a token id does not fit uint16; the shards hold GPT-2 ids only")
+    return tokens.astype(np.uint16)
+
+
+def _ignore_sigint():
+    # Ctrl-C is the main process's to handle: it stops the pool; workers need not print tracebacks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def tokenized(texts, workers: int):
+    """tokenize() over texts, in order, on `workers` processes."""
+    if workers == 1:
+        yield from map(tokenize, texts)
+        return
+    # Pool.imap pulls its input on a background thread as fast as it can; from an endless stream
+    # that would queue the whole corpus in memory. The semaphore caps documents in flight at 16
+    # chunks per worker, enough to keep every worker busy.
+    max_in_flight = 16 * CHUNKSIZE * workers
+    in_flight = threading.Semaphore(max_in_flight)
+    stopping = threading.Event()
+
+    def feed():
+        for text in texts:
+            in_flight.acquire()
+            if stopping.is_set():
+                return
+            yield text
+
+    get_tokenizer()  # load once here; forked workers inherit it instead of each loading it
+    with multiprocessing.Pool(workers, initializer=_ignore_sigint) as pool:
+        try:
+            for tokens in pool.imap(tokenize, feed(), chunksize=CHUNKSIZE):
+                in_flight.release()
+                yield tokens
+        finally:
+            # Unblock the feeding thread so the pool can shut down when we stop early.
+            stopping.set()
+            in_flight.release(max_in_flight)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shards and the manifest
+
+def shard_name(prefix: str, index: int) -> str:
+    return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
+
+
+def _read_manifest(out_dir: str):
+    path = os.path.join(out_dir, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise PrepareError(f"{path} is unreadable ({e}); use another --out_dir")
+
+
+def _write_manifest(out_dir: str, manifest: dict):
+    atomic_write(os.path.join(out_dir, MANIFEST), [json.dumps(manifest, indent=1).encode()])
+
+
+def _check_out_dir(out_dir, manifest, *, prefix, source, shard_size, max_tokens):
+    """Refuse to mix these shards with shards of another corpus, tokenizer or shard size."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise PrepareError(f"--out_dir {out_dir} is a file, not a directory")
+    if manifest is None:
+        foreign = glob.glob(os.path.join(glob.escape(out_dir), "*_train_*.bin")) + \
+            glob.glob(os.path.join(glob.escape(out_dir), "*_val_*.bin"))
+        if foreign:
+            raise PrepareError(f"{out_dir} already holds token shards without a {MANIFEST} (e.g. "
+                               f"{os.path.basename(sorted(foreign)[0])}); use an empty --out_dir")
+        return
+    if manifest.get("tokenizer") != TOKENIZER:
+        raise PrepareError(f"{out_dir} holds shards of the {manifest.get('tokenizer')!r} tokenizer, not "
+                           f"{TOKENIZER!r}; use another --out_dir")
+    for key, value in (("source", source), ("prefix", prefix), ("shard_size", shard_size)):
+        if manifest.get(key) != value:
+            raise PrepareError(f"{out_dir} holds shards made with {key} {manifest.get(key)!r}, not "
+                               f"{value!r}; use another --out_dir")
+    if max_tokens is not None and manifest["tokens"] > max_tokens:
+        raise PrepareError(f"{out_dir} already holds {manifest['tokens']} tokens, more than --max_tokens "
+                           f"{max_tokens}; use another --out_dir")
+
+
+def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
+            max_tokens=None, workers: int = 1, progress: bool = True) -> dict:
+    """Tokenise `documents` (an iterable of texts, the same on every call) into shards in out_dir.
+
+    Returns the manifest. Resumes after the last full shard of an earlier run on the same source;
+    raises PrepareError, before writing anything, when out_dir holds incompatible shards.
+    """
+    manifest = _read_manifest(out_dir)
+    _check_out_dir(out_dir, manifest, prefix=prefix, source=source, shard_size=shard_size,
+                   max_tokens=max_tokens)
+    if manifest and manifest["finished"] and (manifest["exhausted"] or manifest["tokens"] == max_tokens):
+        return manifest  # nothing left to do
+    # Keep the finished full shards (a short last shard is rewritten once there is more to add).
+    kept = []
+    for shard in (manifest or {}).get("shards", []):
+        path = os.path.join(out_dir, shard["name"])
+        try:
+            intact = os.path.exists(path) and shard_num_tokens(path) == shard["tokens"]
+        except ShardError:
+            intact = False
+        if shard["tokens"] != shard_size or not intact:
+            break
+        kept.append(shard)
+    end_doc, end_doc_tokens = (kept[-1]["end_doc"], kept[-1]["end_doc_tokens"]) if kept else (0, 0)
+    total = sum(s["tokens"] for s in kept)
+    num_docs = kept[-1]["documents"] if kept else 0
+    os.makedirs(out_dir, exist_ok=True)
+    for stale in glob.glob(os.path.join(glob.escape(out_dir), f"{glob.escape(prefix)}_*.bin.tmp-*")):
+        os.remove(stale)  # temp files of a run that was killed mid-write
+    manifest = {"format": "llm.c shards: 256 x int32 header (magic 20240520, version 1, count), uint16",
+                "tokenizer": TOKENIZER, "eot": EOT, "source": source, "prefix": prefix,
+                "shard_size": shard_size, "max_tokens": max_tokens, "finished": False,
+                "exhausted": False, "tokens": total, "documents": num_docs, "shards": kept}
+
+    buffer = np.empty(shard_size, dtype=np.uint16)
+    filled = 0
+
+    def finish_shard(doc_index, doc_tokens_used):
+        nonlocal filled
+        index = len(manifest["shards"])
+        name = shard_name(prefix, index)
+        if not os.path.exists(os.path.join(out_dir, MANIFEST)):
+            # The manifest goes first, so a run killed right after its first shard still finds a
+            # directory it recognises (and not shards of unknown origin) when it is started again.
+            _write_manifest(out_dir, manifest)
+        write_shard(os.path.join(out_dir, name), buffer[:filled])
+        # Where the stream stands after this shard: documents [0, end_doc) are fully written and
+        # end_doc_tokens tokens of document end_doc; a resumed run starts exactly there.
+        manifest["shards"].append({"name": name, "split": "val" if index == 0 else "train",
+                                   "tokens": int(filled), "end_doc": doc_index,
+                                   "end_doc_tokens": doc_tokens_used, "documents": manifest["documents"]})
+        manifest["tokens"] += int(filled)
+        _write_manifest(out_dir, manifest)
+        filled = 0
+
+    texts = itertools.islice(iter(documents), end_doc, None)
+    stopped_early, doc_index, used = False, end_doc - 1, 0
+    with tqdm(total=max_tokens, initial=total, unit="tok", unit_scale=True, disable=not progress,
+              desc=f"tokenizing -> {out_dir}") as bar, contextlib.closing(tokenized(texts, workers)) as docs:
+        for doc_index, tokens in enumerate(docs, start=end_doc):
+            used = end_doc_tokens if doc_index == end_doc else 0  # tokens of it in kept shards
+            tokens = tokens[used:]
+            if len(tokens) and used == 0:
+                manifest["documents"] += 1
+            while len(tokens):
+                room = shard_size - filled
+                if max_tokens is not None:
+                    room = min(room, max_tokens - manifest["tokens"] - filled)
+                taken = min(room, len(tokens))
+                buffer[filled:filled + taken] = tokens[:taken]
+                filled, used, tokens = filled + taken, used + taken, tokens[taken:]
+                bar.update(taken)
+                if filled == shard_size:
+                    finish_shard(*((doc_index, used) if len(tokens) else (doc_index + 1, 0)))
+                if max_tokens is not None and manifest["tokens"] + filled == max_tokens:
+                    stopped_early = True
+                    break
+            if doc_index % 64 == 0:
+                bar.set_postfix(docs=manifest["documents"], refresh=False)
+            if stopped_early:
+                break
+        bar.set_postfix(docs=manifest["documents"])
+    if filled:  # the short last shard
+        finish_shard(*((doc_index, used) if stopped_early and len(tokens) else (doc_index + 1, 0)))
+    if manifest["tokens"] == 0:
+        raise PrepareError("the corpus is empty: no document with any text")
+    manifest["finished"], manifest["exhausted"] = True, not stopped_early
+    _write_manifest(out_dir, manifest)
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        sys.exit(f"error: {message} (see --help)")  # one line, not argparse's usage block
+
+
+def parse_args(argv=None):
+    parser = _Parser(description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", required=True, choices=SOURCES,
+                        help="FineWeb / FineWeb-Edu from the Hub, the offline demo corpus, or --input files")
+    parser.add_argument("--sample", default=None,
+                        help=f"FineWeb sample: {', '.join(FINEWEB_SAMPLES)} (default {FINEWEB_SAMPLES[0]})")
+    parser.add_argument("--input", nargs="+", default=None, metavar="GLOB",
+                        help="local files for --source local: parquet, jsonl/json ('text' field), txt")
+    parser.add_argument("--out_dir", required=True, help="directory for the shards and manifest.json")
+    parser.add_argument("--shard_size", type=int, default=None,
+                        help=f"tokens per shard (default {DEFAULT_SHARD_SIZE:_}; demo {DEMO_SHARD_SIZE:_})")
+    parser.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens")
+    parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    parser.add_argument("--prefix", default=None,
+                        help="shard file prefix (default fineweb, demo or local by source)")
+    args = parser.parse_args(argv)
+    if args.source in HUB_DATASETS:
+        args.sample = args.sample or FINEWEB_SAMPLES[0]
+        if args.sample not in FINEWEB_SAMPLES:
+            parser.error(f"unknown FineWeb sample {args.sample!r}; choose one of "
+                         f"{', '.join(FINEWEB_SAMPLES)}")
+    elif args.sample is not None:
+        parser.error("--sample applies only to --source fineweb / fineweb-edu")
+    if (args.source == "local") != (args.input is not None):
+        parser.error("--input is required with --source local and allowed only there")
+    for name in ("shard_size", "max_tokens", "workers"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be a positive integer")
+    args.shard_size = args.shard_size or (DEMO_SHARD_SIZE if args.source == "demo" else DEFAULT_SHARD_SIZE)
+    args.prefix = args.prefix or ("fineweb" if args.source in HUB_DATASETS else args.source)
+    if not args.prefix.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        parser.error(f"--prefix {args.prefix!r}: use letters, digits, '-', '_' or '.'")
+    if args.workers is None:
+        args.workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.source in HUB_DATASETS:
+            source = {"kind": args.source, "dataset": HUB_DATASETS[args.source], "sample": args.sample}
+        elif args.source == "local":
+            files = resolve_inputs(args.input)
+            source = {"kind": "local", "files": [[f, os.path.getsize(f)] for f in files]}
+        else:
+            docs = demo_documents(args.workers)
+            corpus = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+            source = {"kind": "demo", "python": sys.version.split()[0],
+                      "sha256": hashlib.sha256(corpus).hexdigest()}
+        # Refuse an incompatible out_dir before touching the network or the directory.
+        _check_out_dir(args.out_dir, _read_manifest(args.out_dir), prefix=args.prefix, source=source,
+                       shard_size=args.shard_size, max_tokens=args.max_tokens)
+        try:
+            get_tokenizer()
+        except RuntimeError as e:
+            raise PrepareError(e)
+        if args.source in HUB_DATASETS:
+            documents = hub_documents(args.source, args.sample)
+        elif args.source == "local":
+            documents = local_documents(files)
+        else:
+            # Kept next to the shards, where the text is easy to read, and tokenised through the
+            # same `datasets` json reader as any local corpus.
+            corpus_path = os.path.join(args.out_dir, "demo_corpus.jsonl")
+            atomic_write(corpus_path, [corpus])
+            documents = local_documents([corpus_path])
+        t0 = time.time()
+        manifest = prepare(documents, args.out_dir, source=source, prefix=args.prefix,
+                           shard_size=args.shard_size, max_tokens=args.max_tokens, workers=args.workers)
+    except (PrepareError, ShardError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("interrupted: the finished shards are kept; run the same command again to resume")
+    shards = manifest["shards"]
+    print(f"{args.out_dir}: {manifest['tokens']:,} tokens from {manifest['documents']:,} documents in "
+          f"{len(shards)} shards (1 val, {len(shards) - 1} train) [{time.time() - t0:.1f}s]")
+    if len(shards) == 1:
+        print(f"warning: everything fit into the validation shard; use a --shard_size below "
+              f"{manifest['tokens']} to get training shards", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
