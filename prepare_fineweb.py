@@ -341,8 +341,10 @@ def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
     total = sum(s["tokens"] for s in kept)
     num_docs = kept[-1]["documents"] if kept else 0
     os.makedirs(out_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(glob.escape(out_dir), f"{glob.escape(prefix)}_*.bin.tmp-*")):
-        os.remove(stale)  # temp files of a run that was killed mid-write
+    stale = glob.glob(os.path.join(glob.escape(out_dir), f"{glob.escape(prefix)}_*.bin.tmp-*"))
+    stale += glob.glob(os.path.join(glob.escape(out_dir), "manifest.json.tmp-*"))
+    for path in stale:
+        os.remove(path)  # temp files of a run that was killed mid-write
     manifest = {"format": "llm.c shards: 256 x int32 header (magic 20240520, version 1, count), uint16",
                 "tokenizer": TOKENIZER, "eot": EOT, "source": source, "prefix": prefix,
                 "shard_size": shard_size, "max_tokens": max_tokens, "finished": False,
