@@ -4,6 +4,7 @@
     python prepare_fineweb.py --source fineweb-edu --sample sample-100BT --out_dir data/edu100B
     python prepare_fineweb.py --source local --input 'corpus/*.jsonl' --out_dir data/mine
     python prepare_fineweb.py --source demo --out_dir data/demo                     # offline
+    python prepare_fineweb.py --source demo --retrieval_fraction 0.5 --out_dir data/demo_passkey
 
 Sources: FineWeb / FineWeb-Edu samples streamed from the Hugging Face Hub with `datasets` (nothing
 is downloaded in full first); local parquet / jsonl / json files (a "text" field per record) and
@@ -11,6 +12,8 @@ txt files (one document per file), read through the same `datasets` streaming pa
 real English corpus that needs no network: the documentation that ships inside Python's standard
 library (the language reference topics of `pydoc_data`, every stdlib module's docstrings with the
 signatures they document, the prose comments of its source and IDLE's text files).
+`--retrieval_fraction F` mixes synthetic passkey documents (retrieval.py) into any of them, F of the
+tokens; `--source retrieval` is those documents alone (bounded by --max_tokens).
 
 Each document becomes [EOT] + its GPT-2 tokens (empty documents are dropped); documents are packed
 back to back into shards of --shard_size tokens (a document may continue into the next shard) and
@@ -44,7 +47,7 @@ from data import EOT, ShardError, get_tokenizer, shard_num_tokens, write_shard, 
 
 HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 FINEWEB_SAMPLES = ("sample-10BT", "sample-100BT", "sample-350BT")
-SOURCES = ("fineweb", "fineweb-edu", "demo", "local")
+SOURCES = ("fineweb", "fineweb-edu", "demo", "local", "retrieval")
 DEFAULT_SHARD_SIZE = 100_000_000  # llm.c's shard size: 200 MB of uint16 per shard
 # The demo corpus is ~1M tokens; 50k-token shards give one validation shard of ~5% of it and
 # ~20 training shards, so the demo also exercises the loader's crossing of shard boundaries.
@@ -431,7 +434,24 @@ def parse_args(argv=None):
     parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     parser.add_argument("--prefix", default=None,
                         help="shard file prefix (default fineweb, demo or local by source)")
+    retrieval = parser.add_argument_group("synthetic passkey documents (retrieval.py)")
+    retrieval.add_argument("--retrieval_fraction", type=float, default=0.0,
+                           help="fraction of the tokens that are passkey documents (default 0)")
+    retrieval.add_argument("--retrieval_length", type=int, default=128,
+                           help="longest passkey document in tokens, e.g. the training context (default 128)")
+    retrieval.add_argument("--retrieval_filler", default="mixed", choices=("garbage", "text", "mixed"),
+                           help="filler: the passkey garbage sentences, real demo-corpus sentences, or both")
+    retrieval.add_argument("--key_digits", type=int, default=5, help="digits of each pass key (default 5)")
+    retrieval.add_argument("--seed", type=int, default=0, help="seed of the passkey documents")
     args = parser.parse_args(argv)
+    if args.source == "retrieval":
+        args.retrieval_fraction = 1.0
+        if args.max_tokens is None:
+            parser.error("--source retrieval is an endless stream: give --max_tokens")
+    if not 0 <= args.retrieval_fraction <= 1:
+        parser.error(f"--retrieval_fraction must be in [0, 1], got {args.retrieval_fraction}")
+    if args.key_digits < 1 or args.retrieval_length < 1:
+        parser.error("--key_digits and --retrieval_length must be positive integers")
     if args.source in HUB_DATASETS:
         args.sample = args.sample or FINEWEB_SAMPLES[0]
         if args.sample not in FINEWEB_SAMPLES:
@@ -444,13 +464,26 @@ def parse_args(argv=None):
     for name in ("shard_size", "max_tokens", "workers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be a positive integer")
-    args.shard_size = args.shard_size or (DEMO_SHARD_SIZE if args.source == "demo" else DEFAULT_SHARD_SIZE)
+    small = args.source in ("demo", "retrieval")
+    args.shard_size = args.shard_size or (DEMO_SHARD_SIZE if small else DEFAULT_SHARD_SIZE)
     args.prefix = args.prefix or ("fineweb" if args.source in HUB_DATASETS else args.source)
     if not args.prefix.replace("-", "").replace("_", "").replace(".", "").isalnum():
         parser.error(f"--prefix {args.prefix!r}: use letters, digits, '-', '_' or '.'")
     if args.workers is None:
         args.workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return args
+
+
+def passkey_mixture(documents, args):
+    from retrieval import RetrievalDocuments, mix, text_sentences
+    real = text_sentences(demo_documents(args.workers)) if args.retrieval_filler != "garbage" else ()
+    try:
+        synthetic = RetrievalDocuments(get_tokenizer(), args.retrieval_length, key_digits=args.key_digits,
+                                       filler=args.retrieval_filler, real_sentences=real, seed=args.seed)
+    except ValueError as e:
+        raise PrepareError(e)
+    # ~4 characters per GPT-2 token: the mixing ratio only needs to be about right
+    return mix(documents, synthetic, args.retrieval_fraction, lambda text: len(text) // 4)
 
 
 def main(argv=None):
@@ -461,11 +494,16 @@ def main(argv=None):
         elif args.source == "local":
             files = resolve_inputs(args.input)
             source = {"kind": "local", "files": [[f, os.path.getsize(f)] for f in files]}
-        else:
+        elif args.source == "demo":
             docs = demo_documents(args.workers)
             corpus = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
             source = {"kind": "demo", "python": sys.version.split()[0],
                       "sha256": hashlib.sha256(corpus).hexdigest()}
+        else:
+            source = {"kind": "retrieval", "python": sys.version.split()[0]}
+        if args.retrieval_fraction:
+            source["retrieval"] = {k: getattr(args, k) for k in ("retrieval_fraction", "retrieval_length",
+                                                                  "retrieval_filler", "key_digits", "seed")}
         # Refuse an incompatible out_dir before touching the network or the directory.
         _check_out_dir(args.out_dir, _read_manifest(args.out_dir), prefix=args.prefix, source=source,
                        shard_size=args.shard_size, max_tokens=args.max_tokens)
@@ -477,12 +515,16 @@ def main(argv=None):
             documents = hub_documents(args.source, args.sample)
         elif args.source == "local":
             documents = local_documents(files)
+        elif args.source == "retrieval":
+            documents = iter(())
         else:
             # Kept next to the shards, where the text is easy to read, and tokenised through the
             # same `datasets` json reader as any local corpus.
             corpus_path = os.path.join(args.out_dir, "demo_corpus.jsonl")
             atomic_write(corpus_path, [corpus])
             documents = local_documents([corpus_path])
+        if args.retrieval_fraction:
+            documents = passkey_mixture(documents, args)
         t0 = time.time()
         manifest = prepare(documents, args.out_dir, source=source, prefix=args.prefix,
                            shard_size=args.shard_size, max_tokens=args.max_tokens, workers=args.workers)
