@@ -353,16 +353,34 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale):
 ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_fused}
 
 
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def causal_block_mask(T, device, block=128):
+    """The causal BlockMask written down directly: query block i sees key blocks 0..i-1 in full and
+    block i through the mask. O((T / block)^2) small ints, where create_block_mask would first
+    evaluate the mask on all T x T pairs (10 bytes each: 640 MiB at 8K tokens, 2.5 TB at 500K)."""
+    n = -(-T // block)
+    rows = torch.arange(n, device=device, dtype=torch.int32)
+    diagonal_count = torch.ones(1, 1, n, device=device, dtype=torch.int32)
+    diagonal_index = torch.zeros(1, 1, n, n, device=device, dtype=torch.int32)  # only column 0 is read
+    diagonal_index[..., 0] = rows
+    full_count = rows.view(1, 1, n)  # block i has i full blocks before it
+    full_index = rows.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()  # entries past the count unused
+    return BlockMask.from_kv_blocks(diagonal_count, diagonal_index, full_count, full_index, BLOCK_SIZE=block,
+                                    mask_mod=_causal, seq_lengths=(T, T))
+
+
 def make_block_mask(doc_ids, T, device):
     if doc_ids is None:
-        def mask_mod(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
-        # _compile builds the block structure without a dense T x T mask (needed at 500K tokens)
-        return create_block_mask(mask_mod, None, None, T, T, device=device, _compile=T > 8192)
+        return causal_block_mask(T, device)
 
     def doc_mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
-    return create_block_mask(doc_mask_mod, doc_ids.shape[0], None, T, T, device=device, _compile=T > 8192)
+    # Documents are a training-time feature, where T is the training context: the dense evaluation
+    # inside create_block_mask is affordable there.
+    return create_block_mask(doc_mask_mod, doc_ids.shape[0], None, T, T, device=device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -468,7 +486,8 @@ class Transformer(nn.Module):
             return None
         return self.priors[layer if len(self.priors) > 1 else 0]
 
-    def _resolve_impl(self, T_q, T_k, has_docs):
+    def attention_impl(self, T_q, T_k, has_docs):
+        """Which attention implementation a forward over T_q queries and T_k keys will use."""
         cfg = self.config
         impl = cfg.attn_impl
         if T_q != T_k:  # decoding with a KV cache: a few queries against all keys; flex needs Tq == Tk
@@ -500,7 +519,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"doc_ids must have the shape of idx, {(B, T)}, got {tuple(doc_ids.shape)}")
             if T > 1 and bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
                 raise ValueError("doc_ids must be non-decreasing along each row (documents are contiguous)")
-        impl = self._resolve_impl(T, start_pos + T, doc_ids is not None)
+        impl = self.attention_impl(T, start_pos + T, doc_ids is not None)
         # position of each token inside its document: RoPE/ALiBi/BAM only see differences, which are the
         # same either way; the sinusoidal encoding and SSMax's key count need the in-document position.
         pos_in_doc = q_pos[None]

@@ -369,3 +369,20 @@ def test_flex_training_on_cpu_is_a_clear_error():
     idx, _ = batch()
     with pytest.raises(ValueError, match="no backward pass on CPU"):
         model(idx, torch.roll(idx, -1, 1))
+
+
+@pytest.mark.parametrize("T", [5, 128, 200, 300, 1000])
+def test_causal_block_mask_equals_create_block_mask(T):
+    from torch.nn.attention.flex_attention import create_block_mask
+    from model import causal_block_mask
+    direct = causal_block_mask(T, "cpu")
+    reference = create_block_mask(lambda b, h, q, k: q >= k, None, None, T, T, device="cpu")
+    assert torch.equal(direct.to_dense(), reference.to_dense())
+
+
+def test_flex_matches_eager_across_partial_blocks():
+    model = make_model(pe="bam", ssmax=True)
+    idx = torch.randint(0, VOCAB, (1, 300))  # two full 128-token blocks and a partial one
+    with torch.no_grad():
+        torch.testing.assert_close(logits_with(model, "flex", idx), logits_with(model, "eager", idx),
+                                   atol=2e-5, rtol=1e-4)
