@@ -1,0 +1,479 @@
+"""What every evaluator shares: loading a model for inference, lengths, teacher-forced scoring within the
+memory available, and writing results.
+
+Memory is the constraint that shapes the evaluators. A forward pass at 256K tokens must stay O(T): the
+model never builds a T x T matrix on its fused path, and asks the LM head only for the positions that are
+scored (`last_k`), so a passkey sample at any length costs a few activations of T x n_embd per layer.
+Before each length we estimate that cost and compare it with the memory free right now, so a length that
+cannot fit stops the sweep with one clear line instead of taking the machine down, and what was measured
+up to there is already on disk.
+"""
+
+import argparse
+import functools
+import json
+import math
+import os
+import re
+import sys
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on clusters
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from model import checkpoint_path, model_from_checkpoint
+
+SCHEMA_VERSION = 1
+
+
+class EvalError(Exception):
+    """A mistake the user can fix; the command line turns it into one `error: ...` line."""
+
+
+class OutOfMemory(Exception):
+    """A length that does not fit in the memory available; the sweep stops and keeps its results."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one `error: ...` line (the usage is in --help)."""
+
+    def error(self, message):
+        print(f"error: {self.prog}: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def run_cli(main, argv=None):
+    try:
+        code = main(argv)
+    except EvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    raise SystemExit(code or 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Lengths: token counts ("4096", "16K" = 16,384, "1M") or multiples of the training context ("2x").
+
+def parse_length(text, block_size):
+    spec = text.strip().lower().replace("_", "")
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]|x)?", spec)
+    if not m:
+        raise EvalError(f"cannot read the length {text!r}; use token counts (4096, 16K = 16384, 1M) or "
+                        f"multiples of the training context (0.5x, 2x, 500x)")
+    n = float(m[1]) * {None: 1, "k": 1024, "m": 1024 ** 2, "x": block_size}[m[2]]
+    if n < 1:
+        raise EvalError(f"length {text!r} is less than one token")
+    return int(round(n))
+
+
+def parse_lengths(spec, block_size, max_factor=None):
+    """Explicit lengths plus, with max_factor, the training context times 1, 2, 4, ... up to max_factor."""
+    lengths = {parse_length(t, block_size) for t in (spec or "").split(",") if t.strip()}
+    if max_factor is not None:
+        if max_factor < 1:
+            raise EvalError(f"--max_factor must be at least 1, got {max_factor}")
+        factor = 1
+        while factor < max_factor:
+            lengths.add(block_size * factor)
+            factor *= 2
+        lengths.add(int(round(block_size * max_factor)))
+    if not lengths:
+        raise EvalError("no lengths to evaluate: give --lengths and/or --max_factor")
+    return sorted(lengths)
+
+
+def format_length(n):
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Models
+
+def add_model_args(parser, out=True):
+    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="autocast dtype; auto = bfloat16 on a GPU that has it, float32 on CPU")
+    parser.add_argument("--attn_impl", default=None, choices=["auto", "flex", "sdpa", "eager"],
+                        help="override the checkpoint's attention implementation (default: keep it; "
+                             "auto uses FlexAttention, O(T) memory, for long prompts)")
+    if out:
+        parser.add_argument("--out", default=None,
+                            help="output folder (default: RUN/eval, or eval/<name>/ next to a checkpoint file)")
+
+
+def pick_device(name):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise EvalError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EvalError(f"--device {name}: this machine has no CUDA GPU visible to torch")
+    return device
+
+
+def pick_dtype(name, device):
+    if name == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return getattr(torch, name)
+
+
+def autocast(device, dtype):
+    """The weights stay fp32 and matmuls run in `dtype`, as in training (bf16 autocast on GPU)."""
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+
+
+def resolve_checkpoint(path):
+    """A checkpoint file, or the newest RUN/checkpoints/step_*.pt; a run with only best.pt uses that."""
+    try:
+        return checkpoint_path(path)
+    except FileNotFoundError as e:
+        best = os.path.join(path, "checkpoints", "best.pt")
+        if os.path.isdir(path) and os.path.isfile(best):
+            return best
+        raise EvalError(str(e)) from None
+
+
+def run_name(path):
+    path = os.path.normpath(path)
+    if os.path.isdir(path):
+        return os.path.basename(os.path.abspath(path))
+    parent = os.path.dirname(os.path.abspath(path))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if os.path.basename(parent) == "checkpoints":
+        return f"{os.path.basename(os.path.dirname(parent))}/{stem}"
+    return stem
+
+
+def output_dir(source, out=None):
+    """RUN/eval for a run directory; for a checkpoint file, eval/<file name>/ beside it (two checkpoints
+    of one run then never overwrite each other's results)."""
+    if out:
+        return out
+    if isinstance(source, str):
+        if os.path.isdir(source):
+            return os.path.join(source, "eval")
+        stem = os.path.splitext(os.path.basename(source))[0]
+        return os.path.join(os.path.dirname(os.path.abspath(source)), "eval", stem)
+    raise EvalError("an output folder (--out) is needed when the model is not a run directory or checkpoint")
+
+
+def model_device(model):
+    tensor = next(iter(model.parameters()), None)
+    if tensor is None:
+        tensor = next(iter(model.buffers()), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def describe_model(model, checkpoint=None, ckpt=None):
+    """The "model" block of every results file: enough for report.py without loading the checkpoint."""
+    cfg = getattr(model, "config", None)
+    info = {"checkpoint": os.path.abspath(checkpoint) if checkpoint else None,
+            "name": run_name(checkpoint) if checkpoint else type(model).__name__,
+            "config": asdict(cfg) if cfg is not None else None,
+            "num_params": sum(p.numel() for p in model.parameters()),
+            "num_params_non_embedding": None, "step": None, "tokens_seen": None, "data_dir": None}
+    if hasattr(model, "num_params"):
+        info["num_params_non_embedding"] = model.num_params(non_embedding=True)
+    if ckpt:
+        info["step"], info["tokens_seen"] = ckpt.get("step"), ckpt.get("tokens_seen")
+        info["data_dir"] = (ckpt.get("config") or {}).get("data", {}).get("data_dir")  # train.py's checkpoints
+    return info
+
+
+def load_for_eval(source, device="auto", attn_impl=None):
+    """(model in eval mode, its description) from a run directory, a checkpoint file, or a model object
+    (the tests pass hand-made models in)."""
+    if isinstance(source, torch.nn.Module):
+        return source.eval(), describe_model(source)
+    if not os.path.exists(source):
+        raise EvalError(f"no checkpoint file or run directory at {source}")
+    path = resolve_checkpoint(source)
+    try:
+        # mmap: a training checkpoint also holds the optimizer state, which we never page in
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        overrides = {"attn_impl": attn_impl} if attn_impl else {}
+        model = model_from_checkpoint(ckpt, pick_device(device), **overrides)
+    except EvalError:
+        raise
+    except Exception as e:  # a torn or foreign file: say which, not a traceback
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise EvalError(f"cannot load the checkpoint {path}: {reason}") from None
+    return model.eval(), describe_model(model, path, ckpt)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory: estimate, compare with what is free, recognise running out.
+
+# Peak bytes of one no-grad forward per token and per unit of n_embd (fp32 activations, FlexAttention),
+# measured with bench/eval_memory.py (docs/benchmarks.md) and rounded up: a handful of (T, n_embd)-sized
+# tensors live at once (residual, norm, q/k/v and their contiguous copies, the SwiGLU halves at 2 x n_embd).
+ACTIVATION_BYTES = 48
+SAFETY = 0.85  # of the memory free now: leave room for the allocator's slack and other processes
+
+
+def available_bytes(device):
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    # In a container /proc/meminfo shows the host; the cgroup limit is what will kill us.
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f, open(usage_file) as g:
+                limit = f.read().strip()
+                if limit != "max" and int(limit) < 1 << 60:
+                    avail = min(avail, int(limit) - int(g.read()))
+        except (OSError, ValueError):
+            continue
+        break
+    return avail
+
+
+def forward_bytes(model, batch, length, scored):
+    """Bytes a teacher-forced forward of (batch, length) tokens needs beyond the weights, scoring the last
+    `scored` positions: linear in length on the fused path, plus the T x T bias where the model's `auto`
+    choice (or an explicit sdpa/eager) materialises one."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return 16 * batch * length  # hand-made test models: the token ids and little else
+    tokens = batch * length
+    need = ACTIVATION_BYTES * tokens * max(cfg.n_embd, getattr(cfg, "hidden_dim", 0) // 2)
+    need += 8 * batch * scored * cfg.vocab_size  # fp32 logits and their argmax/softmax temporaries
+    need += 16 * tokens  # token ids, positions, SSMax's log n
+    resolve = getattr(model, "attention_impl", None)  # the model's own policy, so the two cannot disagree
+    with torch.no_grad():
+        impl = resolve(length, length, False) if resolve else "flex"
+    if impl == "flex":
+        need += 8 * (length // 128 + 1) ** 2  # the causal BlockMask's block indices
+    dense = impl == "eager" or (impl == "sdpa" and (cfg.pe in ("alibi", "bam") or cfg.ssmax))
+    if dense:
+        need += 3 * 4 * batch * cfg.n_head * length * length  # bias, masked bias, probabilities (fp32)
+    return need
+
+
+def plan_batch(model, want, length, scored, device):
+    """The largest batch <= want whose forward fits now; OutOfMemory if not even one sequence does."""
+    avail = available_bytes(device)
+    batch = max(1, want)
+    while batch > 1 and forward_bytes(model, batch, length, scored) > SAFETY * avail:
+        batch //= 2
+    need = forward_bytes(model, batch, length, scored)
+    if need > SAFETY * avail:
+        raise OutOfMemory(f"length {length:,} needs about {need / 2**30:.1f} GiB for one sequence but "
+                          f"{avail / 2**30:.1f} GiB is free on {device}")
+    return batch
+
+
+def is_out_of_memory(exc):
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    message = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Teacher-forced scoring
+
+@dataclass
+class Sample:
+    """One sequence to score: `tokens` is the model input plus the final answer token (so the input is
+    tokens[:-1]); `spans` are [start, end) ranges of `tokens` that must all be predicted exactly."""
+
+    tokens: np.ndarray
+    spans: list
+    meta: dict = field(default_factory=dict)
+
+
+def predict_spans(model, samples, amp):
+    """Teacher forcing: one forward over each full sequence, argmax at the positions that predict each
+    span's tokens. Returns, per sample, a list of (correct, predicted token ids) per span. Only the last
+    positions from the earliest span on get logits, never T x vocab."""
+    length = len(samples[0].tokens) - 1
+    first = min(start for s in samples for start, _ in s.spans)
+    scored = length + 1 - first  # positions first-1 .. length-1 predict tokens first .. length
+    device = model_device(model)
+    x = torch.from_numpy(np.stack([s.tokens[:-1] for s in samples]).astype(np.int64)).to(device)
+    with torch.no_grad(), amp:
+        logits, _ = model(x, last_k=scored)
+    preds = logits.argmax(dim=-1).cpu().numpy()
+    out = []
+    for sample, pred in zip(samples, preds):
+        spans = []
+        for start, end in sample.spans:
+            guess = pred[start - first:end - first]
+            spans.append((bool(np.array_equal(guess, sample.tokens[start:end])), guess.tolist()))
+        out.append(spans)
+    return out
+
+
+def score_length(model, samples, batch_size, amp, bar=None):
+    """predict_spans over all samples of one length in batches that fit. Raises OutOfMemory."""
+    length = len(samples[0].tokens) - 1
+    scored = length + 1 - min(start for s in samples for start, _ in s.spans)
+    device = model_device(model)
+    batch = plan_batch(model, min(batch_size, len(samples)), length, scored, device)
+    results = []
+    for i in range(0, len(samples), batch):
+        chunk = samples[i:i + batch]
+        try:
+            results += predict_spans(model, chunk, amp)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise OutOfMemory(f"out of memory at length {length:,} with batch {len(chunk)} on {device} "
+                              f"({str(e).splitlines()[0][:120]})") from None
+        if bar is not None:
+            bar.update(len(chunk))
+    return results
+
+
+def progress_bar(total, desc):
+    return tqdm(total=total, desc=desc, unit="sample", file=sys.stderr, dynamic_ncols=True, leave=False,
+                mininterval=0.5 if sys.stderr.isatty() else 30.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompt pieces and results files
+
+@functools.lru_cache(maxsize=None)
+def tokenizer():
+    from data import get_tokenizer
+
+    try:
+        return get_tokenizer()
+    except RuntimeError as e:
+        raise EvalError(str(e)) from None
+
+
+def encode_template(enc, template, values):
+    """Tokens of a template with {slots}, each slot's value tokenised on its own together with the space
+    before it, so a value's tokens inside the haystack are exactly the tokens the answer must reproduce.
+    Returns (tokens, {slot: [(start, end), ...]})."""
+    parts = re.split(r"(\{\w+\})", template)  # text, slot, text, slot, ..., text
+    tokens, spans = [], {}
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            text = part[:-1] if i + 1 < len(parts) and part.endswith(" ") else part
+            tokens += enc.encode_ordinary(text) if text else []
+        else:
+            prefix = " " if parts[i - 1].endswith(" ") else ""
+            piece = enc.encode_ordinary(prefix + str(values[part[1:-1]]))
+            spans.setdefault(part[1:-1], []).append((len(tokens), len(tokens) + len(piece)))
+            tokens += piece
+    return tokens, spans
+
+
+@dataclass
+class Haystack:
+    """A filler token stream and the positions where a sentence ends (where an insertion reads naturally)."""
+
+    tokens: np.ndarray
+    boundaries: np.ndarray  # sorted positions p such that tokens[:p] ends a sentence (0 included)
+
+    def cut(self, depth, n):
+        """The sentence boundary in [0, n] nearest to depth * n (n itself counts as one)."""
+        candidates = self.boundaries[self.boundaries <= n]
+        candidates = np.append(candidates, n)
+        return int(candidates[np.argmin(np.abs(candidates - depth * n))])
+
+
+def repeat_haystack(enc, text, n):
+    """`text`'s sentences, each tokenised with a leading space, repeated to at least n tokens."""
+    sentences = [enc.encode_ordinary(" " + s.strip() + ".") for s in text.split(".") if s.strip()]
+    unit = np.array([t for s in sentences for t in s], dtype=np.int64)
+    reps = n // len(unit) + 1
+    ends = np.cumsum([len(s) for s in sentences])
+    boundaries = np.concatenate([[0], (np.arange(reps)[:, None] * len(unit) + ends[None, :]).ravel()])
+    return Haystack(np.tile(unit, reps), boundaries)
+
+
+def validation_tokens(data_dir, max_tokens=None):
+    """The validation split (the first shard(s), `*_val_*.bin`) as int64, at most max_tokens of it."""
+    from data import ShardError, read_shard, shard_paths
+
+    paths = shard_paths(data_dir, "val") if data_dir and os.path.isdir(data_dir) else []
+    if not paths:
+        raise EvalError(f"no validation shards (*_val_*.bin) in {data_dir!r}; pass --data_dir with the folder "
+                        f"prepare_fineweb.py wrote")
+    pieces, total = [], 0
+    for path in paths:
+        try:
+            tokens = read_shard(path)
+        except ShardError as e:
+            raise EvalError(str(e)) from None
+        if max_tokens is not None:
+            tokens = tokens[:max_tokens - total]
+        pieces.append(np.asarray(tokens, dtype=np.int64))
+        total += len(tokens)
+        if max_tokens is not None and total >= max_tokens:
+            break
+    return np.concatenate(pieces)
+
+
+def write_json(path, obj):
+    """Temp file and rename: an interrupted run leaves the previous complete file, never half of one."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, allow_nan=False, default=_jsonable)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _jsonable(value):
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def settings_block(device, dtype, attn_impl, **extra):
+    return {**extra, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "attn_impl": attn_impl, "torch": torch.__version__}
+
+
+def nan_to_none(x):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def draw_heatmap(ax, matrix, row_labels, col_labels, xlabel, ylabel, title):
+    """Accuracy in [0, 1] per cell, red to green; NaN (not measured) is grey. Rows run upward, so longer
+    lengths sit higher, as on the paper's plots."""
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#d9d9d9")
+    data = np.ma.masked_invalid(np.asarray(matrix, dtype=float))
+    image = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto", origin="lower",
+                      interpolation="nearest")
+    ax.set_xticks(range(len(col_labels)), col_labels, rotation=45 if len(col_labels) > 6 else 0, ha="right"
+                  if len(col_labels) > 6 else "center", fontsize=8)
+    ax.set_yticks(range(len(row_labels)), row_labels, fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if data.shape[0] * data.shape[1] <= 400:  # small enough to print every value legibly
+        for (r, c), value in np.ndenumerate(np.asarray(matrix, dtype=float)):
+            if not math.isnan(value):
+                ax.text(c, r, f"{100 * value:.0f}", ha="center", va="center", fontsize=7,
+                        color="black" if 0.25 < value < 0.85 else "white")
+    return image

@@ -1,0 +1,355 @@
+"""
+Needle in a haystack, RULER-style (Hsieh et al. 2024): the needle variants the paper reports, on a
+repeated-text haystack and on real text from the validation shard.
+
+    python -m eval.niah runs/bam_ssmax_512                              # all tasks, both haystacks
+    python -m eval.niah runs/bam_ssmax_512 --tasks single_number,multikey --haystacks repeat --lengths 1K,16K
+
+A needle is "One of the special magic numbers for {key} is: {value}." with a word-pair key
+("golden-river") and a 7-digit number or a UUID as the value. Tasks:
+
+    single_number   one needle, number value (RULER niah_single)
+    single_uuid     one needle, UUID value
+    multikey        the needle among 3 distractor needles with other keys (niah_multikey)
+    multivalue      4 needles with the same key; all 4 values must be recalled (niah_multivalue)
+    multiquery      4 needles with different keys, all 4 asked for (niah_multiquery)
+
+RULER generates an answer and string-matches it; our models are small base LMs, so scoring is teacher-forced
+as for the passkey: the answer ("The special magic number for golden-river is: 1234567") follows the
+question, and a value counts as retrieved when the argmax at every one of its token positions is right.
+A sample's score is the fraction of its values retrieved (RULER's recall). Needles sit at random depths
+(seeded); lengths are exact and count every token the model reads, as in eval.passkey.
+
+Haystacks: `repeat` is RULER's noise (the passkey's garbage sentences), `text` is validation text
+(<|endoftext|> becomes a blank line), from --data_dir or the data_dir the checkpoint was trained on.
+Outputs: niah.json, niah.png (length x task accuracy per haystack) and a table, as eval.passkey.
+"""
+
+import math
+import os
+import sys
+import time
+import uuid
+
+import numpy as np
+
+from data import EOT
+from eval.common import (SCHEMA_VERSION, EvalError, Haystack, OutOfMemory, Parser, Sample, add_model_args,
+                         autocast, draw_heatmap, encode_template, format_length, load_for_eval, model_device,
+                         output_dir, parse_lengths, pick_dtype, progress_bar, repeat_haystack, run_cli,
+                         score_length, settings_block, tokenizer, validation_tokens, write_json)
+from eval.passkey import DEFAULT_FACTORS, GARBAGE
+
+# (value kind, needles, of which distractors, keys asked for)
+TASKS = {
+    "single_number": dict(kind="number", needles=1, distractors=0, queries=1),
+    "single_uuid": dict(kind="uuid", needles=1, distractors=0, queries=1),
+    "multikey": dict(kind="number", needles=4, distractors=3, queries=1),
+    "multivalue": dict(kind="number", needles=4, distractors=0, queries=1),
+    "multiquery": dict(kind="number", needles=4, distractors=0, queries=4),
+}
+HAYSTACKS = ("repeat", "text")
+
+INSTRUCTION = ("Some special magic {kind}s are hidden within the following text. Make sure to memorize it. "
+               "I will quiz you about the {kind}s afterwards.")
+NEEDLE = " One of the special magic {kind}s for {key} is: {value}."
+QUESTION_ONE = " What is the special magic {kind} for {key} mentioned in the provided text?"
+QUESTION_ALL = " What are all the special magic {kind}s for {key} mentioned in the provided text?"
+ANSWER_ONE = " The special magic {kind} for {key} is: {value}"
+
+ADJECTIVES = ("golden", "silent", "crimson", "brave", "hidden", "frozen", "gentle", "rapid", "ancient", "bitter",
+              "clever", "distant", "eager", "fragile", "hollow", "humble", "jolly", "lively", "mighty", "noble",
+              "polite", "quiet", "rustic", "shiny", "tender", "vivid", "wild", "wooden", "young", "zealous",
+              "calm", "dusty", "fancy", "giant", "icy", "lucky", "proud", "royal", "sunny", "tiny")
+NOUNS = ("river", "falcon", "lantern", "meadow", "harbor", "violin", "glacier", "orchard", "compass", "canyon",
+         "pebble", "island", "thunder", "garden", "mirror", "forest", "engine", "feather", "castle", "planet",
+         "marble", "anchor", "candle", "desert", "bridge", "blanket", "tiger", "window", "rocket", "saddle",
+         "basket", "helmet", "ladder", "pepper", "tunnel", "whistle", "banner", "cactus", "dragon", "kettle")
+
+
+def sentence_end_tokens(enc):
+    """Ids of the tokens after which a new sentence can start: those ending in . ! ? or a newline."""
+    ends = np.zeros(enc.n_vocab, dtype=bool)
+    for i in range(enc.n_vocab):
+        try:
+            text = enc.decode_single_token_bytes(i).decode("utf-8", errors="ignore")
+        except KeyError:
+            continue
+        ends[i] = text.rstrip(" ").endswith((".", "!", "?", "\n"))
+    return ends
+
+
+class NeedlePrompts:
+    def __init__(self, text_stream=None):
+        self.enc = tokenizer()
+        self.head = [EOT] + self.enc.encode_ordinary(INSTRUCTION.replace("{kind}", "number"))
+        self.repeat = repeat_haystack(self.enc, GARBAGE, 0)
+        self.text = None
+        if text_stream is not None:
+            stream = np.where(text_stream == EOT, self.enc.encode_ordinary("\n\n")[0], text_stream)
+            self.text = (stream, sentence_end_tokens(self.enc))
+
+    def haystack(self, name, n, rng):
+        if name == "repeat":
+            if len(self.repeat.tokens) < n:
+                self.repeat = repeat_haystack(self.enc, GARBAGE, 2 * n)
+            return self.repeat
+        stream, ends = self.text
+        tokens = np.take(stream, np.arange(n) + int(rng.integers(len(stream))), mode="wrap")
+        return Haystack(tokens, np.concatenate([[0], np.flatnonzero(ends[tokens]) + 1]))
+
+    def draw(self, task, rng):
+        """Keys, values and which needles are asked about, for one sample."""
+        spec = TASKS[task]
+        n = spec["needles"]
+        adjectives = rng.choice(len(ADJECTIVES), n, replace=False)
+        nouns = rng.choice(len(NOUNS), n, replace=False)  # distinct last tokens: no two keys end alike
+        keys = [f"{ADJECTIVES[a]}-{NOUNS[b]}" for a, b in zip(adjectives, nouns)]
+        if task == "multivalue":
+            keys = [keys[0]] * n
+        if spec["kind"] == "uuid":
+            values = [str(uuid.UUID(bytes=rng.bytes(16), version=4)) for _ in range(n)]
+        else:
+            values = [int(v) for v in rng.integers(10**6, 10**7, n)]
+        return keys, values
+
+    def build(self, task, haystack, length, rng):
+        spec = TASKS[task]
+        kind = spec["kind"]
+        keys, values = self.draw(task, rng)
+        needles = [encode_template(self.enc, NEEDLE.replace("{kind}", kind), {"key": k, "value": v})
+                   for k, v in zip(keys, values)]
+        depths = sorted(float(d) for d in rng.random(len(needles)))
+        order = list(range(len(needles)))  # needles in the order they appear in the haystack
+        if task in ("single_number", "single_uuid", "multikey"):
+            asked = [0]  # needle 0 is the target, the others (multikey) distractors
+            question = QUESTION_ONE.replace("{kind}", kind).replace("{key}", keys[0])
+            answer, slots = encode_template(self.enc, ANSWER_ONE.replace("{kind}", kind),
+                                            {"key": keys[0], "value": values[0]})
+            spans = slots["value"]
+        elif task == "multivalue":
+            asked = order
+            question = QUESTION_ALL.replace("{kind}", kind).replace("{key}", keys[0])
+            template = f" The special magic {kind}s for {{key}} are: " + ", ".join(f"{{v{i}}}" for i in order)
+            answer, slots = encode_template(self.enc, template, {"key": keys[0], **{f"v{i}": values[i] for i in order}})
+            spans = [slots[f"v{i}"][0] for i in order]
+        else:  # multiquery: the keys asked in a shuffled order, each answered in turn
+            asked = [int(i) for i in rng.permutation(len(needles))]
+            listed = ", ".join(keys[i] for i in asked[:-1]) + " and " + keys[asked[-1]]
+            question = QUESTION_ALL.replace("{kind}", kind).replace("{key}", listed)
+            one = ANSWER_ONE.replace("{kind}", kind)
+            template = ".".join(one.replace("{key}", f"{{k{j}}}").replace("{value}", f"{{v{j}}}")
+                                for j in range(len(asked)))
+            answer, slots = encode_template(self.enc, template, {**{f"k{j}": keys[i] for j, i in enumerate(asked)},
+                                                                 **{f"v{j}": values[i] for j, i in enumerate(asked)}})
+            spans = [slots[f"v{j}"][0] for j in range(len(asked))]
+        question = self.enc.encode_ordinary(question)
+        n = length + 1 - len(self.head) - sum(len(t) for t, _ in needles) - len(question) - len(answer)
+        if n < 0:
+            return None
+        hay = self.haystack(haystack, n, rng)
+        cuts = [hay.cut(d, n) for d in depths]
+        pieces, start = [self.head], 0
+        for cut, (needle, _) in zip(cuts, needles):
+            pieces += [hay.tokens[start:cut], needle]
+            start = cut
+        pieces += [hay.tokens[start:n], question, answer]
+        tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces])
+        offset = len(tokens) - len(answer)
+        meta = {"keys": keys, "values": values, "depths": [cut / n if n else 0.0 for cut in cuts],
+                "asked": [keys[i] for i in asked]}
+        return Sample(tokens, [(offset + s, offset + e) for s, e in spans], meta)
+
+
+def evaluate_niah(source, lengths=None, max_factor=None, tasks=tuple(TASKS), haystacks=None, samples=10, seed=0,
+                  data_dir=None, batch_size=8, stop_after_zero=2, out=None, name="niah", device="auto",
+                  dtype="auto", attn_impl=None, progress=True, verbose=True):
+    unknown = [t for t in tasks if t not in TASKS] + [h for h in (haystacks or ()) if h not in HAYSTACKS]
+    if unknown:
+        raise EvalError(f"unknown task or haystack {unknown[0]!r}; tasks: {', '.join(TASKS)}; "
+                        f"haystacks: {', '.join(HAYSTACKS)}")
+    if samples < 1 or batch_size < 1 or stop_after_zero < 0:
+        raise EvalError("samples and batch_size must be at least 1, stop_after_zero at least 0")
+    model, info = load_for_eval(source, device, attn_impl)
+    block_size = info["config"]["block_size"] if info["config"] else None
+    if lengths is None or isinstance(lengths, str):
+        spec = lengths if lengths is not None else (None if max_factor else DEFAULT_FACTORS)
+        lengths = parse_lengths(spec, block_size or 1, max_factor)
+    data_dir = data_dir or info.get("data_dir")
+    stream = None
+    if haystacks is None or "text" in haystacks:
+        try:
+            stream = validation_tokens(data_dir, max_tokens=max(4 * max(lengths), 1 << 20))
+        except EvalError as e:
+            if haystacks is not None:
+                raise
+            print(f"niah: skipping the text haystack: {e}", file=sys.stderr)
+    haystacks = list(haystacks or (HAYSTACKS if stream is not None else ("repeat",)))
+    prompts = NeedlePrompts(stream)
+    dev = model_device(model)
+    amp_dtype = pick_dtype(dtype, dev)
+    folder = output_dir(source, out) if (out or isinstance(source, str)) else None
+    json_path = os.path.join(folder, f"{name}.json") if folder else None
+    results = {"schema": "niah", "schema_version": SCHEMA_VERSION, "model": info,
+               "settings": settings_block(dev, amp_dtype, getattr(getattr(model, "config", None), "attn_impl", None),
+                                          lengths=lengths, tasks=list(tasks), haystacks=haystacks, samples=samples,
+                                          seed=seed, data_dir=data_dir if "text" in haystacks else None,
+                                          batch_size=batch_size, stop_after_zero=stop_after_zero,
+                                          block_size=block_size),
+               "results": [], "stopped": None, "complete": False}
+    bar = progress_bar(len(lengths) * len(tasks) * len(haystacks) * samples, "niah") if progress else None
+    zero_streak = 0
+    try:
+        for length in lengths:
+            scores = []
+            try:
+                for hay in haystacks:
+                    for task in tasks:
+                        if bar is not None:
+                            bar.set_postfix(length=format_length(length), task=f"{hay}/{task}")
+                        cell = evaluate_cell(model, prompts, task, hay, length, samples, seed, batch_size,
+                                             autocast(dev, amp_dtype), bar)
+                        cell["factor"] = length / block_size if block_size else None
+                        results["results"].append(cell)
+                        if cell["score"] is not None:
+                            scores.append(cell["score"])
+            except OutOfMemory as e:
+                results["results"] = [r for r in results["results"] if r["length"] != length]
+                results["stopped"] = {"length": length, "reason": str(e)}
+                print(f"niah: stopped: {e}; results so far are kept" + (f" in {json_path}" if json_path else ""),
+                      file=sys.stderr)
+                break
+            if json_path:
+                write_json(json_path, results)
+            zero_streak = zero_streak + 1 if scores and max(scores) == 0 else 0
+            if stop_after_zero and zero_streak >= stop_after_zero and length != lengths[-1]:
+                results["stopped"] = {"length": lengths[lengths.index(length) + 1],
+                                      "reason": f"{zero_streak} lengths in a row at 0% (--stop_after_zero)"}
+                break
+        else:
+            results["complete"] = True
+    finally:
+        if bar is not None:
+            bar.close()
+    if json_path:
+        write_json(json_path, results)
+        plot_niah(results, os.path.join(folder, f"{name}.png"))
+    if verbose:
+        print(format_table(results))
+        if json_path:
+            print(f"wrote {json_path} and {name}.png")
+    return results
+
+
+def evaluate_cell(model, prompts, task, haystack, length, samples, seed, batch_size, amp, bar):
+    # One random stream per cell, from (seed, length, task, haystack) only: reproducible and independent
+    rng = np.random.default_rng([seed, length, list(TASKS).index(task), HAYSTACKS.index(haystack)])
+    built = [prompts.build(task, haystack, length, rng) for _ in range(samples)]
+    cell = {"length": length, "haystack": haystack, "task": task}
+    if any(s is None for s in built):
+        if bar is not None:
+            bar.update(samples)
+        return {**cell, "score": None, "samples": 0, "skipped": "the needles, question and answer alone are longer"}
+    t0 = time.perf_counter()
+    scored = score_length(model, built, batch_size, amp, bar)
+    records = []
+    for sample, spans in zip(built, scored):
+        retrieved = [ok for ok, _ in spans]
+        records.append({**sample.meta, "retrieved": retrieved, "score": sum(retrieved) / len(retrieved),
+                        "predicted": [prompts.enc.decode(guess) for _, guess in spans]})
+    score = sum(r["score"] for r in records) / len(records)
+    return {**cell, "score": score, "samples": samples, "seconds": round(time.perf_counter() - t0, 3),
+            "records": records}
+
+
+def score_table(results):
+    """{haystack: {task: {length: score or None}}}"""
+    table = {}
+    for r in results["results"]:
+        table.setdefault(r["haystack"], {}).setdefault(r["task"], {})[r["length"]] = r["score"]
+    return table
+
+
+def format_table(results):
+    s = results["settings"]
+    table = score_table(results)
+    lengths = sorted({r["length"] for r in results["results"]})
+    lines = [f"needle in a haystack: {results['model']['name']}, {s['samples']} samples per cell, "
+             f"score = % of values retrieved"]
+    for hay in s["haystacks"]:
+        tasks = [t for t in s["tasks"] if t in table.get(hay, {})]
+        lines += ["", f"haystack: {hay}", "", "| length | " + " | ".join(tasks) + " | mean |",
+                  "|---:|" + "---:|" * (len(tasks) + 1)]
+        for length in lengths:
+            cells = [table[hay][t].get(length) for t in tasks]
+            known = [c for c in cells if c is not None]
+            mean = f"{100 * sum(known) / len(known):.0f}%" if known else "—"
+            lines.append(f"| {length:,} | " + " | ".join("—" if c is None else f"{100 * c:.0f}%" for c in cells)
+                         + f" | {mean} |")
+    if results["stopped"]:
+        lines.append(f"\nstopped before length {results['stopped']['length']:,}: {results['stopped']['reason']}")
+    return "\n".join(lines)
+
+
+def plot_niah(results, path):
+    import matplotlib.pyplot as plt
+
+    s = results["settings"]
+    table = score_table(results)
+    lengths = sorted({r["length"] for r in results["results"]})
+    hays = [h for h in s["haystacks"] if h in table] or s["haystacks"]
+    size = (3.2 + 1.1 * len(s["tasks"]) * len(hays), max(3.0, 0.4 * len(lengths) + 2.2))
+    fig, axes = plt.subplots(1, len(hays), figsize=size, squeeze=False, layout="constrained")
+    block = s.get("block_size")
+    row_labels = [format_length(n) + (f" ({n / block:.3g}x)" if block else "") for n in lengths]
+    image = None
+    for ax, hay in zip(axes[0], hays):
+        if not lengths:
+            ax.text(0.5, 0.5, "no length was evaluated", ha="center", va="center")
+            ax.set_axis_off()
+            continue
+        matrix = [[math.nan if table.get(hay, {}).get(t, {}).get(n) is None else table[hay][t][n] for t in s["tasks"]]
+                  for n in lengths]
+        image = draw_heatmap(ax, matrix, row_labels, [t.replace("_", "\n") for t in s["tasks"]], "task",
+                             "length (x training context)", f"haystack: {hay}")
+    fig.suptitle(f"{results['model']['name']}: needle in a haystack, % of values retrieved "
+                 f"({s['samples']} samples per cell)", fontsize=10)
+    if image is not None:
+        fig.colorbar(image, ax=list(axes[0]), fraction=0.03, pad=0.02)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = Parser(prog="eval.niah", description=__doc__.split("\n\n")[0].strip())
+    ap.add_argument("source", help="run directory or checkpoint file")
+    ap.add_argument("--lengths", default=None, help=f"as eval.passkey (default {DEFAULT_FACTORS})")
+    ap.add_argument("--max_factor", type=float, default=None, help="add the training context x 1, 2, 4, ... up to this")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated, from: %(default)s")
+    ap.add_argument("--haystacks", default=None,
+                    help="repeat, text or repeat,text (default: both when validation shards exist)")
+    ap.add_argument("--data_dir", default=None, help="shards for the text haystack (default: the run's data_dir)")
+    ap.add_argument("--samples", type=int, default=10,
+                    help="prompts per length, task and haystack (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch_size", type=int, default=8)
+    ap.add_argument("--stop_after_zero", type=int, default=2,
+                    help="stop after this many lengths in a row at 0%% (0 = never)")
+    ap.add_argument("--name", default="niah", help="results file name (default %(default)s)")
+    ap.add_argument("--no_progress", action="store_true")
+    add_model_args(ap)
+    args = ap.parse_args(argv)
+    split = lambda text: [t.strip() for t in text.split(",") if t.strip()]  # noqa: E731
+    try:
+        evaluate_niah(args.source, args.lengths, args.max_factor, split(args.tasks),
+                      split(args.haystacks) if args.haystacks else None, args.samples, args.seed, args.data_dir,
+                      args.batch_size, args.stop_after_zero, args.out, args.name, args.device, args.dtype,
+                      args.attn_impl, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print("niah: interrupted; the lengths finished so far are saved", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

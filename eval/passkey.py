@@ -1,0 +1,281 @@
+"""
+Passkey retrieval (PAPER.md §5): can the model find a 5-digit key hidden at some depth of a long prompt?
+
+    python -m eval.passkey runs/bam_ssmax_512                          # 0.5x ... 64x the training context
+    python -m eval.passkey runs/bam_ssmax_512 --max_factor 500 --samples 10 --depths beginning
+    python -m eval.passkey runs/x/checkpoints/step_00020000.pt --lengths 256,1K,16K --given_tokens 1
+
+The prompt is the paper's: task description, repeated garbage text with the information line inserted at
+a depth, the final question. Every length is exact and counts the tokens the model reads: <|endoftext|>
+(every training document starts with it) + prompt + all but the last token of " {key}". Scoring is
+teacher-forced: correct only if the argmax at every key position is the key's token.
+
+With GPT-2's BPE a 5-digit key is 2 or 3 tokens (" 123" + "45"), not 5 digit tokens as with the paper's
+tokenizer, so the paper's variant that gives the first digit becomes `--given_tokens 1`: the key's first
+token is given (teacher-forced, not scored) and the rest must match; keys of a single token are redrawn.
+
+Outputs (RUN/eval/ unless --out): passkey.json (settings, per length and depth bin, every sample),
+passkey.png (length x depth accuracy), and a table on stdout. The file is rewritten after every length,
+so an interruption, or a length that does not fit in memory, keeps everything measured before it.
+"""
+
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from data import EOT
+from eval.common import (SCHEMA_VERSION, EvalError, OutOfMemory, Parser, Sample, add_model_args, autocast,
+                         draw_heatmap, encode_template, format_length, load_for_eval, model_device, output_dir,
+                         parse_lengths, pick_dtype, progress_bar, repeat_haystack, run_cli, score_length,
+                         settings_block, tokenizer, write_json)
+
+# The paper's texts, verbatim (PAPER.md §5)
+TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+        "I will quiz you about the important information there.")
+GARBAGE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+INFO = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key? The pass key is"
+
+DEPTH_MODES = ("equidistant", "beginning", "end", "random")
+DEFAULT_FACTORS = "0.5x,1x,2x,4x,8x,16x,32x,64x"  # 256 ... 32,768 for a 512 context: the paper's table
+
+
+class PasskeyPrompts:
+    """Builds passkey prompts of an exact token length with the key at a chosen depth."""
+
+    def __init__(self, digits=5, given_tokens=0):
+        self.enc = tokenizer()
+        self.digits, self.given = digits, given_tokens
+        self.head = [EOT] + self.enc.encode_ordinary(TASK)
+        self.question = self.enc.encode_ordinary(" " + QUESTION)
+        self.haystack = repeat_haystack(self.enc, GARBAGE, 0)
+
+    def key_tokens(self, key):
+        return self.enc.encode_ordinary(f" {key}")
+
+    def min_length(self):
+        """The shortest length every key fits in (no garbage at all): a key is at most `digits` tokens."""
+        info, _ = encode_template(self.enc, " " + INFO, {"key": ""})
+        return len(self.head) + len(info) + 3 * self.digits + len(self.question) - 1
+
+    def build(self, length, depth, key):
+        info, spans = encode_template(self.enc, " " + INFO, {"key": key})
+        answer = self.key_tokens(key)
+        n = length + 1 - len(self.head) - len(info) - len(self.question) - len(answer)
+        if n < 0:
+            raise EvalError(f"length {length} is too short for a passkey prompt (at least {self.min_length()} tokens)")
+        if len(self.haystack.tokens) < n:
+            self.haystack = repeat_haystack(self.enc, GARBAGE, 2 * n)
+        cut = self.haystack.cut(depth, n)  # the information line goes between two garbage sentences
+        filler = self.haystack.tokens
+        tokens = np.concatenate([self.head, filler[:cut], info, filler[cut:n], self.question, answer]).astype(np.int64)
+        answer_start = len(tokens) - len(answer)
+        meta = {"depth": float(depth), "actual_depth": cut / n if n else 0.0, "key": int(key),
+                "key_position": len(self.head) + cut + spans["key"][0][0]}
+        return Sample(tokens, [(answer_start + self.given, len(tokens))], meta)
+
+    def samples(self, length, n, mode, seed):
+        """n samples of one length. The random stream depends on (seed, length) only, so two runs, or two
+        models, see the same prompts, and adding a length leaves the others unchanged."""
+        rng = np.random.default_rng([seed, length])
+        keys, draws = [], 0
+        while len(keys) < n:
+            key = int(rng.integers(10 ** (self.digits - 1), 10 ** self.digits))
+            if len(self.key_tokens(key)) > self.given:  # something left to score
+                keys.append(key)
+            draws += 1
+            if draws > 1000 * n and not keys:
+                raise EvalError(f"{self.digits}-digit keys are never longer than {self.given} tokens: "
+                                f"use fewer --given_tokens or more --digits")
+        if mode == "equidistant":
+            depths = np.linspace(0.0, 1.0, n) if n > 1 else np.array([0.5])
+        elif mode == "beginning":
+            depths = np.zeros(n)
+        elif mode == "end":
+            depths = np.ones(n)
+        else:
+            depths = rng.random(n)
+        return [self.build(length, float(d), k) for d, k in zip(depths, keys)]
+
+
+def depth_bins(records, bins):
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    out = []
+    for b in range(bins):
+        inside = [r for r in records if edges[b] <= r["depth"] < edges[b + 1] or (b == bins - 1 and r["depth"] == 1.0)]
+        correct = sum(r["correct"] for r in inside)
+        out.append({"bin": [float(edges[b]), float(edges[b + 1])], "samples": len(inside), "correct": correct,
+                    "accuracy": correct / len(inside) if inside else None})
+    return out
+
+
+def evaluate_passkey(source, lengths=None, max_factor=None, samples=20, depths="equidistant", bins=10, seed=0,
+                     given_tokens=0, digits=5, batch_size=8, stop_after_zero=2, out=None, name=None, device="auto",
+                     dtype="auto", attn_impl=None, progress=True, verbose=True):
+    """Passkey accuracy per length and depth for a run dir, checkpoint file or model object. `lengths` is
+    a list of token counts or a --lengths string. Writes <out>/<name>.json after every length (and the
+    .png at the end) when there is an output folder: `out`, or next to the run or checkpoint."""
+    if depths not in DEPTH_MODES:
+        raise EvalError(f"unknown depth mode {depths!r}; allowed: {', '.join(DEPTH_MODES)}")
+    for label, value, low in (("samples", samples, 1), ("bins", bins, 1), ("digits", digits, 1),
+                              ("batch_size", batch_size, 1), ("given_tokens", given_tokens, 0),
+                              ("stop_after_zero", stop_after_zero, 0)):
+        if value < low:
+            raise EvalError(f"{label} must be at least {low}, got {value}")
+    model, info = load_for_eval(source, device, attn_impl)
+    block_size = info["config"]["block_size"] if info["config"] else None
+    default = lengths is None and not max_factor
+    if lengths is None or isinstance(lengths, str):
+        lengths = parse_lengths(DEFAULT_FACTORS if default else lengths, block_size or 1, max_factor)
+    prompts = PasskeyPrompts(digits, given_tokens)
+    too_short = [n for n in lengths if n < prompts.min_length()]
+    if too_short and default:  # a small model's 0.5x: skip what cannot be a prompt rather than fail
+        lengths = [n for n in lengths if n >= prompts.min_length()]
+    elif too_short:
+        raise EvalError(f"length {too_short[0]} is too short for a passkey prompt: "
+                        f"use at least {prompts.min_length()} tokens")
+    dev = model_device(model)
+    amp_dtype = pick_dtype(dtype, dev)
+    name = name or default_name(depths, given_tokens)
+    folder = output_dir(source, out) if (out or isinstance(source, str)) else None
+    json_path = os.path.join(folder, f"{name}.json") if folder else None
+
+    results = {"schema": "passkey", "schema_version": SCHEMA_VERSION, "model": info,
+               "settings": settings_block(dev, amp_dtype, getattr(getattr(model, "config", None), "attn_impl", None),
+                                          lengths=lengths, samples=samples, depth_mode=depths, depth_bins=bins,
+                                          seed=seed, digits=digits, given_tokens=given_tokens, batch_size=batch_size,
+                                          stop_after_zero=stop_after_zero, block_size=block_size),
+               "results": [], "stopped": None, "complete": False}
+    bar = progress_bar(len(lengths) * samples, "passkey") if progress else None
+    zero_streak = 0
+    try:
+        for length in lengths:
+            if bar is not None:
+                bar.set_postfix(length=format_length(length))
+            batch = prompts.samples(length, samples, depths, seed)
+            t0 = time.perf_counter()
+            try:
+                scored = score_length(model, batch, batch_size, autocast(dev, amp_dtype), bar)
+            except OutOfMemory as e:
+                results["stopped"] = {"length": length, "reason": str(e)}
+                print(f"passkey: stopped: {e}; results so far are kept" + (f" in {json_path}" if json_path else ""),
+                      file=sys.stderr)
+                break
+            records = []
+            for sample, [(correct, guess)] in zip(batch, scored):
+                records.append({**sample.meta, "correct": correct, "predicted": prompts.enc.decode(guess)})
+            correct = sum(r["correct"] for r in records)
+            results["results"].append({
+                "length": length, "factor": length / block_size if block_size else None,
+                "accuracy": correct / samples, "correct": correct, "samples": samples,
+                "seconds": round(time.perf_counter() - t0, 3), "by_depth": depth_bins(records, bins),
+                "records": records})
+            if json_path:
+                write_json(json_path, results)
+            zero_streak = zero_streak + 1 if correct == 0 else 0
+            if stop_after_zero and zero_streak >= stop_after_zero and length != lengths[-1]:
+                results["stopped"] = {"length": lengths[lengths.index(length) + 1],
+                                      "reason": f"{zero_streak} lengths in a row at 0% (--stop_after_zero)"}
+                break
+        else:
+            results["complete"] = True
+    finally:
+        if bar is not None:
+            bar.close()
+    if json_path:
+        write_json(json_path, results)
+        plot_passkey(results, os.path.join(folder, f"{name}.png"))
+    if verbose:
+        print(format_table(results))
+        if json_path:
+            print(f"wrote {json_path} and {name}.png")
+    return results
+
+
+def default_name(depths, given_tokens):
+    mode = "" if depths == "equidistant" else f"_{depths}"
+    return f"passkey{mode}" + (f"_given{given_tokens}" if given_tokens else "")
+
+
+def format_table(results):
+    s = results["settings"]
+    lines = [f"passkey accuracy: {results['model']['name']}, {s['samples']} samples per length, depths "
+             f"{s['depth_mode']}" + (f", first {s['given_tokens']} key token(s) given" if s["given_tokens"] else ""),
+             "",
+             "| length | x context | accuracy | by depth, 0 -> 1 (%) | seconds |",
+             "|---:|---:|---:|:---|---:|"]
+    for r in results["results"]:
+        by_depth = " ".join("  -" if b["accuracy"] is None else f"{100 * b['accuracy']:3.0f}" for b in r["by_depth"])
+        factor = f"{r['factor']:.3g}" if r["factor"] is not None else "—"
+        lines.append(f"| {r['length']:,} | {factor} | {100 * r['accuracy']:.0f}% | `{by_depth}` | {r['seconds']:.1f} |")
+    if results["stopped"]:
+        lines.append(f"\nstopped before length {results['stopped']['length']:,}: {results['stopped']['reason']}")
+    return "\n".join(lines)
+
+
+def plot_passkey(results, path):
+    import matplotlib.pyplot as plt
+
+    rows = results["results"]
+    bins = results["settings"]["depth_bins"]
+    used = [b for b in range(bins) if any(r["by_depth"][b]["samples"] for r in rows)] or list(range(bins))
+    matrix = [[math.nan if r["by_depth"][b]["accuracy"] is None else r["by_depth"][b]["accuracy"] for b in used]
+              for r in rows]
+    row_labels = [f"{format_length(r['length'])}" + (f" ({r['factor']:.3g}x)" if r["factor"] else "")
+                  + f"  {100 * r['accuracy']:.0f}%" for r in rows]
+    col_labels = [f"{sum(rows[0]['by_depth'][b]['bin']) / 2:.2f}" if rows else str(b) for b in used]
+    s = results["settings"]
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(used) + 3.0), max(3.4, 0.4 * len(rows) + 2.0)),
+                           layout="constrained")
+    if rows:
+        image = draw_heatmap(ax, matrix, row_labels, col_labels, "depth of the key (fraction of the haystack)",
+                             "length (x context), accuracy",
+                             f"{results['model']['name']}: passkey accuracy (%)\n{s['samples']} samples per length, "
+                             f"{s['depth_mode']} depths"
+                             + (f", {s['given_tokens']} key token given" if s["given_tokens"] else ""))
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="accuracy")
+    else:
+        ax.text(0.5, 0.5, "no length was evaluated", ha="center", va="center")
+        ax.set_axis_off()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = Parser(prog="eval.passkey", description=__doc__.split("\n\n")[0].strip())
+    ap.add_argument("source", help="run directory or checkpoint file")
+    ap.add_argument("--lengths", default=None,
+                    help=f"comma-separated lengths in tokens (4096, 16K, 1M) or x training context (2x); "
+                         f"default {DEFAULT_FACTORS} unless --max_factor is given")
+    ap.add_argument("--max_factor", type=float, default=None,
+                    help="add the training context x 1, 2, 4, ... up to this factor (the paper: 500)")
+    ap.add_argument("--samples", type=int, default=20, help="prompts per length (default %(default)s)")
+    ap.add_argument("--depths", default="equidistant", choices=DEPTH_MODES,
+                    help="where the key goes (default %(default)s)")
+    ap.add_argument("--depth_bins", type=int, default=10, help="columns of the depth heatmap (default %(default)s)")
+    ap.add_argument("--given_tokens", type=int, default=0,
+                    help="leading key tokens given and not scored; 1 = the paper's first-digit variant")
+    ap.add_argument("--digits", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch_size", type=int, default=8, help="prompts per forward pass (shrunk to fit memory)")
+    ap.add_argument("--stop_after_zero", type=int, default=2,
+                    help="stop after this many lengths in a row at 0%% accuracy (0 = never)")
+    ap.add_argument("--name", default=None, help="results file name (default: passkey[_<depths>][_given<N>])")
+    ap.add_argument("--no_progress", action="store_true")
+    add_model_args(ap)
+    args = ap.parse_args(argv)
+    try:
+        evaluate_passkey(args.source, args.lengths, args.max_factor, args.samples, args.depths, args.depth_bins,
+                         args.seed, args.given_tokens, args.digits, args.batch_size, args.stop_after_zero,
+                         args.out, args.name, args.device, args.dtype, args.attn_impl, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print("passkey: interrupted; the lengths finished so far are saved", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

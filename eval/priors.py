@@ -1,0 +1,315 @@
+"""
+The learned positional priors of a BAM, ALiBi or SSMax model: what each head ended up preferring, and how
+it got there.
+
+    python -m eval.priors runs/bam_ssmax_512
+    python -m eval.priors runs/bam_ssmax_512/checkpoints/step_00020000.pt --max_distance 256K
+
+For every layer and head, the prior's logit bias g(d) against the distance d = i - j (log axis, 1 to
+the longest evaluated length), computed with model.py's own prior functions (`ggd_bias`, `alibi_bias`);
+the distribution of BAM's shapes b with the paper's three groups (PAPER.md §2): local (b > 0), retrieval
+(-0.6 <= b <= 0) and aggressive retrieval (b < -0.6); a table of every head's shape, log-scale a,
+location mu and SSMax scale s; and, from RUN/metrics.jsonl, how those parameters moved during training.
+
+The bias shown is the prior alone. With SSMax the whole logit, prior included, is then multiplied by
+s * log n (n = the number of keys the query sees), which sharpens every head alike as the context grows.
+
+Outputs: priors.json, priors.png (bias curves), priors_shapes.png (shape histogram, shape vs scale) and
+priors_training.png (parameters against training step) in RUN/eval. NoPE, RoPE and sinusoidal models have
+no prior; without SSMax there is nothing to show and the command says so and exits 0.
+"""
+
+import glob
+import json
+import math
+import os
+
+import numpy as np
+import torch
+
+from eval.common import (SCHEMA_VERSION, EvalError, Parser, load_for_eval, output_dir, parse_length,
+                         read_json, run_cli, write_json)
+
+GROUPS = {  # PAPER.md §2, by BAM's shape b
+    "local": ("b > 0", "tab:blue"),
+    "retrieval": ("-0.6 <= b <= 0", "tab:orange"),
+    "aggressive": ("b < -0.6", "tab:red"),
+}
+RETRIEVAL_FLOOR = -0.6
+
+
+def group_of(shape):
+    return "local" if shape > 0 else ("retrieval" if shape >= RETRIEVAL_FLOOR else "aggressive")
+
+
+def head_table(model):
+    """One row per (layer, head) with every positional parameter that head has."""
+    cfg = model.config
+    summary = model.prior_summary()
+    rows = []
+    for layer in range(cfg.n_layer):
+        for head in range(cfg.n_head):
+            row = {"layer": layer, "head": head}
+            if "bam_shape" in summary:
+                p = layer if len(summary["bam_shape"]) > 1 else 0  # one prior shared by all layers
+                row.update(shape=summary["bam_shape"][p][head], log_scale=summary["bam_log_scale"][p][head],
+                           loc=summary["bam_loc"][p][head])
+                row["scale"] = math.exp(row["log_scale"])
+                row["group"] = group_of(row["shape"])
+            if "alibi_slope" in summary:
+                row["alibi_slope"] = summary["alibi_slope"][0][head]
+            if "ssmax_scale" in summary:
+                row["ssmax_scale"] = summary["ssmax_scale"][layer][head]
+            rows.append(row)
+    return rows
+
+
+def distances(max_distance, points=256):
+    return np.unique(np.round(np.logspace(0, math.log10(max(max_distance, 2)), points)))
+
+
+def bias_curves(model, dist):
+    """{layer: (n_head, len(dist)) bias} from each prior module's own bias function (ggd_bias/alibi_bias)."""
+    d = torch.tensor(dist, dtype=torch.float32)[None, :]
+    head = torch.arange(model.config.n_head)[:, None]
+    curves = {}
+    with torch.no_grad():
+        for i, prior in enumerate(model.priors):
+            tensors = [t.detach().float().cpu() for t in prior.tensors()]
+            curves[i] = prior.bias_fn(d, head, *tensors).numpy()
+    return curves
+
+
+def training_history(metrics_path):
+    """[(step, prior dict)] from metrics.jsonl rows that logged the prior."""
+    history = []
+    if metrics_path and os.path.isfile(metrics_path):
+        with open(metrics_path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    row = json.loads(line)
+                    if row.get("prior"):
+                        history.append((row["step"], row["prior"]))
+    return history
+
+
+def metrics_file(source):
+    if not isinstance(source, str):
+        return None
+    run = source if os.path.isdir(source) else os.path.dirname(os.path.dirname(os.path.abspath(source)))
+    path = os.path.join(run, "metrics.jsonl")
+    return path if os.path.isfile(path) else None
+
+
+def longest_evaluated(folder):
+    lengths = []
+    for path in glob.glob(os.path.join(folder, "*.json")):
+        try:
+            results = read_json(path)
+        except (OSError, ValueError):
+            continue
+        lengths += [r["length"] for r in results.get("results", []) if isinstance(r, dict) and "length" in r]
+        lengths += [results["settings"]["length"]] if results.get("schema") == "perplexity" else []
+    return max(lengths, default=None)
+
+
+def evaluate_priors(source, max_distance=None, metrics=None, out=None, verbose=True):
+    model, info = load_for_eval(source, "cpu")
+    cfg = model.config
+    has_prior = len(model.priors) > 0
+    if not has_prior and not cfg.ssmax:
+        if verbose:
+            print(f"priors: {info['name']} uses pe={cfg.pe} without SSMax: it has no learned positional prior to show")
+        return None
+    folder = output_dir(source, out) if (out or isinstance(source, str)) else None
+    if isinstance(max_distance, str):
+        max_distance = parse_length(max_distance, cfg.block_size)
+    if max_distance is None:
+        max_distance = (folder and longest_evaluated(folder)) or 500 * cfg.block_size
+    rows = head_table(model)
+    groups = {g: sum(r.get("group") == g for r in rows) for g in GROUPS} if cfg.pe == "bam" else None
+    dist = distances(max_distance)
+    curves = bias_curves(model, dist) if has_prior else {}
+    decades = [d for d in (1, 10, 100, 1000, 10_000, 100_000, 1_000_000) if d <= max_distance]
+    for row in rows:
+        if curves:
+            curve = curves[row["layer"] if len(curves) > 1 else 0][row["head"]]
+            row["bias_at"] = {str(d): float(np.interp(d, dist, curve)) for d in decades}
+    history = training_history(metrics or metrics_file(source))
+    results = {"schema": "priors", "schema_version": SCHEMA_VERSION, "model": info,
+               "settings": {"max_distance": int(max_distance), "metrics": metrics or metrics_file(source)},
+               "pe": cfg.pe, "ssmax": cfg.ssmax, "shared_across_layers": len(model.priors) == 1 and cfg.n_layer > 1,
+               "groups": groups, "heads": rows, "training_rows": len(history)}
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        write_json(os.path.join(folder, "priors.json"), results)
+        written = ["priors.json"]
+        if curves:
+            plot_curves(results, dist, curves, os.path.join(folder, "priors.png"))
+            written.append("priors.png")
+        if cfg.pe == "bam" or cfg.ssmax:
+            plot_shapes(results, os.path.join(folder, "priors_shapes.png"))
+            written.append("priors_shapes.png")
+        if history:
+            plot_training(results, history, os.path.join(folder, "priors_training.png"))
+            written.append("priors_training.png")
+    if verbose:
+        print(format_table(results))
+        if folder:
+            print(f"wrote {', '.join(written)} in {folder}")
+    return results
+
+
+def format_table(results):
+    encoding = results["pe"] + (" + ssmax" if results["ssmax"] else "")
+    lines = [f"positional priors: {results['model']['name']} (pe={encoding}"
+             + (", one prior shared by all layers" if results["shared_across_layers"] else "") + ")"]
+    if results["groups"]:
+        total = sum(results["groups"].values())
+        counts = [f"{g} ({GROUPS[g][0]}) {n}/{total}" for g, n in results["groups"].items()]
+        lines.append("shape groups: " + ", ".join(counts))
+    columns = [c for c in ("shape", "log_scale", "scale", "loc", "alibi_slope", "ssmax_scale", "group")
+               if c in results["heads"][0]]
+    lines += ["", "| layer | head | " + " | ".join(columns) + " |", "|---:|---:|" + "---:|" * len(columns)]
+    for r in results["heads"]:
+        cells = [r[c] if isinstance(r[c], str) else f"{r[c]:.4g}" for c in columns]
+        lines.append(f"| {r['layer']} | {r['head']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _grid(n):
+    cols = min(n, 4)
+    return math.ceil(n / cols), cols
+
+
+def plot_curves(results, dist, curves, path):
+    """One panel per layer (one if the prior is shared), one line per head, coloured by shape group."""
+    import matplotlib.pyplot as plt
+
+    rows, cols = _grid(len(curves))
+    fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 3.6 * cols), 2.9 * rows + 0.6), squeeze=False, sharex=True,
+                             sharey=True)
+    heads = results["heads"]
+    for idx, ax in enumerate(axes.flat):
+        if idx >= len(curves):
+            ax.set_axis_off()
+            continue
+        for h, curve in enumerate(curves[idx]):
+            row = heads[idx * (len(heads) // len(curves)) + h] if len(curves) > 1 else heads[h]
+            color = GROUPS[row["group"]][1] if "group" in row else "tab:blue"
+            ax.plot(dist, curve, color=color, linewidth=1, alpha=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=1e-2)
+        ax.set_ylim(top=2e-3)  # every prior is <= 0: a log-prior, highest where the head looks
+        ax.axvline(results["model"]["config"]["block_size"], color="gray", linestyle=":", linewidth=1)
+        ax.set_title("all layers" if results["shared_across_layers"] else f"layer {idx}", fontsize=9)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("distance i - j (tokens)", fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("prior bias g(d)", fontsize=8)
+    handles = [plt.Line2D([], [], color=c, label=f"{g}: {rule}") for g, (rule, c) in GROUPS.items()] \
+        if results["pe"] == "bam" else [plt.Line2D([], [], color="tab:blue", label="ALiBi: -m_h d")]
+    handles.append(plt.Line2D([], [], color="gray", linestyle=":", label="training context"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.suptitle(f"{results['model']['name']}: positional prior per head" +
+                 (" (before SSMax's s log n)" if results["ssmax"] else ""), fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_shapes(results, path):
+    """BAM: histogram of shapes with the three groups, and shape against log-scale per layer.
+    SSMax without BAM: histogram of the SSMax scales."""
+    import matplotlib.pyplot as plt
+
+    heads = results["heads"]
+    if results["pe"] != "bam":
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.hist([r["ssmax_scale"] for r in heads], bins=30, color="tab:purple")
+        ax.set_xlabel("SSMax scale s (init 1)")
+        ax.set_ylabel("heads")
+        ax.set_title(f"{results['model']['name']}: SSMax scales of {len(heads)} heads", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
+    shapes = np.array([r["shape"] for r in heads])
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    low, high = min(shapes.min(), -1.0) - 0.1, max(shapes.max(), 1.2) + 0.1
+    spans = {"aggressive": (low, RETRIEVAL_FLOOR), "retrieval": (RETRIEVAL_FLOOR, 0.0), "local": (0.0, high)}
+    for g, (lo, hi) in spans.items():
+        ax.axvspan(lo, hi, color=GROUPS[g][1], alpha=0.12)
+    counts = results["groups"]
+    ax.hist(shapes, bins=np.linspace(low, high, 41), color="black", alpha=0.75)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=GROUPS[g][1], alpha=0.35, label=f"{g} ({GROUPS[g][0]}): {counts[g]}")
+               for g in GROUPS]
+    ax.legend(handles=handles, fontsize=8)
+    ax.set_xlabel("shape b (1 = ALiBi/Laplace, 0 = flat/NoPE, < 0 = favours far tokens)")
+    ax.set_ylabel("heads")
+    ax.set_title(f"{results['model']['name']}: shapes of {len(shapes)} heads", fontsize=10)
+    layers = np.array([r["layer"] for r in heads])
+    points = ax2.scatter(shapes, [r["log_scale"] for r in heads], c=layers, cmap="viridis", s=14)
+    fig.colorbar(points, ax=ax2, label="layer")
+    ax2.axvline(0.0, color="gray", linewidth=0.8)
+    ax2.axvline(RETRIEVAL_FLOOR, color="gray", linewidth=0.8, linestyle="--")
+    ax2.set_xlabel("shape b")
+    ax2.set_ylabel("log-scale a (bias = -e^a (|d| + eps)^b)")
+    ax2.set_title("shape against scale", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_training(results, history, path):
+    """Every head's parameters against the training step, one colour per layer."""
+    import matplotlib.pyplot as plt
+
+    names = [n for n in ("bam_shape", "bam_log_scale", "ssmax_scale") if n in history[-1][1]]
+    if not names:
+        return
+    labels = {"bam_shape": "shape b", "bam_log_scale": "log-scale a", "ssmax_scale": "SSMax scale s"}
+    steps = [s for s, _ in history]
+    fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 3.6), squeeze=False)
+    cmap = plt.get_cmap("viridis")
+    for ax, name in zip(axes[0], names):
+        values = np.array([prior[name] for _, prior in history], dtype=float)  # (steps, layers, heads)
+        n_layers = values.shape[1]
+        for layer in range(n_layers):
+            for head in range(values.shape[2]):
+                ax.plot(steps, values[:, layer, head], color=cmap(layer / max(1, n_layers - 1)), linewidth=0.8,
+                        alpha=0.7)
+        if name == "bam_shape":
+            ax.axhline(0.0, color="gray", linewidth=0.8)
+            ax.axhline(RETRIEVAL_FLOOR, color="gray", linewidth=0.8, linestyle="--")
+        ax.set_xlabel("training step")
+        ax.set_title(labels[name], fontsize=10)
+        ax.grid(True, alpha=0.3)
+    sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, max(0, len(history[-1][1][names[0]]) - 1)))
+    fig.colorbar(sm, ax=list(axes[0]), label="layer", fraction=0.03)
+    fig.suptitle(f"{results['model']['name']}: positional parameters during training ({len(steps)} logged steps)",
+                 fontsize=10)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = Parser(prog="eval.priors", description=__doc__.split("\n\n")[0].strip())
+    ap.add_argument("source", help="run directory or checkpoint file")
+    ap.add_argument("--max_distance", default=None,
+                    help="longest distance plotted, e.g. 256K or 500x (default: the longest evaluated length "
+                         "in the eval folder, else 500x the training context)")
+    ap.add_argument("--metrics", default=None, help="metrics.jsonl for the training plot (default: the run's)")
+    ap.add_argument("--out", default=None, help="output folder (default: RUN/eval)")
+    args = ap.parse_args(argv)
+    if args.metrics and not os.path.isfile(args.metrics):
+        raise EvalError(f"--metrics {args.metrics} does not exist")
+    evaluate_priors(args.source, args.max_distance, args.metrics, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

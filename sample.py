@@ -1,0 +1,63 @@
+"""
+Sample text from a trained model, with the KV cache (model.generate).
+
+    python sample.py runs/tiny --prompt "The meaning of life is" --max_new_tokens 100
+    python sample.py runs/bam_ssmax_512/checkpoints/step_00020000.pt --num_samples 3 --temperature 0.8 --top_k 200
+    python sample.py runs/tiny --prompt_file story.txt --temperature 0       # greedy
+
+Without a prompt, generation starts from <|endoftext|>, the token every training document begins with.
+"""
+
+import sys
+
+import torch
+
+from data import EOT
+from eval.common import EvalError, Parser, autocast, load_for_eval, pick_device, pick_dtype, run_cli, tokenizer
+
+
+def main(argv=None):
+    ap = Parser(prog="sample.py", description=__doc__.strip().split("\n\n")[0])
+    ap.add_argument("source", help="run directory (newest checkpoint) or checkpoint file")
+    ap.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    ap.add_argument("--prompt_file", default=None, help="read the prompt from this file instead")
+    ap.add_argument("--max_new_tokens", type=int, default=100)
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default %(default)s)")
+    ap.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens; 0 = all")
+    ap.add_argument("--num_samples", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    args = ap.parse_args(argv)
+    if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
+        raise EvalError("--max_new_tokens and --num_samples must be at least 1, --temperature and --top_k at least 0")
+    prompt = args.prompt
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file) as f:
+                prompt = f.read()
+        except OSError as e:
+            raise EvalError(f"cannot read --prompt_file: {e}") from None
+
+    device = pick_device(args.device)
+    model, info = load_for_eval(args.source, device)
+    enc = tokenizer()
+    ids = [EOT] + enc.encode_ordinary(prompt)  # a prompt is the start of a document, as in training
+    x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+    # Every sample draws from one generator, so a seed fixes all of them (and they still differ)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    print(f"{info['name']}: {info['config']['pe']}{' + ssmax' if info['config']['ssmax'] else ''}, "
+          f"{info['num_params']:,} parameters; {len(ids)} prompt tokens", file=sys.stderr)
+    with autocast(device, pick_dtype(args.dtype, device)):
+        out = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                             generator=generator)
+    for i, row in enumerate(out.tolist()):
+        if i:
+            print("-" * 80)
+        # Decode from after the leading EOT; a generated EOT ends a document, shown as a marker
+        print(enc.decode(row[1:]).replace("<|endoftext|>", "\n<|endoftext|>\n"))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

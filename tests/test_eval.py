@@ -1,0 +1,414 @@
+"""eval/ and sample.py on CPU: exact prompts, a copying model that must score 100% and a random one that
+must not, stable JSON, valid PNGs, the memory guard, and every command on a tiny checkpoint made here."""
+
+import json
+import os
+import subprocess
+import sys
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import data
+from eval import common, niah, passkey, perplexity, priors, report
+from eval.common import EvalError, parse_lengths
+from model import ModelConfig, Transformer, ggd_bias, save_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 50257  # prompts are GPT-2 text
+
+
+class CopyModel(nn.Module):
+    """A deterministic induction rule, as an ideal retrieval head would compute it: at each position,
+    predict the token that followed the most recent earlier occurrence of the current trigram (else
+    bigram, else token). It reads the key straight out of the information line, so it must score 100%."""
+
+    def __init__(self, block_size=64):
+        super().__init__()
+        self.config = ModelConfig(vocab_size=VOCAB, n_layer=1, n_head=1, n_embd=8, block_size=block_size)
+        self.register_buffer("anchor", torch.zeros(()))  # gives the model a device
+
+    @staticmethod
+    def next_token(seq, t):
+        for n in (3, 2, 1):
+            if t + 1 >= n:
+                windows = seq.unfold(0, n, 1)[:t - n + 1]  # windows ending before position t
+                hits = (windows == seq[t - n + 1:t + 1]).all(dim=1).nonzero()
+                if len(hits):
+                    return int(seq[hits[-1, 0] + n])
+        return 0
+
+    def forward(self, idx, targets=None, doc_ids=None, last_k=None):
+        B, T = idx.shape
+        k = T if last_k is None else last_k
+        logits = torch.zeros(B, k, VOCAB)
+        for b in range(B):
+            for j, t in enumerate(range(T - k, T)):
+                logits[b, j, self.next_token(idx[b], t)] = 1.0
+        return logits, None
+
+
+def tiny_model(pe="bam", ssmax=True, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, block_size=64, pe=pe, ssmax=ssmax)
+    if pe == "bam":
+        cfg["bam_init"] = "sampled"  # shapes ~ N(0, 1): heads in all three groups
+    return Transformer(ModelConfig(**{**cfg, **kw})).eval()
+
+
+def assert_png(path):
+    assert os.path.isfile(path), path
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert image[..., :3].std() > 0.01  # not a blank canvas
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """Two run dirs with checkpoints written by save_model (BAM + SSMax and RoPE), a metrics.jsonl with prior
+    rows, and a validation shard of real English text."""
+    root = tmp_path_factory.mktemp("eval")
+    enc = data.get_tokenizer()
+    with open(os.path.join(ROOT, "eval", "niah.py")) as f:  # any English prose will do
+        prose = f.read()
+    docs = [enc.encode_ordinary(prose[i:i + 6000]) for i in range(0, len(prose) - 6000, 1500)]
+    stream = [t for doc in docs * 4 for t in [data.EOT] + doc]
+    data.write_shard(str(root / "data" / "tiny_val_000000.bin"), stream)
+
+    runs = {}
+    for name, pe in (("bam", "bam"), ("rope", "rope")):
+        run = root / name
+        (run / "checkpoints").mkdir(parents=True)
+        model = tiny_model(pe)
+        save_model(model, str(run / "checkpoints" / "step_00000001.pt"))
+        if pe == "bam":
+            with open(run / "metrics.jsonl", "w") as f:
+                for step in range(4):
+                    with torch.no_grad():
+                        for prior in model.priors:
+                            prior.shape.sub_(0.05)
+                    f.write(json.dumps({"step": step, "tokens": step * 1000, "prior": model.prior_summary()}) + "\n")
+        runs[name] = str(run)
+    return {"root": root, "data": str(root / "data"), **runs}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def test_lengths_parse_tokens_multiples_and_factors():
+    assert parse_lengths("300,1K,0.5x,3x,1_000", 512) == [256, 300, 1000, 1024, 1536]
+    assert parse_lengths(None, 512, max_factor=500) == [512 * f for f in (1, 2, 4, 8, 16, 32, 64, 128, 256)] + [256_000]
+    assert parse_lengths("1M", 512) == [1 << 20]
+    for bad in ("12q", "x", "-5", "0"):
+        with pytest.raises(EvalError):
+            parse_lengths(bad, 512)
+
+
+@pytest.mark.parametrize("given", [0, 1])
+def test_passkey_prompt_has_the_exact_length_and_the_key_at_the_depth(given):
+    prompts = passkey.PasskeyPrompts(given_tokens=given)
+    enc = prompts.enc
+    lengths = [prompts.min_length(), prompts.min_length() + 1, 257, 1000, 4099]
+    for length in lengths:
+        for depth in (0.0, 0.3, 0.5, 0.77, 1.0):
+            for key in (10000, 12345, 99999, 50505):
+                sample = prompts.build(length, depth, key)
+                key_tokens = enc.encode_ordinary(f" {key}")
+                assert len(sample.tokens) - 1 == length  # the model reads exactly `length` tokens
+                assert sample.tokens[0] == data.EOT
+                pos = sample.meta["key_position"]
+                assert sample.tokens[pos:pos + len(key_tokens)].tolist() == key_tokens  # as " {key}" alone
+                # scored span: the key at the very end, minus the given tokens
+                start, end = sample.spans[0]
+                assert end == len(sample.tokens) and start == end - len(key_tokens) + given
+                assert sample.tokens[end - len(key_tokens):].tolist() == key_tokens
+                # the information line sits at the requested depth of the garbage, to within half a sentence
+                info, slots = common.encode_template(enc, " " + passkey.INFO, {"key": key})
+                n = length + 1 - len(prompts.head) - len(info) - len(prompts.question) - len(key_tokens)
+                cut = round(sample.meta["actual_depth"] * n)
+                assert pos == len(prompts.head) + cut + slots["key"][0][0]
+                assert abs(cut - depth * n) <= 3
+    # the information line reads back to the same tokens (no tokenisation seam at the key)
+    info, _ = common.encode_template(enc, " " + passkey.INFO, {"key": 12345})
+    assert enc.encode_ordinary(enc.decode(info)) == info
+    text = enc.decode(prompts.build(1000, 0.5, 12345).tokens[1:].tolist())
+    assert text.startswith(passkey.TASK) and passkey.INFO.format(key=12345) in text
+    assert text.endswith(passkey.QUESTION + " 12345")
+
+
+def test_key_position_follows_depth_and_prompts_are_seeded():
+    prompts = passkey.PasskeyPrompts()
+    samples = prompts.samples(2000, 9, "equidistant", seed=3)
+    positions = [s.meta["key_position"] for s in samples]
+    assert positions == sorted(positions) and positions[0] < 100 and positions[-1] > 1900
+    again = prompts.samples(2000, 9, "equidistant", seed=3)
+    assert all(np.array_equal(a.tokens, b.tokens) for a, b in zip(samples, again))
+    other = prompts.samples(2000, 9, "equidistant", seed=4)
+    assert [s.meta["key"] for s in other] != [s.meta["key"] for s in samples]
+    assert {s.meta["depth"] for s in prompts.samples(500, 4, "beginning", 0)} == {0.0}
+    assert {s.meta["depth"] for s in prompts.samples(500, 4, "end", 0)} == {1.0}
+    assert len({s.meta["depth"] for s in prompts.samples(500, 6, "random", 0)}) == 6
+
+
+@pytest.mark.parametrize("task", list(niah.TASKS))
+@pytest.mark.parametrize("haystack", niah.HAYSTACKS)
+def test_niah_prompts_are_exact_and_the_answers_are_in_the_haystack(task, haystack, workspace):
+    prompts = niah.NeedlePrompts(common.validation_tokens(workspace["data"]))
+    rng = np.random.default_rng(0)
+    for length in (300, 1001):
+        sample = prompts.build(task, haystack, length, rng)
+        assert len(sample.tokens) - 1 == length
+        assert sample.spans[-1][1] == len(sample.tokens)
+        body = sample.tokens[:sample.spans[0][0]].tolist()
+        for start, end in sample.spans:  # every scored value appears, tokenised alike, inside a needle
+            value = sample.tokens[start:end].tolist()
+            assert any(body[i:i + len(value)] == value for i in range(len(body) - len(value)))
+        expected = {"multivalue": 4, "multiquery": 4}.get(task, 1)
+        assert len(sample.spans) == expected
+    assert prompts.build(task, haystack, 40, rng) is None  # too short: skipped, not wrong
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scoring
+
+
+PASSKEY_TOP = {"schema", "schema_version", "model", "settings", "results", "stopped", "complete"}
+PASSKEY_SETTINGS = {"lengths", "samples", "depth_mode", "depth_bins", "seed", "digits", "given_tokens", "batch_size",
+                    "stop_after_zero", "block_size", "device", "dtype", "attn_impl", "torch"}
+PASSKEY_ROW = {"length", "factor", "accuracy", "correct", "samples", "seconds", "by_depth", "records"}
+PASSKEY_RECORD = {"depth", "actual_depth", "key", "key_position", "correct", "predicted"}
+MODEL_BLOCK = {"checkpoint", "name", "config", "num_params", "num_params_non_embedding", "step", "tokens_seen",
+               "data_dir"}
+
+
+@pytest.mark.parametrize("given", [0, 1])
+def test_copying_model_scores_100_percent(given, tmp_path):
+    res = passkey.evaluate_passkey(CopyModel(), [100, 700, 3000], samples=10, given_tokens=given, out=str(tmp_path),
+                                   progress=False, verbose=False)
+    assert [r["accuracy"] for r in res["results"]] == [1.0, 1.0, 1.0]
+    assert res["complete"] and res["stopped"] is None
+    # the JSON schema is the contract report.py and users' scripts read
+    saved = json.loads((tmp_path / passkey.default_name("equidistant", given)).with_suffix(".json").read_text())
+    assert set(saved) == PASSKEY_TOP and saved["schema"] == "passkey" and saved["schema_version"] == 1
+    assert set(saved["settings"]) == PASSKEY_SETTINGS and set(saved["model"]) == MODEL_BLOCK
+    row = saved["results"][0]
+    assert set(row) == PASSKEY_ROW and len(row["records"]) == 10 and len(row["by_depth"]) == 10
+    assert set(row["records"][0]) == PASSKEY_RECORD
+    assert set(row["by_depth"][0]) == {"bin", "samples", "correct", "accuracy"}
+    assert sum(b["samples"] for b in row["by_depth"]) == 10
+    assert_png(str(tmp_path / f"{passkey.default_name('equidistant', given)}.png"))
+
+
+@pytest.mark.parametrize("given", [0, 1])
+def test_random_model_scores_chance(given):
+    res = passkey.evaluate_passkey(tiny_model(), [128, 512], samples=16, given_tokens=given, stop_after_zero=0,
+                                   progress=False, verbose=False)
+    assert all(r["accuracy"] <= 1 / 16 for r in res["results"])  # chance of 2+ exact tokens is ~1e-9
+
+
+def test_runs_are_reproducible_and_stop_after_zero(tmp_path):
+    kw = dict(lengths=[100, 200, 300, 400], samples=4, progress=False, verbose=False)
+    first = passkey.evaluate_passkey(tiny_model(), stop_after_zero=0, **kw)
+    second = passkey.evaluate_passkey(tiny_model(), stop_after_zero=0, **kw)
+    strip = lambda res: [{k: v for k, v in r.items() if k != "seconds"} for r in res["results"]]  # noqa: E731
+    assert strip(first) == strip(second)
+    stopped = passkey.evaluate_passkey(tiny_model(), stop_after_zero=2, out=str(tmp_path), **kw)
+    assert [r["length"] for r in stopped["results"]] == [100, 200]
+    assert stopped["stopped"]["length"] == 300 and not stopped["complete"]
+
+
+def test_niah_copying_model_retrieves_single_needles_and_random_model_does_not(tmp_path, workspace):
+    tasks = ["single_number", "single_uuid"]
+    kw = dict(lengths=[300, 1200], tasks=tasks, samples=4, data_dir=workspace["data"], progress=False, verbose=False)
+    good = niah.evaluate_niah(CopyModel(), out=str(tmp_path), **kw)
+    assert {(r["haystack"], r["task"]) for r in good["results"]} == {(h, t) for h in niah.HAYSTACKS for t in tasks}
+    assert all(r["score"] == 1.0 for r in good["results"])
+    bad = niah.evaluate_niah(tiny_model(), stop_after_zero=0, **kw)
+    assert all(r["score"] <= 0.25 for r in bad["results"])
+    assert_png(str(tmp_path / "niah.png"))
+
+
+def test_a_16k_token_passkey_prompt_runs_on_cpu():
+    # BAM + SSMax: `auto` attention takes FlexAttention past 2K tokens; 1 layer of 2 heads keeps it quick
+    model = tiny_model(n_layer=1, n_head=2, n_embd=16)
+    assert common.forward_bytes(model, 1, 16384, 3) < 2**30
+    res = passkey.evaluate_passkey(model, [16384], samples=1, progress=False, verbose=False)
+    assert res["results"][0]["length"] == 16384 and res["results"][0]["samples"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory
+
+
+def test_a_length_that_does_not_fit_stops_cleanly_and_keeps_the_results(tmp_path, monkeypatch, capsys):
+    model = tiny_model()
+    small, big = 128, 9000
+    fits = common.forward_bytes(model, 1, small, 3)
+    assert common.forward_bytes(model, 1, big, 3) > 2 * fits
+    monkeypatch.setattr(common, "available_bytes", lambda device: 1.5 * fits / common.SAFETY)
+    res = passkey.evaluate_passkey(model, [small, big], samples=2, out=str(tmp_path), progress=False, verbose=False)
+    assert [r["length"] for r in res["results"]] == [small]
+    assert res["stopped"]["length"] == big and "GiB" in res["stopped"]["reason"]
+    assert "stopped" in capsys.readouterr().err
+    saved = json.loads((tmp_path / "passkey.json").read_text())
+    assert saved["results"][0]["length"] == small and saved["stopped"]["length"] == big
+
+
+def test_out_of_memory_during_a_forward_keeps_the_results(tmp_path):
+    class RunsOutPastLength(CopyModel):
+        def forward(self, idx, **kw):
+            if idx.shape[1] > 500:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+            return super().forward(idx, **kw)
+
+    res = passkey.evaluate_passkey(RunsOutPastLength(), [200, 400, 800], samples=2, out=str(tmp_path), progress=False,
+                                   verbose=False)
+    assert [r["accuracy"] for r in res["results"]] == [1.0, 1.0]
+    assert res["stopped"]["length"] == 800 and "out of memory" in res["stopped"]["reason"]
+    assert json.loads((tmp_path / "passkey.json").read_text())["stopped"]["length"] == 800
+
+
+def test_batches_shrink_to_fit(monkeypatch):
+    model = tiny_model()
+    one = common.forward_bytes(model, 1, 9000, 3)  # past 8K: no dense block mask, all of it per sequence
+    monkeypatch.setattr(common, "available_bytes", lambda device: 2.5 * one / common.SAFETY)
+    assert common.plan_batch(model, 8, 9000, 3, torch.device("cpu")) == 2
+    monkeypatch.setattr(common, "available_bytes", lambda device: 100 * one)
+    assert common.plan_batch(model, 8, 9000, 3, torch.device("cpu")) == 8
+    monkeypatch.setattr(common, "available_bytes", lambda device: 0.5 * one)
+    with pytest.raises(common.OutOfMemory):
+        common.plan_batch(model, 8, 9000, 3, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Perplexity and priors
+
+
+def test_windowed_loss_equals_the_full_cross_entropy(monkeypatch):
+    model = tiny_model(n_layer=1)
+    torch.manual_seed(1)
+    seqs = torch.randint(0, 1000, (2, 97))
+    monkeypatch.setattr(perplexity, "HEAD_CHUNK", 16)  # several LM-head chunks
+    per_window = perplexity.window_nll(model, seqs, 32, common.autocast(torch.device("cpu"), torch.float32))
+    with torch.no_grad():
+        logits, _ = model(seqs[:, :-1])
+    nll = F.cross_entropy(logits.flatten(0, 1), seqs[:, 1:].flatten(), reduction="none").view(2, -1)
+    expected = torch.stack([nll[:, s:s + 32].sum(dim=1) for s in range(0, 96, 32)], dim=1).double()
+    torch.testing.assert_close(per_window, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_validation_sequences(workspace):
+    concat = perplexity.validation_sequences(workspace["data"], 500, 3, "concat")
+    assert concat.shape == (3, 501) and not (concat == data.EOT).any()
+    docs = perplexity.validation_sequences(workspace["data"], 500, 2, "documents")
+    assert docs.shape == (2, 501) and (docs[:, 0] == data.EOT).all() and not (docs[:, 1:] == data.EOT).any()
+    with pytest.raises(EvalError):
+        perplexity.validation_sequences(workspace["data"], 10**6, 1, "documents")
+
+
+def test_prior_groups_and_curves_come_from_the_model():
+    model = tiny_model(n_layer=1)
+    with torch.no_grad():
+        model.priors[0].shape.copy_(torch.tensor([1.2, 0.0, -0.3, -1.0]))
+        model.priors[0].log_scale.copy_(torch.tensor([-2.0, -1.0, 0.5, 0.0]))
+    res = priors.evaluate_priors(model, max_distance=1000, verbose=False)
+    assert res["groups"] == {"local": 1, "retrieval": 2, "aggressive": 1}
+    assert [h["group"] for h in res["heads"]] == ["local", "retrieval", "retrieval", "aggressive"]
+    shape, log_scale, loc = model.priors[0].tensors()
+    for h in res["heads"]:
+        expected = ggd_bias(torch.tensor(100.0), h["head"], shape, log_scale, loc).item()
+        assert h["bias_at"]["100"] == pytest.approx(expected, rel=1e-5)
+        assert h["scale"] == pytest.approx(np.exp(h["log_scale"]))
+
+
+def test_priors_of_a_model_without_one(capsys):
+    assert priors.evaluate_priors(tiny_model("rope", ssmax=False)) is None
+    assert "no learned positional prior" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every command on the tiny checkpoints
+
+
+def test_commands_on_tiny_checkpoints(workspace, tmp_path, capsys):
+    bam, rope, data_dir = workspace["bam"], workspace["rope"], workspace["data"]
+    assert passkey.main([bam, "--lengths", "128,2x,512", "--samples", "4", "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    assert "| 128 | 2 |" in out and "wrote" in out
+    assert passkey.main([rope, "--lengths", "128", "--samples", "2", "--given_tokens", "1", "--no_progress"]) == 0
+    assert niah.main([bam, "--lengths", "300,600", "--samples", "2", "--data_dir", data_dir, "--no_progress"]) == 0
+    compare = str(tmp_path / "cmp.png")
+    assert perplexity.main([bam, rope, "--length", "4x", "--window", "64", "--num_seqs", "2", "--data_dir", data_dir,
+                            "--compare", compare, "--no_progress"]) == 0
+    assert priors.main([bam]) == 0
+    assert priors.main([rope]) == 0  # no prior: a message, exit 0
+    capsys.readouterr()
+
+    ev = os.path.join(bam, "eval")
+    for name in ("passkey", "niah", "perplexity", "priors", "priors_shapes", "priors_training"):
+        assert_png(os.path.join(ev, f"{name}.png"))
+    assert_png(os.path.join(ev, "priors.png"))
+    assert_png(compare)
+    assert_png(os.path.join(rope, "eval", "passkey_given1.png"))
+    ppl = json.loads(open(os.path.join(ev, "perplexity.json")).read())
+    assert ppl["sequences"] == 2 and len(ppl["windows"]) == 4 and ppl["windows"][-1]["end"] == 256
+    niah_res = json.loads(open(os.path.join(ev, "niah.json")).read())
+    assert {r["haystack"] for r in niah_res["results"]} == {"repeat", "text"}
+    assert {r["task"] for r in niah_res["results"]} == set(niah.TASKS)
+
+    out = str(tmp_path / "report" / "report.md")
+    assert report.main([bam, rope, "--out", out]) == 0
+    text = open(out).read()
+    for heading in ("## Runs", "## Passkey retrieval", "## Needle in a haystack", "## Perplexity by position",
+                    "## Learned priors", "## Plots"):
+        assert heading in text
+    assert "| 128 (2x) |" in text and "passkey_given1" in text
+    assert "—" in text  # rope has no NIAH results and no prior: shown as missing, not a crash
+    for link in [line.split("](")[1].split(")")[0] for line in text.splitlines() if "![](" in line]:
+        assert os.path.isfile(os.path.join(os.path.dirname(out), link)), link
+    assert_png(str(tmp_path / "report" / "report_passkey.png"))
+    assert_png(str(tmp_path / "report" / "report_perplexity.png"))
+
+
+def test_sample_generates_reproducibly(workspace, capsys):
+    import sample
+
+    args = [workspace["bam"], "--prompt", "The pass key is", "--max_new_tokens", "8", "--seed", "1",
+            "--num_samples", "2"]
+    assert sample.main(args) == 0
+    first = capsys.readouterr().out
+    assert sample.main(args) == 0
+    assert capsys.readouterr().out == first
+    assert first.count("The pass key is") == 2 and "-" * 80 in first
+
+
+def test_a_user_error_is_one_line_from_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "eval.passkey", "/no/such/run"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: no checkpoint file or run directory at /no/such/run"
+
+
+@pytest.mark.parametrize("module,args,message", [
+    (passkey, ["{bam}", "--lengths", "12q"], "cannot read the length"),
+    (passkey, ["{bam}", "--lengths", "10"], "too short for a passkey prompt"),
+    (passkey, ["{bam}", "--depths", "middle"], "invalid choice"),
+    (niah, ["{bam}", "--tasks", "haystack_soup"], "unknown task"),
+    (niah, ["{bam}", "--haystacks", "text", "--data_dir", "/no/data"], "no validation shards"),
+    (perplexity, ["{bam}", "--length", "1M", "--data_dir", "{data}"], "use a shorter --length"),
+    (report, ["/no/such/run"], "no run directory"),
+])
+def test_user_errors_are_one_line(module, args, message, workspace, capsys):
+    args = [a.format(bam=workspace["bam"], data=workspace["data"]) for a in args]
+    with pytest.raises(SystemExit) as exit_info:
+        common.run_cli(module.main, args)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and len(err.splitlines()) == 1
