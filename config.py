@@ -1,0 +1,305 @@
+"""
+Run configuration for train.py.
+
+The dataclasses below are the schema and hold the defaults, which are the paper's headline run
+(12 layers, 768 wide, 16 heads, context 512, RAdam, 589,824 tokens per step for 20,000 steps).
+A TOML file overrides them section by section ([model], [data], [train], [log]) and
+`--section.key=value` on the command line overrides the file:
+
+    python train.py configs/paper/rope_512.toml --train.max_steps=100 --log.out_dir=runs/try
+
+Every mistake (unknown section or key, wrong type, a value outside its choices, a combination
+that cannot run) raises ConfigError with one line naming what is allowed; train.py turns it into
+`error: ...` and a non-zero exit before anything is written.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass
+from typing import Literal
+
+from model import ModelConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class DataConfig:
+    data_dir: str = "data/fineweb10B"  # token shards written by prepare_fineweb.py
+    # Sequences per micro-batch on each rank. The sequence length is model.block_size: the model is
+    # trained at exactly its context, so there is one knob, not two that must agree.
+    batch_size: int = 48
+
+
+@dataclass
+class TrainConfig:
+    tokens_per_step: int = 589_824  # the paper's batch: 1152 x 512 = 576 x 1024
+    max_steps: int = 20_000  # 11.8B tokens: one pass over FineWeb sample-10BT
+    optimizer: Literal["radam", "adamw"] = "radam"
+    lr: float = 1e-3
+    prior_lr: float | None = None  # learning rate of the positional-prior and SSMax parameters; None = lr
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # decoupled, on weight matrices only (never norms, biases, priors)
+    warmup_steps: int = 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_frac: float = 0.1  # the schedule ends at min_lr_frac x lr
+    grad_clip: float = 1.0  # 0 = no clipping
+    doc_mask: bool = True  # a token attends only inside its own document, as in the paper
+    val_every: int = 500  # steps between validation losses; 0 = never
+    val_tokens: int = 10_485_760  # rounded down to a multiple of batch_size x block_size x world size
+    ckpt_every: int = 1000  # steps between checkpoints; one is always written at the end
+    keep_last: int = 3  # step checkpoints kept on disk (best.pt is kept apart)
+    compile: bool = True
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 autocast on a GPU that has it
+    seed: int = 1337
+
+
+@dataclass
+class LogConfig:
+    out_dir: str = ""  # the run directory (config.toml, metrics.jsonl, checkpoints/); "" = runs/<config name>
+    log_every: int = 10  # steps between rows of metrics.jsonl (and wandb points)
+    wandb: Literal["disabled", "offline", "online"] = "disabled"
+    wandb_project: str = "bam"
+    run_name: str = ""  # "" = the name of out_dir
+    peak_tflops: float = 0.0  # per-GPU peak for MFU; 0 = look it up from the GPU's name
+
+
+@dataclass
+class Config:
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    log: LogConfig
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "log": LogConfig}
+
+
+def load_config(path=None, overrides=()):
+    """Defaults, then the TOML file at `path` (if any), then `--section.key=value` overrides."""
+    values = {name: {} for name in SECTIONS}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                file_values = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        for section, table in file_values.items():
+            if section not in SECTIONS or not isinstance(table, dict):
+                raise ConfigError(f"unknown section [{section}] in {path}; allowed sections: "
+                                  + ", ".join(f"[{s}]" for s in SECTIONS))
+            for key, value in table.items():
+                values[section][key] = _coerce(section, key, value, path)
+    for arg in overrides:
+        section, key, value = _parse_override(arg)
+        values[section][key] = value
+
+    if not values["log"].get("out_dir"):
+        # One directory per config file by default, so two paper runs never share a run dir.
+        stem = os.path.splitext(os.path.basename(path))[0] if path else "default"
+        values["log"]["out_dir"] = os.path.join("runs", stem)
+
+    # A preset (one of the paper's model sizes) fills n_embd/n_layer/n_head; keys set explicitly,
+    # in the file or on the command line, still win over it.
+    preset = values["model"].pop("preset", None)
+    built = {}
+    for section, cls in SECTIONS.items():
+        try:
+            built[section] = ModelConfig.preset(preset, **values[section]) if preset and cls is ModelConfig else cls(**values[section])
+        except (ValueError, TypeError, AssertionError) as e:
+            raise ConfigError(f"[{section}] {e}") from None
+    config = Config(**built)
+    check(config)
+    return config
+
+
+def check(config, world_size=1):
+    """Combinations that cannot run; with world_size, also those that cannot run on that many ranks."""
+    m, d, t, log = config.model, config.data, config.train, config.log
+    positive = {"data.batch_size": d.batch_size, "model.block_size": m.block_size,
+                "train.tokens_per_step": t.tokens_per_step, "train.max_steps": t.max_steps,
+                "train.lr": t.lr, "train.keep_last": t.keep_last, "log.log_every": log.log_every}
+    if t.prior_lr is not None:
+        positive["train.prior_lr"] = t.prior_lr
+    for name, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{name} = {value} must be greater than 0")
+    not_negative = {"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps,
+                    "train.grad_clip": t.grad_clip, "train.val_every": t.val_every,
+                    "train.val_tokens": t.val_tokens, "train.ckpt_every": t.ckpt_every,
+                    "train.eps": t.eps, "log.peak_tflops": log.peak_tflops}
+    for name, value in not_negative.items():
+        if not value >= 0:
+            raise ConfigError(f"{name} = {value} must be 0 or more")
+    if not 0 <= t.min_lr_frac <= 1:
+        raise ConfigError(f"train.min_lr_frac = {t.min_lr_frac} must be between 0 and 1")
+    if not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"train.betas = {list(t.betas)} must both be in [0, 1)")
+    if t.warmup_steps > t.max_steps:
+        raise ConfigError(f"train.warmup_steps = {t.warmup_steps} is more than train.max_steps = {t.max_steps}")
+
+    micro_tokens = d.batch_size * m.block_size * world_size
+    if t.tokens_per_step % micro_tokens:
+        fitting = [b for b in range(1, d.batch_size + 1) if t.tokens_per_step % (b * m.block_size * world_size) == 0]
+        hint = (f"data.batch_size values that fit: {', '.join(map(str, fitting))}" if fitting
+                else f"train.tokens_per_step must be a multiple of model.block_size x world size = {m.block_size * world_size}")
+        raise ConfigError(
+            f"train.tokens_per_step = {t.tokens_per_step} is not a multiple of data.batch_size x model.block_size"
+            f" x world size = {d.batch_size} x {m.block_size} x {world_size} = {micro_tokens}; {hint}")
+    if t.val_every and t.val_tokens < micro_tokens:
+        raise ConfigError(f"train.val_tokens = {t.val_tokens} is less than one micro-batch on every rank "
+                          f"(data.batch_size x model.block_size x world size = {micro_tokens}); raise it or set train.val_every = 0")
+
+
+def to_dict(config):
+    return {section: dataclasses.asdict(getattr(config, section)) for section in SECTIONS}
+
+
+def to_toml(config):
+    """The resolved config as TOML that load_config reads back to the same Config.
+    Only flat sections of scalars and lists are needed, so a few lines do instead of a dependency.
+    TOML has no null: a None is written as a comment and, being absent, reads back as its default
+    (every None field in the schema defaults to None)."""
+    lines = []
+    for section, table in to_dict(config).items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def describe():
+    """Every key with its default, for `train.py --help`."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        if cls is ModelConfig:
+            lines.append("  preset = (unset)  # a paper size (e.g. \"275m\"): sets n_embd, n_layer, n_head")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {f.name} = {'(unset)' if default is None else _toml_value(default)}")
+    return "\n".join(lines)
+
+
+def _toml_value(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # repr's 1e-05, inf and nan are TOML too
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _field_types(section):
+    return typing.get_type_hints(SECTIONS[section])
+
+
+def _check_key(section, key, where):
+    if (section, key) == ("model", "preset"):
+        return str
+    types_ = _field_types(section)
+    if key not in types_:
+        allowed = ["preset", *types_] if section == "model" else types_
+        raise ConfigError(f"unknown key {key!r} in [{section}] ({where}); [{section}] allows: {', '.join(allowed)}")
+    return types_[key]
+
+
+def _parse_override(arg):
+    """`--section.key=value`: the value is read as a TOML value (so 3e-4, true and [0.9, 0.95]
+    mean what they say), except for text fields, which take it verbatim."""
+    name, eq, raw = arg.removeprefix("--").partition("=")
+    section, dot, key = name.partition(".")
+    if not arg.startswith("--") or not eq or not dot:
+        raise ConfigError(f"cannot read the argument {arg!r}; overrides look like --section.key=value, "
+                          f"sections: {', '.join(SECTIONS)}")
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section in {arg!r}; allowed sections: {', '.join(SECTIONS)}")
+    typ = _check_key(section, key, "command line")
+    if _takes_text(typ):
+        value = raw
+    elif raw.strip().lower() in ("none", "null") and _optional(typ):
+        value = None
+    else:
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # not a number, bool or list; _coerce names the type that was expected
+    return section, key, _coerce(section, key, value, "command line")
+
+
+def _optional(typ):
+    return typing.get_origin(typ) in (typing.Union, types.UnionType) and type(None) in typing.get_args(typ)
+
+
+def _takes_text(typ):
+    if _optional(typ):
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    return typ is str or (typing.get_origin(typ) is Literal and all(isinstance(a, str) for a in typing.get_args(typ)))
+
+
+def _coerce(section, key, value, where):
+    typ = _check_key(section, key, where)
+    try:
+        return _as_type(value, typ)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"[{section}] {key} = {value!r} ({where}): {e}") from None
+
+
+def _as_type(value, typ):
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if _optional(typ):
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _as_type(value, inner[0] if len(inner) == 1 else typing.Union[tuple(inner)])
+    if origin in (typing.Union, types.UnionType):
+        for option in args:
+            try:
+                return _as_type(value, option)
+            except (TypeError, ValueError):
+                pass
+        raise TypeError(f"expected one of: {', '.join(getattr(a, '__name__', str(a)) for a in args)}")
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"choose one of: {', '.join(map(str, args))}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"expected a list, like [{', '.join('1' for _ in args[:2])}]")
+        if origin is tuple and ... not in args and len(value) != len(args):
+            raise ValueError(f"expected a list of {len(args)} values")
+        element = args[0] if args else typing.Any
+        return origin(_as_type(v, element) for v in value)
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise TypeError("expected true or false")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError("expected an integer (underscores are fine: 589_824)")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)):
+            raise TypeError("expected a number")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            raise TypeError("expected a string in quotes")
+        return value
+    if typ is typing.Any:
+        return value
+    raise TypeError(f"unsupported field type {typ}")

@@ -1,0 +1,133 @@
+"""config.py: defaults are the paper's run, file and command line override them in that order,
+every mistake is one ConfigError naming what is allowed, and every shipped config resolves."""
+
+import glob
+import os
+import tomllib
+
+import pytest
+
+from config import ConfigError, check, load_config, to_toml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAPER_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "paper", "**", "*.toml"), recursive=True))
+
+
+def write(tmp_path, text, name="run.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_are_the_papers_headline_run():
+    cfg = load_config()
+    m, t = cfg.model, cfg.train
+    assert (m.n_layer, m.n_embd, m.n_head, m.block_size) == (12, 768, 16, 512)
+    assert (m.pe, m.bam_init, m.bam_per_layer) == ("bam", "alibi", True)
+    assert (t.optimizer, t.betas, t.weight_decay, t.lr, t.warmup_steps) == ("radam", (0.9, 0.95), 0.1, 1e-3, 0)
+    assert (t.decay, t.min_lr_frac, t.grad_clip) == ("cosine", 0.1, 1.0)
+    assert (t.tokens_per_step, t.max_steps, t.doc_mask, t.prior_lr) == (589_824, 20_000, True, None)
+    assert cfg.log.wandb == "disabled"
+    check(cfg, world_size=8)  # the default batch fits one 8-GPU node
+
+
+def test_file_then_command_line_override_defaults(tmp_path):
+    path = write(tmp_path, '[model]\npe = "rope"\nn_layer = 4\n[train]\nlr = 3e-4\nbetas = [0.8, 0.9]\n')
+    cfg = load_config(path, ["--model.n_layer=2", "--train.prior_lr=1e-2", "--log.run_name=007",
+                             "--train.doc_mask=false", "--model.ssmax=true"])
+    assert (cfg.model.pe, cfg.model.n_layer, cfg.model.ssmax) == ("rope", 2, True)
+    assert (cfg.train.lr, cfg.train.betas, cfg.train.prior_lr, cfg.train.doc_mask) == (3e-4, (0.8, 0.9), 1e-2, False)
+    assert cfg.log.run_name == "007"  # text fields take the command line verbatim
+    assert cfg.log.out_dir == os.path.join("runs", "run")  # one run dir per config file by default
+    assert load_config(path, ["--train.prior_lr=none"]).train.prior_lr is None
+    assert load_config(path, ["--train.lr=1"]).train.lr == 1.0  # an integer is a fine float
+
+
+def test_preset_sets_the_size_and_explicit_keys_win(tmp_path):
+    cfg = load_config(write(tmp_path, '[model]\npreset = "275m"\nn_layer = 3\n'))
+    assert (cfg.model.n_embd, cfg.model.n_head, cfg.model.n_layer) == (1152, 24, 3)
+    with pytest.raises(ConfigError, match="121m"):
+        load_config(None, ["--model.preset=huge"])
+
+
+@pytest.mark.parametrize("text,overrides,expected", [
+    ("[optim]\nlr = 1\n", [], r"unknown section \[optim\].*allowed sections: \[model\], \[data\], \[train\], \[log\]"),
+    ("[train]\nlrr = 1\n", [], r"unknown key 'lrr' in \[train\].*allows: tokens_per_step, max_steps, optimizer, lr"),
+    ("", ["--model.heads=4"], r"unknown key 'heads' in \[model\].*allows: preset, vocab_size, n_layer, n_head"),
+    ("", ["--optim.lr=1"], r"unknown section.*allowed sections: model, data, train, log"),
+    ("[train]\nmax_steps = 1.5\n", [], r"\[train\] max_steps = 1.5.*expected an integer"),
+    ("", ["--train.max_steps=ten"], r"\[train\] max_steps = 'ten'.*expected an integer"),
+    ("", ["--train.compile=yes"], r"expected true or false"),
+    ("", ["--train.betas=0.9"], r"expected a list"),
+    ("", ["--train.betas=[0.9]"], r"expected a list of 2 values"),
+    ("", ["--train.optimizer=sgd"], r"optimizer = 'sgd'.*choose one of: radam, adamw"),
+    ("", ["--log.wandb=on"], r"choose one of: disabled, offline, online"),
+    ("", ["--model.pe=xpos"], r"\[model\].*xpos.*nope, rope, alibi, sinusoidal, bam"),
+    ("", ["--train.lr"], r"overrides look like --section.key=value"),
+    ("", ["--train.tokens_per_step=1000"],
+     r"tokens_per_step = 1000 is not a multiple of data.batch_size x model.block_size x world size = 48 x 512 x 1"),
+    ("", ["--train.warmup_steps=30000"], r"warmup_steps = 30000 is more than train.max_steps = 20000"),
+    ("", ["--train.min_lr_frac=2"], r"min_lr_frac = 2.0 must be between 0 and 1"),
+    ("", ["--train.lr=0"], r"train.lr = 0.0 must be greater than 0"),
+    ("[train\n", [], r"not valid TOML"),
+])
+def test_mistakes_are_one_clear_error(tmp_path, text, overrides, expected):
+    with pytest.raises(ConfigError, match=expected) as info:
+        load_config(write(tmp_path, text), overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.toml"))
+
+
+def test_batch_that_cannot_split_over_the_ranks_names_the_batch_sizes_that_can():
+    cfg = load_config(None, ["--data.batch_size=36"])
+    with pytest.raises(ConfigError, match=r"36 x 512 x 3 = 55296; data.batch_size values that fit: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32$"):
+        check(cfg, world_size=3)
+    check(cfg, world_size=4)
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(None, ["--model.pe=alibi", "--train.prior_lr=0.01", "--log.run_name=a \"quoted\" name\\",
+                             "--train.betas=[0.9, 0.99]", "--log.out_dir=runs/x"])
+    text = to_toml(cfg)
+    tomllib.loads(text)  # valid TOML
+    assert load_config(write(tmp_path, text)) == cfg
+    # None has no TOML spelling: written as a comment, read back as the default
+    assert load_config(write(tmp_path, to_toml(load_config()), "b.toml")).train.prior_lr is None
+
+
+def test_tiny_config_is_small():
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.toml"))
+    assert cfg.model.n_layer <= 4 and cfg.model.n_embd <= 128 and not cfg.train.compile
+    assert cfg.data.data_dir == "data/demo" and cfg.log.out_dir == os.path.join("runs", "tiny")
+
+
+def test_paper_configs_cover_every_encoding_with_and_without_ssmax_at_both_lengths():
+    seen = set()
+    for path in PAPER_CONFIGS:
+        cfg = load_config(path)
+        assert cfg.train.tokens_per_step == 589_824 and cfg.train.max_steps == 20_000, path
+        assert cfg.train.optimizer == "radam" and cfg.model.block_size in (512, 1024), path
+        for world_size in (1, 2, 4, 8):
+            check(cfg, world_size)  # every paper run fits one GPU and one 8-GPU node
+        seen.add((cfg.model.pe, cfg.model.ssmax, cfg.model.block_size, cfg.model.n_layer))
+        # the file name says what the file trains
+        name = os.path.basename(path)
+        assert name.startswith(cfg.model.pe + ("_ssmax_" if cfg.model.ssmax else "_") + str(cfg.model.block_size)), path
+    for pe in ("nope", "sinusoidal", "rope", "alibi", "bam"):
+        for ssmax in (False, True):
+            for context in (512, 1024):
+                assert (pe, ssmax, context, 12) in seen, (pe, ssmax, context)
+    # the paper's other model sizes, for its headline variant
+    assert {(6, 512), (8, 768), (15, 1152), (18, 1536), (24, 2048)} <= {
+        (load_config(p).model.n_layer, load_config(p).model.n_embd) for p in PAPER_CONFIGS}
+
+
+def test_paper_configs_are_short():
+    for path in PAPER_CONFIGS:
+        with open(path) as f:
+            settings = [line for line in f if line.strip() and not line.lstrip().startswith(("#", "["))]
+        assert len(settings) <= 4, path

@@ -1,0 +1,336 @@
+"""train.py end to end on CPU: learning on real text, torchrun/gloo against gradient accumulation,
+exact resume without replaying data, a kill during a checkpoint write, non-finite losses, clear
+errors, wandb offline, and what lands in metrics.jsonl and the checkpoints."""
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import train
+from config import load_config, to_dict
+from model import Transformer, load_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ACCUM = 2  # micro-batches per step in one process (tokens_per_step = 2 x batch 2 x 32)
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """Random tokens with an EOT every ~40: enough to test mechanics, nothing to learn."""
+    path = tmp_path_factory.mktemp("synthetic")
+    rng = np.random.default_rng(0)
+    for name, n in (("syn_val_000000.bin", 4_000), ("syn_train_000001.bin", 3_000), ("syn_train_000002.bin", 20_000)):
+        tokens = rng.integers(0, 2_000, n)
+        tokens[rng.random(n) < 1 / 40] = data.EOT
+        data.write_shard(str(path / name), tokens)
+    return str(path)
+
+
+def small_config(tmp_path, data_dir, extra=""):
+    """A 2-layer BAM + SSMax model small enough that a step takes a few ms."""
+    path = tmp_path / "small.toml"
+    path.write_text(textwrap.dedent(f"""\
+        [model]
+        n_layer = 2
+        n_embd = 32
+        n_head = 4
+        block_size = 32
+        ssmax = true
+        [data]
+        data_dir = "{data_dir}"
+        batch_size = 2
+        [train]
+        tokens_per_step = {ACCUM * 2 * 32}
+        max_steps = 6
+        prior_lr = 2e-3
+        warmup_steps = 2
+        val_every = 3
+        val_tokens = 256
+        ckpt_every = 1
+        keep_last = 2
+        compile = false
+        dtype = "float32"
+        [log]
+        log_every = 1
+        """) + extra)
+    return str(path)
+
+
+def rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def newest(run_dir):
+    return torch.load(sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*.pt")))[-1], weights_only=True)
+
+
+def relative_difference(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def test_lr_schedule():
+    t = load_config(None, ["--train.max_steps=100", "--train.warmup_steps=10", "--train.min_lr_frac=0.1"]).train
+    assert [train.lr_multiplier(s, t) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert train.lr_multiplier(10, t) == pytest.approx(1.0)
+    assert train.lr_multiplier(55, t) == pytest.approx(0.55)  # half way through the cosine: the mean
+    assert train.lr_multiplier(100, t) == pytest.approx(0.1)  # ends at the floor, never below
+    multipliers = [train.lr_multiplier(s, t) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(multipliers, multipliers[1:]))
+    t.decay = "linear"
+    assert train.lr_multiplier(55, t) == pytest.approx(0.55) and train.lr_multiplier(32.5, t) == pytest.approx(0.775)
+    t.decay = "constant"
+    assert train.lr_multiplier(99, t) == 1.0
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, synthetic, monkeypatch):
+    cfg = small_config(tmp_path, synthetic)
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    train.main([cfg, f"--log.out_dir={straight}"])
+
+    # The same run stopped right after its step-3 checkpoint, as a preempted job would be.
+    save_atomic = train.save_atomic
+
+    def save_then_stop(obj, path):
+        save_atomic(obj, path)
+        if path.endswith("step_00000003.pt"):
+            raise KeyboardInterrupt
+    monkeypatch.setattr(train, "save_atomic", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        train.main([cfg, f"--log.out_dir={resumed}"])
+    monkeypatch.setattr(train, "save_atomic", save_atomic)
+
+    # Resuming seeks the loader: it reads only the batches of the remaining steps.
+    reads = []
+    next_batch = data.ShardLoader.next_batch
+    monkeypatch.setattr(data.ShardLoader, "next_batch", lambda self: reads.append(self.split) or next_batch(self))
+    train.main([cfg, f"--log.out_dir={resumed}", "--resume"])
+    assert reads.count("train") == 3 * ACCUM
+
+    def comparable(run_dir):  # everything but the wall clock
+        return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in rows(run_dir)]
+    assert comparable(resumed) == comparable(straight)  # losses, val losses, lrs, grad norms, priors
+    assert [row["step"] for row in rows(resumed)] == list(range(7))  # no duplicated rows
+    a, b = newest(straight), newest(resumed)
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    for i, state in a["optimizer"]["state"].items():
+        for key in state:
+            assert torch.equal(state[key], b["optimizer"]["state"][i][key]), (i, key)
+    assert a["loader"] == b["loader"] and a["step"] == b["step"] == 6 and a["tokens_seen"] == 6 * ACCUM * 64
+
+
+def test_run_directory_checkpoints_and_metrics(tmp_path, synthetic):
+    cfg = small_config(tmp_path, synthetic)
+    run = str(tmp_path / "run")
+    train.main([cfg, f"--log.out_dir={run}"])
+
+    names = sorted(os.listdir(os.path.join(run, "checkpoints")))
+    assert names == ["best.pt", "step_00000005.pt", "step_00000006.pt"]  # keep_last = 2, plus the best
+    resolved = load_config(cfg, [f"--log.out_dir={run}"])
+    assert load_config(os.path.join(run, "config.toml")) == resolved
+    ckpt = newest(run)
+    assert ckpt["config"] == to_dict(resolved) and ckpt["model_config"] == to_dict(resolved)["model"]
+    assert set(ckpt) >= {"model", "optimizer", "step", "loader", "rng", "best_val_loss", "tokens_seen"}
+
+    table = rows(run)
+    assert table[0]["step"] == 0 and "val_loss" in table[0]  # the untrained model's val loss
+    assert [r["step"] for r in table if "val_loss" in r] == [0, 3, 6]
+    for row in table[1:]:
+        assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "prior"} <= set(row)
+        assert "mfu" not in row  # no known peak on a CPU
+        prior = row["prior"]
+        for kind in ("bam_shape", "bam_log_scale", "ssmax_scale"):
+            assert np.shape(prior[kind]) == (2, 4), kind  # every head of every layer
+    shapes = np.array([row["prior"]["bam_shape"] for row in table])
+    assert not np.allclose(shapes[0], shapes[-1])  # they evolve, and the evolution is recorded
+
+    # best.pt is the lowest validation loss, loadable on its own
+    best_step = min((r for r in table if "val_loss" in r), key=lambda r: r["val_loss"])["step"]
+    assert torch.load(os.path.join(run, "checkpoints", "best.pt"), weights_only=True)["step"] == best_step
+    assert isinstance(load_model(os.path.join(run, "checkpoints", "best.pt")), Transformer)
+
+    # param groups: the prior and SSMax parameters have their own lr and no weight decay
+    groups = {g["name"]: g for g in ckpt["optimizer"]["param_groups"]}
+    assert groups["prior"]["lr"] == pytest.approx(2 * groups["decay"]["lr"])  # prior_lr 2e-3 vs lr 1e-3
+    assert (groups["decay"]["weight_decay"], groups["no_decay"]["weight_decay"], groups["prior"]["weight_decay"]) == (0.1, 0, 0)
+    assert len(groups["prior"]["params"]) == 2 * 3  # per layer: BAM shape and log-scale, SSMax scale
+
+
+def test_ddp_with_gloo_matches_gradient_accumulation(tmp_path, synthetic):
+    cfg = small_config(tmp_path, synthetic)
+    single, ddp = str(tmp_path / "single"), str(tmp_path / "ddp")
+    train.main([cfg, f"--log.out_dir={single}", "--train.max_steps=4"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "train.py", cfg, f"--log.out_dir={ddp}", "--train.max_steps=4"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 x 32 x 2 ranks x 1 accumulation steps" in proc.stdout  # really two ranks, no accumulation
+
+    one, two = rows(single), rows(ddp)
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for a, b in zip(one, two):
+        for key in ("loss", "val_loss", "grad_norm"):
+            if key in a:
+                assert abs(a[key] - b[key]) / abs(a[key]) < 1e-5, (a["step"], key, a[key], b[key])
+    a, b = newest(single)["model"], newest(ddp)["model"]
+    for name in a:
+        assert relative_difference(b[name], a[name]) < 1e-5, name
+
+
+KILLER = """
+import os, signal, sys, torch
+import train
+real_save, calls = torch.save, []
+
+def dying_save(obj, f, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:  # the second checkpoint: write some of it, then die like a preempted node
+        f.write(b"PK\\x03\\x04 half a checkpoint")
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, f, *args, **kwargs)
+
+torch.save = dying_save
+train.main(sys.argv[1:])
+"""
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, synthetic):
+    cfg = small_config(tmp_path, synthetic)
+    run = str(tmp_path / "killed")
+    args = [cfg, f"--log.out_dir={run}", "--train.val_every=0", "--train.ckpt_every=2", "--model.pe=alibi"]
+    proc = subprocess.run([sys.executable, "-c", KILLER, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    ckpt_dir = os.path.join(run, "checkpoints")
+    assert os.path.exists(os.path.join(ckpt_dir, "step_00000004.pt.tmp"))  # died mid-write
+    assert sorted(glob.glob(os.path.join(ckpt_dir, "step_*.pt"))) == [os.path.join(ckpt_dir, "step_00000002.pt")]
+    assert newest(run)["step"] == 2
+    assert isinstance(load_model(run), Transformer)
+
+    train.main(args + ["--resume"])
+    assert newest(run)["step"] == 6 and not glob.glob(os.path.join(ckpt_dir, "*.tmp"))
+    assert [r["step"] for r in rows(run)] == list(range(1, 7))
+    assert np.shape(rows(run)[-1]["prior"]["alibi_slope"]) == (1, 4)  # ALiBi's fixed slopes, shared by layers
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, synthetic, monkeypatch, capsys):
+    class BlowsUpAtStep3(Transformer):
+        micro_steps = 0
+
+        def forward(self, *args, **kwargs):
+            logits, loss = super().forward(*args, **kwargs)
+            if self.training:
+                BlowsUpAtStep3.micro_steps += 1
+                if BlowsUpAtStep3.micro_steps > 2 * ACCUM:
+                    loss = loss * float("nan")
+            return logits, loss
+    monkeypatch.setattr(train, "Transformer", BlowsUpAtStep3)
+    run = str(tmp_path / "nan")
+    with pytest.raises(SystemExit) as info:
+        train.main([small_config(tmp_path, synthetic), f"--log.out_dir={run}", "--train.val_every=0"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "error: non-finite loss or gradient at step 3 (loss nan" in err and "step_00000002.pt" in err
+    assert newest(run)["step"] == 2 and [r["step"] for r in rows(run)] == [1, 2]
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["--train.lrr=1"], "unknown key 'lrr' in [train]"),
+    (["--train.optimizer=sgd"], "choose one of: radam, adamw"),
+    (["--train.max_steps=1e3"], "expected an integer"),
+    (["--train.tokens_per_step=100"], "is not a multiple of data.batch_size x model.block_size x world size"),
+    (["--data.data_dir=/nonexistent"], "data.data_dir = '/nonexistent' holds no *_train_*.bin shards"),
+    (["--model.vocab_size=1000"], "model.vocab_size = 1000 cannot hold the GPT-2 tokens"),
+    (["--model.block_size=4096", "--data.batch_size=1", "--train.tokens_per_step=4096", "--train.val_tokens=4096"],
+     "cannot use the shards in"),  # the validation split is shorter than one sequence
+])
+def test_bad_configs_fail_with_one_line_and_write_nothing(tmp_path, synthetic, capsys, overrides, expected):
+    run = str(tmp_path / "never")
+    with pytest.raises(SystemExit) as info:
+        train.main([small_config(tmp_path, synthetic), f"--log.out_dir={run}", *overrides])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    assert not os.path.exists(run)
+
+
+def test_cli_error_is_one_line_without_traceback_and_existing_runs_are_kept(tmp_path, synthetic):
+    cfg = small_config(tmp_path, synthetic)
+    proc = subprocess.run([sys.executable, "train.py", cfg, "--train.decay=exponential"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: [train] decay = 'exponential' (command line): choose one of: cosine, linear, constant"]
+
+    run = str(tmp_path / "done")
+    short = [f"--log.out_dir={run}", "--train.max_steps=1", "--train.warmup_steps=0"]
+    train.main([cfg, *short])
+    before = {p: os.path.getmtime(p) for p in glob.glob(os.path.join(run, "**", "*"), recursive=True)}
+    proc = subprocess.run([sys.executable, "train.py", cfg, *short],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "already holds checkpoints" in proc.stderr and "--resume" in proc.stderr
+    assert {p: os.path.getmtime(p) for p in before} == before
+
+    # resuming with a different model is refused; a longer run is allowed
+    with pytest.raises(SystemExit):
+        train.main([cfg, *short, "--resume", "--model.n_layer=3"])
+    train.main([cfg, *short, "--resume", "--train.max_steps=2"])
+    assert newest(run)["step"] == 2
+
+
+def test_wandb_offline_writes_its_files(tmp_path, synthetic, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = str(tmp_path / "wandb_run")
+    train.main([small_config(tmp_path, synthetic), f"--log.out_dir={run}", "--log.wandb=offline",
+                "--train.max_steps=2", "--log.run_name=test"])
+    [log_file] = glob.glob(os.path.join(run, "wandb", "offline-run-*", "run-*.wandb"))
+    with open(log_file, "rb") as f:
+        logged = f.read()
+    for key in (b"loss", b"val_loss", b"grad_norm", b"tokens_per_s", b"prior/bam_shape", b"prior/ssmax_scale"):
+        assert key in logged, key  # the metrics.jsonl columns went to wandb too
+    assert newest(run)["wandb_id"] in log_file  # a resumed run continues this wandb run
+
+
+def test_adamw_and_bf16_autocast(tmp_path, synthetic):
+    cfg = small_config(tmp_path, synthetic)
+    fp32, bf16 = str(tmp_path / "fp32"), str(tmp_path / "bf16")
+    for run, dtype in ((fp32, "float32"), (bf16, "bfloat16")):
+        train.main([cfg, f"--log.out_dir={run}", "--train.optimizer=adamw", f"--train.dtype={dtype}",
+                    "--train.max_steps=2", "--train.val_every=0"])
+    assert "amsgrad" in newest(bf16)["optimizer"]["param_groups"][0]  # AdamW's, not RAdam's
+    a, b = rows(fp32)[0]["loss"], rows(bf16)[0]["loss"]
+    assert 0 < abs(a - b) < 0.05, (a, b)  # autocast really ran in bf16, and stayed close
+
+
+@pytest.fixture(scope="module")
+def demo_corpus(tmp_path_factory):
+    """Real English text (Python's own documentation) through the real tokenizer and shard writer."""
+    path = str(tmp_path_factory.mktemp("demo"))
+    proc = subprocess.run([sys.executable, "prepare_fineweb.py", "--source", "demo", "--out_dir", path,
+                           "--max_tokens", "150000", "--shard_size", "25000"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return path
+
+
+def test_tiny_config_lowers_the_loss_on_real_text(tmp_path, demo_corpus):
+    run = str(tmp_path / "tiny")
+    train.main(["configs/tiny.toml", f"--data.data_dir={demo_corpus}", f"--log.out_dir={run}",
+                "--train.max_steps=40", "--train.val_every=40", "--train.val_tokens=8192", "--train.ckpt_every=0"])
+    table = rows(run)
+    first_val, last_val = table[0]["val_loss"], table[-1]["val_loss"]
+    assert first_val == pytest.approx(math.log(50257), abs=0.5)  # untrained: about uniform
+    assert last_val < first_val - 2.5, (first_val, last_val)
+    train_losses = [r["loss"] for r in table if "loss" in r]
+    assert np.mean(train_losses[-2:]) < train_losses[0] - 2.5
