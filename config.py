@@ -83,23 +83,37 @@ class Config:
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "log": LogConfig}
 
 
+def _read_file(path, values, chain):
+    """Apply the TOML file at `path` to `values`. A top-level `base = "other.toml"` (relative to the
+    file) is applied first, so a family of configs can share one file and each say what differs."""
+    try:
+        with open(path, "rb") as f:
+            file_values = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    base = file_values.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"base in {path} must be the path of another config file, got {base!r}")
+        base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
+        if os.path.abspath(base_path) in chain:
+            raise ConfigError(f"{path}: base files include each other ({base_path})")
+        _read_file(base_path, values, chain + (os.path.abspath(path),))
+    for section, table in file_values.items():
+        if section not in SECTIONS or not isinstance(table, dict):
+            raise ConfigError(f"unknown section [{section}] in {path}; allowed sections: "
+                              + ", ".join(f"[{s}]" for s in SECTIONS) + " (and a top-level base = \"file\")")
+        for key, value in table.items():
+            values[section][key] = _coerce(section, key, value, path)
+
+
 def load_config(path=None, overrides=()):
     """Defaults, then the TOML file at `path` (if any), then `--section.key=value` overrides."""
     values = {name: {} for name in SECTIONS}
     if path is not None:
-        try:
-            with open(path, "rb") as f:
-                file_values = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path} is not valid TOML: {e}") from None
-        for section, table in file_values.items():
-            if section not in SECTIONS or not isinstance(table, dict):
-                raise ConfigError(f"unknown section [{section}] in {path}; allowed sections: "
-                                  + ", ".join(f"[{s}]" for s in SECTIONS))
-            for key, value in table.items():
-                values[section][key] = _coerce(section, key, value, path)
+        _read_file(path, values, chain=())
     for arg in overrides:
         section, key, value = _parse_override(arg)
         values[section][key] = value

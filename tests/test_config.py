@@ -131,3 +131,27 @@ def test_paper_configs_are_short():
         with open(path) as f:
             settings = [line for line in f if line.strip() and not line.lstrip().startswith(("#", "["))]
         assert len(settings) <= 4, path
+
+
+def test_base_file_is_applied_first_and_the_child_wins(tmp_path):
+    (tmp_path / "base.toml").write_text('[model]\nn_layer = 3\npe = "rope"\n[train]\nlr = 0.01\n')
+    (tmp_path / "child.toml").write_text('base = "base.toml"\n[model]\npe = "bam"\n')
+    cfg = load_config(str(tmp_path / "child.toml"), ["--train.lr=0.02"])
+    assert (cfg.model.n_layer, cfg.model.pe, cfg.train.lr) == (3, "bam", 0.02)
+    assert cfg.log.out_dir == os.path.join("runs", "child")  # named after the file given, not its base
+
+
+def test_base_files_that_include_each_other_are_an_error(tmp_path):
+    (tmp_path / "a.toml").write_text('base = "b.toml"\n')
+    (tmp_path / "b.toml").write_text('base = "a.toml"\n')
+    with pytest.raises(ConfigError, match="include each other"):
+        load_config(str(tmp_path / "a.toml"))
+    (tmp_path / "c.toml").write_text('base = "missing.toml"\n')
+    with pytest.raises(ConfigError, match="missing.toml does not exist"):
+        load_config(str(tmp_path / "c.toml"))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "**",
+                                                                 "*.toml"), recursive=True)))
+def test_every_shipped_config_loads(path):
+    load_config(path)

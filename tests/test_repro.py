@@ -1,0 +1,25 @@
+"""configs/repro/run.sh end to end, shortened: prepare the passkey corpus, train two encodings for a
+few steps, evaluate them and write the comparison report. Checks the pipeline, not the accuracies."""
+
+import json
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_repro_pipeline_smoke(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "runs"), DATA=str(tmp_path / "data"), STEPS="2",
+               LENGTHS="128,256", SAMPLES="2", RUNS="rope bam_ssmax@2")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "run.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = tmp_path / "runs"
+    for name in ("rope_seed1", "bam_ssmax_seed2"):
+        result = json.loads((runs / name / "eval" / "passkey.json").read_text())
+        assert [r["length"] for r in result["results"]] == [128, 256]
+        assert (runs / name / "eval" / "passkey.png").stat().st_size > 0
+    assert (runs / "bam_ssmax_seed2" / "eval" / "priors.png").exists()
+    assert "seed = 2" in (runs / "bam_ssmax_seed2" / "config.toml").read_text()
+    report = (runs / "report.md").read_text()
+    assert "rope_seed1" in report and "bam_ssmax_seed2" in report
