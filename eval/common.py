@@ -424,6 +424,18 @@ def validation_tokens(data_dir, max_tokens=None):
     return np.concatenate(pieces)
 
 
+def finish(results, json_path, folder, name, plot, table, verbose):
+    """An evaluator's last step: the final JSON and its PNG (when writing), and the table on stdout."""
+    if json_path:
+        write_json(json_path, results)
+        plot(results, os.path.join(folder, f"{name}.png"))
+    if verbose:
+        print(table(results))
+        if json_path:
+            print(f"wrote {json_path} and {name}.png")
+    return results
+
+
 def write_json(path, obj):
     """Temp file and rename: an interrupted run leaves the previous complete file, never half of one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

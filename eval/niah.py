@@ -34,7 +34,7 @@ import uuid
 import numpy as np
 
 from data import EOT
-from eval.common import (SCHEMA_VERSION, EvalError, Haystack, OutOfMemory, Parser, Sample, add_model_args,
+from eval.common import (finish, SCHEMA_VERSION, EvalError, Haystack, OutOfMemory, Parser, Sample, add_model_args,
                          autocast, draw_heatmap, encode_template, format_length, load_for_eval, model_device,
                          output_dir, parse_lengths, pick_dtype, progress_bar, repeat_haystack, run_cli,
                          score_length, settings_block, tokenizer, validation_tokens, write_json)
@@ -231,14 +231,7 @@ def evaluate_niah(source, lengths=None, max_factor=None, tasks=tuple(TASKS), hay
     finally:
         if bar is not None:
             bar.close()
-    if json_path:
-        write_json(json_path, results)
-        plot_niah(results, os.path.join(folder, f"{name}.png"))
-    if verbose:
-        print(format_table(results))
-        if json_path:
-            print(f"wrote {json_path} and {name}.png")
-    return results
+    return finish(results, json_path, folder, name, plot_niah, format_table, verbose)
 
 
 def evaluate_cell(model, prompts, task, haystack, length, samples, seed, batch_size, amp, bar):

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from data import EOT
-from eval.common import (SCHEMA_VERSION, EvalError, OutOfMemory, Parser, Sample, add_model_args, autocast,
+from eval.common import (finish, SCHEMA_VERSION, EvalError, OutOfMemory, Parser, Sample, add_model_args, autocast,
                          draw_heatmap, encode_template, format_length, load_for_eval, model_device, output_dir,
                          parse_lengths, pick_dtype, progress_bar, repeat_haystack, run_cli, score_length,
                          settings_block, tokenizer, write_json)
@@ -185,14 +185,7 @@ def evaluate_passkey(source, lengths=None, max_factor=None, samples=20, depths="
     finally:
         if bar is not None:
             bar.close()
-    if json_path:
-        write_json(json_path, results)
-        plot_passkey(results, os.path.join(folder, f"{name}.png"))
-    if verbose:
-        print(format_table(results))
-        if json_path:
-            print(f"wrote {json_path} and {name}.png")
-    return results
+    return finish(results, json_path, folder, name, plot_passkey, format_table, verbose)
 
 
 def default_name(depths, given_tokens):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from data import EOT, read_shard, shard_paths
-from eval.common import (SCHEMA_VERSION, EvalError, OutOfMemory, Parser, add_model_args, autocast, format_length,
+from eval.common import (finish, SCHEMA_VERSION, EvalError, OutOfMemory, Parser, add_model_args, autocast, format_length,
                          is_out_of_memory, load_for_eval, model_device, output_dir, parse_length, pick_dtype,
                          plan_batch, progress_bar, run_cli, settings_block, validation_tokens, write_json)
 
@@ -153,14 +153,7 @@ def evaluate_perplexity(source, length="64x", window=None, num_seqs=8, data_sour
     finally:
         if bar is not None:
             bar.close()
-    if json_path:
-        write_json(json_path, results)
-        plot_perplexity([results], os.path.join(folder, f"{name}.png"))
-    if verbose:
-        print(format_table(results))
-        if json_path:
-            print(f"wrote {json_path} and {name}.png")
-    return results
+    return finish(results, json_path, folder, name, lambda r, path: plot_perplexity([r], path), format_table, verbose)
 
 
 def perplexity_at(results, position):
