@@ -5,7 +5,7 @@ Attention cost per positional encoding and implementation, side by side in one r
     python bench/attention.py --quick         # smaller grid
     python bench/attention.py --device cuda   # GPU, bf16; absolute times are only meaningful there
 
-Part 1: forward+backward time and peak memory of one attention call with the paper's 12-layer head
+Part 1: forward+backward time (sdpa also as it runs inside a compiled model) and peak memory of one attention call with the paper's 12-layer head
 shapes (16 heads of 48), for T = 512 ... 4096, as ratios against NoPE on `sdpa` (flash) at the same T.
 FlexAttention has no backward on CPU, so there flex is timed forward-only (marked "fwd").
 Part 2: forward-only peak memory of flex for T = 4K ... 64K: it must grow linearly (x2 per doubling).
@@ -28,6 +28,9 @@ from model import ATTENTION, AttnContext, BAMPrior, ModelConfig, apply_rope, ali
 
 H, HD = 16, 48  # the paper's 12-layer model: 768 wide, 16 heads
 ENCODINGS = ["nope", "rope", "alibi", "bam", "bam+ssmax"]
+# The sdpa path as it runs inside a torch.compile'd model (train.compile = true): inductor fuses the
+# dense bias's elementwise passes.
+COMPILED_SDPA = torch.compile(ATTENTION["sdpa"])
 
 
 class PeakMemory:
@@ -89,12 +92,13 @@ def setup(encoding, T, device, dtype, requires_grad):
 def attention_call(encoding, impl, T, device, dtype, backward):
     q, k, v, pos, log_n, prior, scale, rope = setup(encoding, T, device, dtype, backward)
     block_mask = make_block_mask(None, T, device) if impl == "flex" else None
-    ctx = AttnContext(impl, pos, pos, None, log_n, rope, block_mask)
+    attend = ATTENTION[impl] if impl != "sdpa+compile" else COMPILED_SDPA
+    ctx = AttnContext(impl.split("+")[0], pos, pos, None, log_n, rope, block_mask)
 
     @torch.set_grad_enabled(backward)
     def run():
         qq, kk = (apply_rope(q, *rope), apply_rope(k, *rope)) if rope is not None else (q, k)
-        y = ATTENTION[impl](qq, kk, v, ctx, prior, scale)
+        y = attend(qq, kk, v, ctx, prior, scale)
         if backward:
             y.float().sum().backward()
         return y
@@ -128,6 +132,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="T = 512, 1024 and 4K ... 16K only")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lengths", default=None, help="comma-separated T for part 1 (default 512 ... 4096)")
+    ap.add_argument("--long_lengths", default=None, help="comma-separated T for part 2; '' skips it")
     args = ap.parse_args()
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -135,7 +141,9 @@ def main():
     print(f"# attention, 1 x {H} heads x {HD}, {dtype}, torch {torch.__version__}, {where}\n")
 
     lengths = [512, 1024] if args.quick else [512, 1024, 2048, 4096]
-    impls = ["sdpa", "flex", "eager"]
+    if args.lengths:
+        lengths = [int(t) for t in args.lengths.split(",")]
+    impls = ["sdpa", "sdpa+compile", "flex", "eager"]
     print("## forward + backward (flex forward only on CPU): time and peak memory, ratios vs nope/sdpa\n")
     print("| T | encoding | impl | pass | ms | x nope | peak MiB | x nope |")
     print("|---|---|---|---|---|---|---|---|")
@@ -143,8 +151,8 @@ def main():
         base = None
         for encoding in ENCODINGS:
             for impl in impls:
-                if impl == "eager" and T > 4096:
-                    continue
+                if (impl == "eager" and T > 4096) or (impl == "sdpa+compile" and encoding in ("nope", "rope")):
+                    continue  # nope/rope on sdpa are one flash call already
                 backward = not (impl == "flex" and device == "cpu")
                 t, mem = measure(attention_call(encoding, impl, T, device, dtype, backward), device, args.repeats)
                 if base is None:
@@ -154,6 +162,8 @@ def main():
                       f"{mem / 2**20:.1f} | {mem / base[1]:.2f} |", flush=True)
 
     long_lengths = [4096, 8192, 16384] if args.quick else [4096, 8192, 16384, 32768, 65536]
+    if args.long_lengths is not None:
+        long_lengths = [int(t) for t in args.long_lengths.split(",") if t]
     print("\n## forward only, long context: peak memory must grow linearly with T\n")
     print("| T | encoding | impl | ms | peak MiB | x previous T |")
     print("|---|---|---|---|---|---|")
