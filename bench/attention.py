@@ -17,12 +17,12 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.peak_memory import PeakMemory, fixed_mmap_threshold  # noqa: E402
 from model import ATTENTION, AttnContext, BAMPrior, ModelConfig, apply_rope, alibi_bias, make_block_mask, \
     rope_cos_sin  # noqa: E402
 
@@ -31,43 +31,6 @@ ENCODINGS = ["nope", "rope", "alibi", "bam", "bam+ssmax"]
 # The sdpa path as it runs inside a torch.compile'd model (train.compile = true): inductor fuses the
 # dense bias's elementwise passes.
 COMPILED_SDPA = torch.compile(ATTENTION["sdpa"])
-
-
-class PeakMemory:
-    """Peak extra memory (bytes) while the block runs."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def _rss(self):
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self):
-        while not self._done.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.001)
-
-    def __enter__(self):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            self.base = self.peak = self._rss()
-            self._done = threading.Event()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.bytes = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self._done.set()
-            self._thread.join()
-            self.bytes = max(self.peak, self._rss()) - self.base
 
 
 def setup(encoding, T, device, dtype, requires_grad):
@@ -123,11 +86,7 @@ def measure(run, device, repeats):
 
 
 def main():
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        # glibc raises its mmap threshold after large frees and then keeps freed blocks resident, which
-        # hides later peaks from the RSS sampler; a fixed threshold returns every large block on free.
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
-        os.execv(sys.executable, [sys.executable] + sys.argv)
+    fixed_mmap_threshold()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="T = 512, 1024 and 4K ... 16K only")

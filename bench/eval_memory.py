@@ -21,10 +21,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.peak_memory import PeakMemory, fixed_mmap_threshold  # noqa: E402
 
 SHAPES = {  # configs/tiny.toml's model and the paper's 12-layer model, both BAM + SSMax
     "tiny": dict(n_layer=4, n_embd=128, n_head=4, block_size=128),
@@ -34,38 +34,13 @@ DEFAULT_LENGTHS = {"tiny": "2K,4K,8K,16K,32K,64K", "121m": "4K,8K,12K,16K"}
 QUICK_LENGTHS = {"tiny": "4K,8K,16K,32K", "121m": "4K,12K"}
 
 
-class PeakRSS:
-    """High-water mark of this process's resident set while the block runs (bytes above the start)."""
-
-    def _rss(self):
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self):
-        while not self._done.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.001)
-
-    def __enter__(self):
-        self.base = self.peak = self._rss()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join()
-        self.bytes = max(self.peak, self._rss()) - self.base
-
-
 def measure(shape, length, device_name, impl):
     """Runs in the child process: one passkey forward at `length`, returns a dict of numbers."""
     import torch
 
     from eval.common import autocast, forward_bytes, pick_dtype, predict_spans
     from eval.passkey import PasskeyPrompts
-    from model import ModelConfig, Transformer, make_block_mask
+    from model import ModelConfig, Transformer
 
     torch.manual_seed(0)
     device = torch.device(device_name)
@@ -74,35 +49,21 @@ def measure(shape, length, device_name, impl):
     prompts = PasskeyPrompts()
     for warm in (256, 384):  # compile flex for a static, then a dynamic length
         predict_spans(model, [prompts.build(warm, 0.5, 12345)], amp)
-    if length > 8192:  # the block mask is built by a compiled function above 8K tokens
-        for warm in (8448, 8704):
-            make_block_mask(None, warm, device)
     sample = prompts.build(length, 0.5, 12345)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    with PeakMemory(device) as mem:
         t0 = time.perf_counter()
         predict_spans(model, [sample], amp)
-        torch.cuda.synchronize()
-        seconds, peak = time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
-    else:
-        with PeakRSS() as mem:
-            t0 = time.perf_counter()
-            predict_spans(model, [sample], amp)
-            seconds = time.perf_counter() - t0
-        peak = mem.bytes
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    peak = mem.bytes
     scored = len(sample.tokens) - sample.spans[0][0]
     return {"shape": shape, "length": length, "peak": peak, "seconds": seconds,
             "estimate": forward_bytes(model, 1, length, scored), "n_embd": model.config.n_embd}
 
 
 def main():
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        # glibc raises its mmap threshold after large frees and then keeps freed blocks resident, which
-        # hides later peaks from the RSS sampler; a fixed threshold returns every large block on free.
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
-        os.execv(sys.executable, [sys.executable] + sys.argv)
+    fixed_mmap_threshold()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shapes", default="tiny,121m")
