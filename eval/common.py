@@ -424,6 +424,14 @@ def validation_tokens(data_dir, max_tokens=None):
     return np.concatenate(pieces)
 
 
+def zero_stop(zero_streak, stop_after_zero, lengths, length):
+    """The `stopped` entry once `stop_after_zero` lengths in a row scored 0% (None to go on)."""
+    if stop_after_zero and zero_streak >= stop_after_zero and length != lengths[-1]:
+        return {"length": lengths[lengths.index(length) + 1],
+                "reason": f"{zero_streak} lengths in a row at 0% (--stop_after_zero)"}
+    return None
+
+
 def finish(results, json_path, folder, name, plot, table, verbose):
     """An evaluator's last step: the final JSON and its PNG (when writing), and the table on stdout."""
     if json_path:

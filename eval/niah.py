@@ -34,7 +34,7 @@ import uuid
 import numpy as np
 
 from data import EOT
-from eval.common import (finish, SCHEMA_VERSION, EvalError, Haystack, OutOfMemory, Parser, Sample, add_model_args,
+from eval.common import (finish, zero_stop, SCHEMA_VERSION, EvalError, Haystack, OutOfMemory, Parser, Sample, add_model_args,
                          autocast, draw_heatmap, encode_template, format_length, load_for_eval, model_device,
                          output_dir, parse_lengths, pick_dtype, progress_bar, repeat_haystack, run_cli,
                          score_length, settings_block, tokenizer, validation_tokens, write_json)
@@ -222,9 +222,9 @@ def evaluate_niah(source, lengths=None, max_factor=None, tasks=tuple(TASKS), hay
             if json_path:
                 write_json(json_path, results)
             zero_streak = zero_streak + 1 if scores and max(scores) == 0 else 0
-            if stop_after_zero and zero_streak >= stop_after_zero and length != lengths[-1]:
-                results["stopped"] = {"length": lengths[lengths.index(length) + 1],
-                                      "reason": f"{zero_streak} lengths in a row at 0% (--stop_after_zero)"}
+            stopped = zero_stop(zero_streak, stop_after_zero, lengths, length)
+            if stopped:
+                results["stopped"] = stopped
                 break
         else:
             results["complete"] = True

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from data import EOT
-from eval.common import (finish, SCHEMA_VERSION, EvalError, OutOfMemory, Parser, Sample, add_model_args, autocast,
+from eval.common import (finish, zero_stop, SCHEMA_VERSION, EvalError, OutOfMemory, Parser, Sample, add_model_args, autocast,
                          draw_heatmap, encode_template, format_length, load_for_eval, model_device, output_dir,
                          parse_lengths, pick_dtype, progress_bar, repeat_haystack, run_cli, score_length,
                          settings_block, tokenizer, write_json)
@@ -176,9 +176,9 @@ def evaluate_passkey(source, lengths=None, max_factor=None, samples=20, depths="
             if json_path:
                 write_json(json_path, results)
             zero_streak = zero_streak + 1 if correct == 0 else 0
-            if stop_after_zero and zero_streak >= stop_after_zero and length != lengths[-1]:
-                results["stopped"] = {"length": lengths[lengths.index(length) + 1],
-                                      "reason": f"{zero_streak} lengths in a row at 0% (--stop_after_zero)"}
+            stopped = zero_stop(zero_streak, stop_after_zero, lengths, length)
+            if stopped:
+                results["stopped"] = stopped
                 break
         else:
             results["complete"] = True
