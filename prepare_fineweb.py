@@ -52,6 +52,7 @@ DEFAULT_SHARD_SIZE = 100_000_000  # llm.c's shard size: 200 MB of uint16 per sha
 # The demo corpus is ~1M tokens; 50k-token shards give one validation shard of ~5% of it and
 # ~20 training shards, so the demo also exercises the loader's crossing of shard boundaries.
 DEMO_SHARD_SIZE = 50_000
+RETRIEVAL_SHARD_SIZE = 2**16
 LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 MANIFEST = "manifest.json"
@@ -429,7 +430,8 @@ def parse_args(argv=None):
                         help="local files for --source local: parquet, jsonl/json ('text' field), txt")
     parser.add_argument("--out_dir", required=True, help="directory for the shards and manifest.json")
     parser.add_argument("--shard_size", type=int, default=None,
-                        help=f"tokens per shard (default {DEFAULT_SHARD_SIZE:_}; demo {DEMO_SHARD_SIZE:_})")
+                        help=f"tokens per shard (default {DEFAULT_SHARD_SIZE:_}; demo {DEMO_SHARD_SIZE:_}; "
+                             f"retrieval {RETRIEVAL_SHARD_SIZE:_})")
     parser.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens")
     parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     parser.add_argument("--prefix", default=None,
@@ -439,6 +441,9 @@ def parse_args(argv=None):
                            help="fraction of the tokens that are passkey documents (default 0)")
     retrieval.add_argument("--retrieval_length", type=int, default=128,
                            help="longest passkey document in tokens, e.g. the training context (default 128)")
+    retrieval.add_argument("--retrieval_min_length", type=int, default=None,
+                           help="shortest passkey document (default half of --retrieval_length); equal to "
+                                "it: every document is exactly that long, one per training row")
     retrieval.add_argument("--retrieval_filler", default="mixed", choices=("garbage", "text", "mixed"),
                            help="filler: the passkey garbage sentences, real demo-corpus sentences, or both")
     retrieval.add_argument("--key_digits", type=int, default=5, help="digits of each pass key (default 5)")
@@ -452,6 +457,11 @@ def parse_args(argv=None):
         parser.error(f"--retrieval_fraction must be in [0, 1], got {args.retrieval_fraction}")
     if args.key_digits < 1 or args.retrieval_length < 1:
         parser.error("--key_digits and --retrieval_length must be positive integers")
+    if args.retrieval_min_length is None:
+        args.retrieval_min_length = args.retrieval_length // 2
+    if not 1 <= args.retrieval_min_length <= args.retrieval_length:
+        parser.error(f"--retrieval_min_length must be in [1, --retrieval_length={args.retrieval_length}], "
+                     f"got {args.retrieval_min_length}")
     if args.source in HUB_DATASETS:
         args.sample = args.sample or FINEWEB_SAMPLES[0]
         if args.sample not in FINEWEB_SAMPLES:
@@ -464,8 +474,11 @@ def parse_args(argv=None):
     for name in ("shard_size", "max_tokens", "workers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be a positive integer")
-    small = args.source in ("demo", "retrieval")
-    args.shard_size = args.shard_size or (DEMO_SHARD_SIZE if small else DEFAULT_SHARD_SIZE)
+    if args.shard_size is None:
+        # Passkey shards use 2**16: a multiple of every power-of-two context, so documents of exactly
+        # the context length stay aligned with training rows from one shard into the next.
+        args.shard_size = {"demo": DEMO_SHARD_SIZE, "retrieval": RETRIEVAL_SHARD_SIZE}.get(args.source,
+                                                                                          DEFAULT_SHARD_SIZE)
     args.prefix = args.prefix or ("fineweb" if args.source in HUB_DATASETS else args.source)
     if not args.prefix.replace("-", "").replace("_", "").replace(".", "").isalnum():
         parser.error(f"--prefix {args.prefix!r}: use letters, digits, '-', '_' or '.'")
@@ -478,7 +491,8 @@ def passkey_mixture(documents, args):
     from retrieval import RetrievalDocuments, mix, text_sentences
     real = text_sentences(demo_documents(args.workers)) if args.retrieval_filler != "garbage" else ()
     try:
-        synthetic = RetrievalDocuments(get_tokenizer(), args.retrieval_length, key_digits=args.key_digits,
+        synthetic = RetrievalDocuments(get_tokenizer(), args.retrieval_length, args.retrieval_min_length,
+                                       key_digits=args.key_digits,
                                        filler=args.retrieval_filler, real_sentences=real, seed=args.seed)
     except ValueError as e:
         raise PrepareError(e)
@@ -503,7 +517,8 @@ def main(argv=None):
             source = {"kind": "retrieval", "python": sys.version.split()[0]}
         if args.retrieval_fraction:
             source["retrieval"] = {k: getattr(args, k) for k in ("retrieval_fraction", "retrieval_length",
-                                                                  "retrieval_filler", "key_digits", "seed")}
+                                                                  "retrieval_min_length", "retrieval_filler",
+                                                                  "key_digits", "seed")}
         # Refuse an incompatible out_dir before touching the network or the directory.
         _check_out_dir(args.out_dir, _read_manifest(args.out_dir), prefix=args.prefix, source=source,
                        shard_size=args.shard_size, max_tokens=args.max_tokens)

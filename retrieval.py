@@ -10,9 +10,13 @@ choice per document), so a model cannot solve the task by spotting the one sente
 garbage.
 """
 
+import functools
 import random
 import re
 
+import torch
+
+from data import EOT
 from eval.passkey import GARBAGE, INFO, QUESTION, TASK
 
 FILLERS = ("garbage", "text", "mixed")
@@ -33,7 +37,13 @@ def text_sentences(documents, min_words=4, max_words=40):
 
 class RetrievalDocuments:
     """An endless, seeded stream of passkey documents of about `min_tokens` ... `max_tokens` GPT-2
-    tokens each (the count is approximate: filler is added a sentence at a time)."""
+    tokens each, counting the EOT that opens every document in a shard (the count is approximate:
+    filler is added a sentence at a time).
+
+    With `min_tokens == max_tokens` every document is exactly that many tokens: the filler is topped
+    up with the first words of one more sentence. Shards of such documents, trained at a context of
+    the same length, put exactly one whole document in every row of a batch (docs/repro.md).
+    """
 
     def __init__(self, enc, max_tokens, min_tokens=None, key_digits=5, filler="mixed", real_sentences=(),
                  seed=0):
@@ -59,6 +69,12 @@ class RetrievalDocuments:
         return self._lengths[sentence]
 
     def document(self):
+        while True:  # _exact() gives up on about one document in a thousand
+            text = self._draw()
+            if text is not None:
+                return text
+
+    def _draw(self):
         rng = self.rng
         key = str(rng.randrange(10 ** (self.key_digits - 1), 10 ** self.key_digits))
         budget = rng.randint(self.min_tokens, self.max_tokens) - self.overhead
@@ -75,7 +91,33 @@ class RetrievalDocuments:
             used += self._length(sentence)
         depth = rng.randint(0, len(filler))
         body = filler[:depth] + [INFO.format(key=key)] + filler[depth:]
-        return f"{TASK} {' '.join(body)} {QUESTION} {key}."
+        text = f"{TASK} {' '.join(body)} {QUESTION} {key}."
+        if self.min_tokens != self.max_tokens:
+            return text
+        return self._exact(text, body, key, source, g)
+
+    def _exact(self, text, body, key, source, g):
+        """`text` topped up to exactly max_tokens - 1 GPT-2 tokens (the EOT is the last one), or
+        None when that does not work out for this document (rare: then another one is drawn)."""
+        missing = self.max_tokens - 1 - len(self.enc.encode_ordinary(text))
+        if missing < 0:
+            return None
+        # The start of one more filler sentence (for garbage, the one that comes next in order).
+        # Garbage words are one token each, so its prefix always re-encodes to exactly `missing`
+        # tokens; a real sentence cut mid-word may not, and then the garbage one is used instead.
+        if source == "garbage":
+            g = (g - 1) % len(GARBAGE_SENTENCES)  # the sentence that did not fit
+        garbage = GARBAGE_SENTENCES[g:] + GARBAGE_SENTENCES[:g]
+        candidates = [" ".join(garbage * (1 + missing // len(garbage)))]
+        if source == "text":
+            candidates.insert(0, self.rng.choice(self.real))
+        for sentence in candidates:
+            top_up = self.enc.decode(self.enc.encode_ordinary(" " + sentence)[:missing]).strip()
+            topped = " ".join(body + [top_up]) if missing else " ".join(body)
+            exact = f"{TASK} {topped} {QUESTION} {key}."
+            if len(self.enc.encode_ordinary(exact)) == self.max_tokens - 1:
+                return exact
+        return None
 
     def __iter__(self):
         while True:
@@ -97,3 +139,43 @@ def mix(documents, synthetic, fraction, length_of):
             doc = next(synthetic)
             synthetic_tokens += length_of(doc)
             yield doc
+
+
+@functools.lru_cache(maxsize=None)
+def _patterns(enc):
+    """Token ids of the two places a key is asked for, and of every all-digit token."""
+    question = tuple(enc.encode_ordinary(" " + QUESTION))  # ... The pass key is| 12345.
+    remember = tuple(enc.encode_ordinary(INFO.split("{key}")[1].rstrip()))  # . Remember it.| 12345 is
+    digits = frozenset(i for i in range(enc.n_vocab - 1) if enc.decode([i]).strip().isdigit())
+    return question, remember, digits, enc.encode_ordinary(".")[0]
+
+
+def passkey_answer_targets(x, y, enc):
+    """Targets `y` (B, T) with every position set to -1 (ignored by the loss) except the tokens of a
+    passkey document that only a copy of its key can predict: the answer after "What is the pass
+    key? The pass key is" (the key and its full stop), and the key repeated in the information line
+    after "Remember it." (a copy over a few tokens, the same skill at a short distance).
+
+    A target counts only when its whole document is in the row (an EOT opens it there), so the
+    model is never asked for a key whose information line fell into the previous row.
+    """
+    question, remember, digits, full_stop = _patterns(enc)
+    out = torch.full_like(y, -1)
+    opened = torch.cumsum(x == EOT, dim=1) > 0  # an EOT at or before this position, in this row
+    y_list = y.tolist()
+    for pattern, then_full_stop in ((question, True), (remember, False)):
+        m = len(pattern)
+        if x.shape[1] < m:
+            continue
+        starts = (x.unfold(1, m, 1) == torch.tensor(pattern, device=x.device)).all(-1).nonzero().tolist()
+        for row, start in starts:
+            j = start + m - 1  # the pattern's last token: its target is the key's first token
+            if not opened[row, j]:
+                continue
+            k = j
+            while k < x.shape[1] and y_list[row][k] in digits:
+                out[row, k] = y_list[row][k]
+                k += 1
+            if then_full_stop and k < x.shape[1] and y_list[row][k] == full_stop:
+                out[row, k] = full_stop
+    return out

@@ -4,11 +4,12 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
-from data import EOT, get_tokenizer, read_shard, shard_paths
+from data import EOT, ShardLoader, get_tokenizer, read_shard, shard_paths
 from eval.passkey import INFO, QUESTION, TASK
 from prepare_fineweb import main as prepare_main
-from retrieval import RetrievalDocuments, mix
+from retrieval import RetrievalDocuments, mix, passkey_answer_targets
 
 REAL = ["Python is a programming language that lets you work quickly.",
         "The standard library contains built-in modules written in C.",
@@ -31,6 +32,55 @@ def test_documents_hold_one_key_answered_at_the_end(filler):
         if filler == "garbage":
             assert not any(s in text for s in REAL)
     assert len(depths) >= 4, "the information line must move through the document"
+
+
+@pytest.mark.parametrize("filler", ["garbage", "text", "mixed"])
+@pytest.mark.parametrize("length", [80, 128, 200])
+def test_exact_length_documents(filler, length):
+    enc = get_tokenizer()
+    docs = RetrievalDocuments(enc, length, min_tokens=length, filler=filler, real_sentences=REAL, seed=5)
+    for _ in range(100):
+        text = docs.document()
+        assert len(enc.encode_ordinary(text)) + 1 == length  # + the EOT that opens it in a shard
+        key = re.search(r"The pass key is (\d+)\. Remember it\.", text).group(1)
+        assert text.startswith(TASK) and text.endswith(f"{QUESTION} {key}.")
+
+
+def _row(enc, *texts):
+    return [t for text in texts for t in [EOT] + enc.encode_ordinary(text)]
+
+
+def test_answer_targets_keep_only_answers_of_whole_documents():
+    enc = get_tokenizer()
+    doc = f"{TASK} The sky is blue. {INFO.format(key='31415')} The sun is yellow. {QUESTION} 31415."
+    tail = enc.encode_ordinary(doc)[-20:]  # the end of a document whose start is in an earlier row
+    row = tail + _row(enc, doc) + _row(enc, "Some plain text.")
+    row2 = _row(enc, "Plain text only, no question here.") + [EOT] * (len(row) - 9)
+    row2 = row2[:len(row)]
+    tokens = torch.tensor([row + [EOT], row2 + [EOT]])
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    out = passkey_answer_targets(x, y, enc)
+    kept = out[0][out[0] != -1].tolist()
+    # The whole document's key twice (repeated in the information line, then the answer with its
+    # full stop); nothing from the document cut off at the row's start, nothing from plain text.
+    assert enc.decode(kept) == " 31415 31415."
+    assert (out[1] == -1).all()
+    # Each kept target is the true next token at that position.
+    assert torch.equal(out[out != -1], y[out != -1])
+
+
+def test_exact_documents_fill_one_row_each(tmp_path):
+    out = tmp_path / "pk"
+    prepare_main(["--source", "retrieval", "--max_tokens", "8000", "--shard_size", "800",
+                  "--retrieval_length", "80", "--retrieval_min_length", "80", "--workers", "1",
+                  "--retrieval_filler", "garbage", "--out_dir", str(out)])
+    loader = ShardLoader(str(out), "train", 4, 80)
+    enc = get_tokenizer()
+    for _ in range(5):  # across shard boundaries too
+        x, y, _ = loader.next_batch()
+        assert (x[:, 0] == EOT).all() and ((x == EOT).sum(1) == 1).all()
+        answers = passkey_answer_targets(x, y, enc)
+        assert ((answers != -1).sum(1) >= 3).all()  # every row: the key twice and a full stop
 
 
 def test_same_seed_same_documents():
@@ -74,4 +124,7 @@ def test_prepare_rejects_bad_retrieval_options(tmp_path):
         prepare_main(["--source", "retrieval", "--out_dir", str(tmp_path / "a")])
     with pytest.raises(SystemExit, match=r"must be in \[0, 1\]"):
         prepare_main(["--source", "demo", "--retrieval_fraction", "1.5", "--out_dir", str(tmp_path / "b")])
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(SystemExit, match="--retrieval_min_length must be in"):
+        prepare_main(["--source", "retrieval", "--max_tokens", "100", "--retrieval_min_length", "200",
+                      "--out_dir", str(tmp_path / "c")])
+    assert not any((tmp_path / d).exists() for d in "abc")
