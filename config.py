@@ -36,6 +36,10 @@ class DataConfig:
     # Sequences per micro-batch on each rank. The sequence length is model.block_size: the model is
     # trained at exactly its context, so there is one knob, not two that must agree.
     batch_size: int = 48
+    # Which next-token targets the loss counts: "all", or only the tokens of the synthetic passkey
+    # documents that copy their key (retrieval.passkey_answer_targets): a supervised retrieval task
+    # whose output layer runs at those few positions only (docs/repro.md).
+    loss_on: Literal["all", "passkey_answers"] = "all"
 
 
 @dataclass

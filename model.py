@@ -536,10 +536,13 @@ class Transformer(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------
 
-    def forward(self, idx, targets=None, doc_ids=None, last_k=None, kv_cache=None, start_pos=0):
+    def forward(self, idx, targets=None, doc_ids=None, last_k=None, kv_cache=None, start_pos=0,
+                sparse_targets=False):
         """idx (B, T) tokens -> (logits, loss). With `last_k`, logits (and loss) only for the last k
         positions: long-context evaluation never builds a T x vocab tensor. `doc_ids` (B, T) restricts
-        attention to earlier tokens of the same document."""
+        attention to earlier tokens of the same document. Targets of -1 are ignored by the loss; with
+        `sparse_targets` (most of them -1) the output layer runs only at the N other positions and the
+        logits are (N, vocab): the same loss for a fraction of the output layer's cost."""
         B, T = idx.shape
         ctx, pos_in_doc = self._context(B, T, idx.device, start_pos, doc_ids)
         x = self.tok_emb(idx)
@@ -549,6 +552,13 @@ class Transformer(nn.Module):
             x = block(x, ctx, self._prior_of_layer(layer), layer, kv_cache)
         if last_k is not None:
             x = x[:, -last_k:]
+        if sparse_targets:
+            keep = targets != -1
+            x, targets = x[keep], targets[keep]  # (N, C), (N,)
+            logits = self.lm_head(self.norm(x))
+            # No target in the batch: a zero loss that still reaches every parameter (not a NaN).
+            loss = F.cross_entropy(logits.float(), targets) if len(targets) else logits.sum() * 0 + x.sum() * 0
+            return logits, loss
         logits = self.lm_head(self.norm(x))
         loss = None
         if targets is not None:

@@ -31,8 +31,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from config import ConfigError, check, describe, load_config, to_dict, to_toml
-from data import EOT, ShardLoader
+from data import EOT, ShardLoader, get_tokenizer
 from model import Transformer
+from retrieval import passkey_answer_targets
 
 # Dense bf16 tensor-core peaks per GPU in TFLOPs, matched against the CUDA device name in this order.
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
@@ -131,16 +132,29 @@ def resume_conflicts(saved, current):
     return forbidden, allowed
 
 
+def next_batch(loader, loss_on, device):
+    """(x, y, doc_ids) on `device`, with y's ignored targets set to -1 as `data.loss_on` says."""
+    x, y, doc_ids = loader.next_batch()
+    if loss_on == "passkey_answers":
+        y = passkey_answer_targets(x, y, get_tokenizer())
+    return tuple(v.to(device, non_blocking=True) for v in (x, y, doc_ids))
+
+
+def loss_of(model, batch, doc_mask, loss_on):
+    x, y, doc_ids = batch
+    return model(x, y, doc_ids=doc_ids if doc_mask else None, sparse_targets=loss_on != "all")[1]
+
+
 @torch.no_grad()
-def evaluate(model, loader, batches, autocast, device, doc_mask, ddp):
+def evaluate(model, loader, batches, autocast, device, doc_mask, loss_on, ddp):
     # The same slice every time (reset), so val losses of one run compare across steps.
     model.eval()
     loader.reset()
     total = torch.zeros((), device=device)
     for _ in range(batches):
-        x, y, doc_ids = (t.to(device) for t in loader.next_batch())
+        batch = next_batch(loader, loss_on, device)
         with autocast:
-            _, loss = model(x, y, doc_ids=doc_ids if doc_mask else None)
+            loss = loss_of(model, batch, doc_mask, loss_on)
         total += loss.float()
     if ddp:
         dist.all_reduce(total)
@@ -211,6 +225,11 @@ def main(argv=None):
         val_loader = ShardLoader(data_dir, "val", batch_size, seq_len, rank, world_size) if t.val_every else None
     except (OSError, ValueError) as e:  # data.ShardError is a ValueError
         fail(f"cannot use the shards in {data_dir}: {e}", master)
+    if cfg.data.loss_on != "all":  # a look at the first batch (a fresh loader: nothing is consumed)
+        probe = ShardLoader(data_dir, "train", batch_size, seq_len, rank, world_size)
+        if not (next_batch(probe, cfg.data.loss_on, "cpu")[1] != -1).any():
+            fail(f"data.loss_on = {cfg.data.loss_on!r} but the first batch from {data_dir} has no passkey answer "
+                 f"to train on; prepare the data with --retrieval_fraction (docs/repro.md)", master)
     # A short validation split is used whole rather than read around twice.
     val_batches = min(t.val_tokens // (batch_size * seq_len * world_size), val_loader.batches_per_epoch) if val_loader else 0
 
@@ -255,7 +274,7 @@ def main(argv=None):
     for group in groups:
         group["lr"] = base_lr[group["name"]]
     if t.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, fused=device.type == "cuda")
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, fused=device.type in ("cuda", "cpu"))
     else:
         # The paper's optimiser; decoupled weight decay is AdamW-style, as in the official code.
         optimizer = torch.optim.RAdam(groups, lr=t.lr, betas=t.betas, eps=t.eps, decoupled_weight_decay=True)
@@ -331,7 +350,7 @@ def main(argv=None):
 
     def validate(step, row):
         nonlocal best_val_loss
-        row["val_loss"] = evaluate(model, val_loader, val_batches, autocast, device, t.doc_mask, ddp)
+        row["val_loss"] = evaluate(model, val_loader, val_batches, autocast, device, t.doc_mask, cfg.data.loss_on, ddp)
         if row["val_loss"] < best_val_loss:
             best_val_loss = row["val_loss"]
             if master:
@@ -355,13 +374,13 @@ def main(argv=None):
             group["lr"] = base_lr[group["name"]] * lr_scale
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(accum_steps):
-            x, y, doc_ids = (v.to(device, non_blocking=True) for v in train_loader.next_batch())
+            batch = next_batch(train_loader, cfg.data.loss_on, device)
             # Gradients are averaged across ranks only on the last micro-step; syncing on the
             # others would send the same bytes accum_steps times for nothing.
             sync = model.no_sync() if ddp and micro_step < accum_steps - 1 else nullcontext()
             with sync:
                 with autocast:
-                    _, loss = model(x, y, doc_ids=doc_ids if t.doc_mask else None)
+                    loss = loss_of(model, batch, t.doc_mask, cfg.data.loss_on)
                 # Summed gradients of mean losses over accum_steps micro-batches: divide to get the
                 # mean over the whole step, the same as one big batch.
                 (loss / accum_steps).backward()

@@ -303,6 +303,30 @@ def test_last_k_equals_slice_of_full_logits():
     torch.testing.assert_close(last, full[:, -3:])
 
 
+def test_sparse_targets_give_the_dense_loss_and_gradients():
+    model = make_model(pe="bam", ssmax=True)
+    idx, doc_ids = batch()
+    targets = torch.full_like(idx, -1)
+    targets[0, 5], targets[1, -1], targets[1, 7] = 3, 11, 2
+    grads = []
+    for sparse in (False, True):
+        model.zero_grad()
+        logits, loss = model(idx, targets, doc_ids=doc_ids, sparse_targets=sparse)
+        loss.backward()
+        grads.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()])
+        if sparse:
+            assert logits.shape == (3, VOCAB)
+        else:
+            dense_loss = loss
+    torch.testing.assert_close(loss, dense_loss)
+    for dense, sparse in zip(*grads):
+        torch.testing.assert_close(sparse, dense)
+    # A batch without a single target: a zero loss, not a NaN, and backward still works.
+    _, loss = model(idx, torch.full_like(idx, -1), doc_ids=doc_ids, sparse_targets=True)
+    loss.backward()
+    assert loss.item() == 0
+
+
 def test_gqa_matches_across_implementations():
     model = make_model(pe="bam", ssmax=True, n_kv_head=2)
     idx, doc_ids = batch()

@@ -252,6 +252,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, synt
     (["--train.tokens_per_step=100"], "is not a multiple of data.batch_size x model.block_size x world size"),
     (["--data.data_dir=/nonexistent"], "data.data_dir = '/nonexistent' holds no *_train_*.bin shards"),
     (["--model.vocab_size=1000"], "model.vocab_size = 1000 cannot hold the GPT-2 tokens"),
+    (["--data.loss_on=passkey_answers"], "has no passkey answer to train on"),
+    (["--data.loss_on=answers"], "choose one of: all, passkey_answers"),
     (["--model.block_size=4096", "--data.batch_size=1", "--train.tokens_per_step=4096", "--train.val_tokens=4096"],
      "cannot use the shards in"),  # the validation split is shorter than one sequence
 ])
