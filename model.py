@@ -547,7 +547,11 @@ class Transformer(nn.Module):
         ctx, pos_in_doc = self._context(B, T, idx.device, start_pos, doc_ids)
         x = self.tok_emb(idx)
         if self.config.pe == "sinusoidal":
-            x = x + sinusoidal_embedding(pos_in_doc, self.config.n_embd, self.config.sinusoidal_base).to(x.dtype)
+            # At the token embeddings' scale: the official code adds the unit-amplitude table to
+            # N(0, 1) embeddings; ours start at N(0, init_std), so the table is scaled alike. Unscaled it
+            # would outweigh the tokens 35 to 1 and the model hardly learns (docs/repro.md).
+            pe = sinusoidal_embedding(pos_in_doc, self.config.n_embd, self.config.sinusoidal_base)
+            x = x + (self.config.init_std * pe).to(x.dtype)
         for layer, block in enumerate(self.blocks):
             x = block(x, ctx, self._prior_of_layer(layer), layer, kv_cache)
         if last_k is not None:

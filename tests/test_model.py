@@ -259,6 +259,19 @@ def test_paper_prior_parameter_count():
     assert trainable == 2 * 16 * 12 == 384
 
 
+def test_sinusoidal_table_is_added_at_the_token_embeddings_scale():
+    """As in the official code (unit table on N(0, 1) embeddings): about 0.7 : 1 at init, not 35 : 1."""
+    model = make_model(pe="sinusoidal", n_embd=64)
+    seen = {}
+    model.blocks[0].register_forward_pre_hook(lambda module, args: seen.update(x=args[0]))
+    idx, _ = batch(B=2, T=16)
+    with torch.no_grad():
+        model(idx)
+        tokens = model.tok_emb(idx)
+    ratio = (seen["x"] - tokens).pow(2).mean().sqrt() / tokens.pow(2).mean().sqrt()
+    assert 0.5 < ratio < 1.0, ratio
+
+
 @pytest.mark.parametrize("pe,ssmax,kv", [("bam", True, 0), ("rope", False, 2), ("sinusoidal", False, 0),
                                          ("alibi", True, 0), ("nope", False, 0)])
 def test_kv_cache_generation_equals_full_recompute(pe, ssmax, kv):
