@@ -195,7 +195,7 @@ def priors_section(runs):
                                                           "shape min / median / max"], rows)
 
 
-def plots_section(runs, out_dir, extra):
+def plots_section(runs, out_dir, extra, run_plots=True):
     def link(path):
         return f"![]({os.path.relpath(path, out_dir)})" if path and os.path.isfile(path) else DASH
 
@@ -208,13 +208,14 @@ def plots_section(runs, out_dir, extra):
     rows = [[kind] + [link((get(r) or {}).get("_png")) for r in runs] for kind, get in kinds]
     lines = ["## Plots", ""]
     lines += [f"{link(path)}" for path in extra if os.path.isfile(path)] + [""]
-    return lines + table(["plot"] + [r["name"] for r in runs], rows)
+    return lines + (table(["plot"] + [r["name"] for r in runs], rows) if run_plots else [])
 
 
 def plot_passkey_lines(runs, path):
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    many = len(runs) > 6  # then the legend goes to the right of the axes, where it hides no line
+    fig, ax = plt.subplots(figsize=(10.0 if many else 7.5, 4.5 if many else 4.0))
     drawn = False
     for i, r in enumerate(runs):
         res = r["passkey"].get("passkey") or next(iter(r["passkey"].values()), None)
@@ -222,7 +223,9 @@ def plot_passkey_lines(runs, path):
             continue
         xs = [x["length"] for x in res["results"]]
         color = plt.get_cmap("tab10")(i % 10)
-        ax.plot(xs, [100 * x["accuracy"] for x in res["results"]], marker="o", label=r["name"], color=color)
+        style = ("-", "--", ":")[i // 10 % 3]  # tab10 has ten colours: more runs change the line
+        ax.plot(xs, [100 * x["accuracy"] for x in res["results"]], marker="o", label=r["name"], color=color,
+                linestyle=style)
         if block_size(r):
             ax.axvline(block_size(r), color=color, linestyle=":", linewidth=1)
         drawn = True
@@ -236,14 +239,17 @@ def plot_passkey_lines(runs, path):
     ax.set_ylabel("passkey accuracy (%)")
     ax.set_title("passkey retrieval, one line per run", fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if many:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
 
 
-def write_report(sources, out="report.md", positions=None, title="Evaluation report"):
+def write_report(sources, out="report.md", positions=None, title="Evaluation report", run_plots=True):
     runs = [load_run(s) for s in sources]
     names = [r["name"] for r in runs]
     for i, r in enumerate(runs):  # two runs called "eval" or "best" must still be told apart
@@ -268,7 +274,7 @@ def write_report(sources, out="report.md", positions=None, title="Evaluation rep
     lines = [f"# {title}", "", f"Runs: {listed}. Built by `python -m eval.report` from the "
              f"saved results (`RUN/eval/*.json`); rerun an evaluator to refresh its numbers.", ""]
     for section in (runs_section(runs), passkey_section(runs), niah_section(runs), perplexity_section(runs, positions),
-                    priors_section(runs), plots_section(runs, out_dir, extra)):
+                    priors_section(runs), plots_section(runs, out_dir, extra, run_plots)):
         lines += section + [""]
     with open(out, "w") as f:
         f.write("\n".join(lines))
@@ -283,13 +289,16 @@ def main(argv=None):
                     help="positions for the perplexity table, e.g. 512,4K,32K or 1x,8x (x = the smallest training "
                          "context among the runs; default: 1x, 2x, 4x, ... up to the longest evaluated)")
     ap.add_argument("--title", default="Evaluation report")
+    ap.add_argument("--no_run_plots", action="store_true",
+                    help="leave out the table of each run's own plots: for a report kept apart from the run "
+                         "folders (e.g. committed under docs/), the summary plots only")
     args = ap.parse_args(argv)
     positions = None
     if args.ppl_at:
         runs = [load_run(s) for s in args.sources]
         base = min((block_size(r) for r in runs if block_size(r)), default=512)
         positions = [parse_length(t, base) for t in args.ppl_at.split(",") if t.strip()]
-    print(f"wrote {write_report(args.sources, args.out, positions, args.title)}")
+    print(f"wrote {write_report(args.sources, args.out, positions, args.title, not args.no_run_plots)}")
     return 0
 
 
