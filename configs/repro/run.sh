@@ -1,36 +1,78 @@
 #!/usr/bin/env bash
 # The paper's headline on a CPU (docs/repro.md): train a tiny model per positional encoding at
-# context 128 on the demo corpus mixed with synthetic passkey documents, then ask each for the pass
-# key at 1x ... 64x its training length and write one comparison report.
+# context 128 on synthetic passkey documents, then ask each for the pass key at 1x ... 64x its
+# training length and write one comparison report.
 #
-#   bash configs/repro/run.sh                 # the full grid (about 30-40 minutes on 2 cores)
+#   bash configs/repro/run.sh                 # the full grid (about 35 minutes on 2 cores)
 #   STEPS=5 LENGTHS=128,256 SAMPLES=2 OUT=/tmp/smoke bash configs/repro/run.sh   # a smoke run
+#   RUNS="nope bam_ssmax_prior_lr" DIGITS=5 STEPS=2000 TOKENS=8388608 DATA=data/repro5 OUT=runs/repro5 \
+#       bash configs/repro/run.sh            # 5-digit keys: an induction copy, not only a lookup
+#
+# JOBS runs train at a time, each on (cores / JOBS) threads: two single-threaded runs get more done
+# on 2 cores than one run on both. With JOBS > 1 each run's progress bar goes to $OUT/<run>.log
+# (`tail -f runs/repro/*.log` to watch); with JOBS=1 it goes to the terminal.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-OUT=${OUT:-runs/repro}              # run directories and the report
+OUT=${OUT:-runs/repro}              # run directories, logs and the report
 DATA=${DATA:-data/repro}
-STEPS=${STEPS:-}                    # override configs/repro/base.toml's train.max_steps
+STEPS=${STEPS:-}                    # override configs/repro/base.toml's train.max_steps (800)
 LENGTHS=${LENGTHS:-1x,2x,4x,8x,16x,32x,64x}
 SAMPLES=${SAMPLES:-20}
-RUNS=${RUNS:-"nope rope rope@2 sinusoidal alibi alibi_ssmax bam bam@2 bam_ssmax"}  # name@seed
+RUNS=${RUNS:-"nope rope rope@2 sinusoidal alibi alibi_ssmax bam bam@2 bam_ssmax bam_ssmax@2
+              bam_ssmax_prior_lr bam_ssmax_prior_lr@2"}  # configs/repro/<name>.toml, @seed (default 1)
+JOBS=${JOBS:-2}
+DIGITS=${DIGITS:-2}                 # pass key digits, in training and evaluation alike (docs/repro.md)
+for run in $RUNS; do  # every name checked before any work starts
+  [[ -f configs/repro/${run%@*}.toml ]] || { echo "error: no configs/repro/${run%@*}.toml (a name in RUNS)" >&2; exit 1; }
+done
+CORES=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
+THREADS=$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))
 
-python prepare_fineweb.py --source demo --retrieval_fraction 0.5 --retrieval_length 128 --out_dir "$DATA"
+# Documents of exactly 128 tokens, so every training row is one whole document. 4M tokens are more
+# than base.toml's 800 steps x 4,096 tokens; longer runs (STEPS) may want more (TOKENS).
+TOKENS=${TOKENS:-4194304}
+python prepare_fineweb.py --source retrieval --retrieval_length 128 --retrieval_min_length 128 \
+    --retrieval_filler garbage --key_digits "$DIGITS" --max_tokens "$TOKENS" --out_dir "$DATA"
 
-dirs=()
+one_run() {  # name seed dir: train, then passkey and the learned priors
+  local name=$1 seed=$2 dir=$3
+  local extra=(--data.data_dir="$DATA" --train.seed="$seed" --log.out_dir="$dir")
+  [[ -n $STEPS ]] && extra+=(--train.max_steps="$STEPS")
+  echo "== train $name (seed $seed) -> $dir"
+  OMP_NUM_THREADS=$THREADS python train.py "configs/repro/$name.toml" "${extra[@]}"
+  echo "== passkey $name (seed $seed)"
+  OMP_NUM_THREADS=$THREADS python -m eval.passkey "$dir" --lengths "$LENGTHS" --samples "$SAMPLES" \
+      --digits "$DIGITS" --depths equidistant --stop_after_zero 0 --seed 0
+  python -m eval.priors "$dir"  # NoPE/RoPE/sinusoidal have no prior: it says so and exits 0
+}
+
+logged_run() {  # one_run with its output in <dir>.log; on failure, the log's end on stderr
+  if ! one_run "$@" > "$3.log" 2>&1; then
+    echo "error: $1 (seed $2) failed; the end of $3.log:" >&2
+    tail -n 5 "$3.log" >&2
+    return 1
+  fi
+  echo "== $1 (seed $2) done [$(( SECONDS - started ))s]"
+}
+
+mkdir -p "$OUT"
+dirs=() failed=0 started=$SECONDS
 for run in $RUNS; do
   name=${run%@*}; seed=1; [[ $run == *@* ]] && seed=${run#*@}
   dir="$OUT/${name}_seed$seed"
-  extra=(--data.data_dir="$DATA" --train.seed="$seed" --log.out_dir="$dir")
-  [[ -n $STEPS ]] && extra+=(--train.max_steps="$STEPS" --train.warmup_steps=0 --train.val_every=0)
-  echo "== train $name (seed $seed) -> $dir"
-  python train.py "configs/repro/$name.toml" "${extra[@]}"
-  echo "== passkey $name (seed $seed)"
-  python -m eval.passkey "$dir" --lengths "$LENGTHS" --samples "$SAMPLES" --depths equidistant \
-      --stop_after_zero 0 --seed 0
-  python -m eval.priors "$dir" || true   # NoPE/RoPE/sinusoidal have no prior: it says so and exits 0
   dirs+=("$dir")
+  if (( JOBS == 1 )); then
+    one_run "$name" "$seed" "$dir"
+    continue
+  fi
+  while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n || failed=1; done
+  echo "== $name (seed $seed): started, log in $dir.log [$(( SECONDS - started ))s]"
+  logged_run "$name" "$seed" "$dir" &
 done
+while (( $(jobs -rp | wc -l) > 0 )); do wait -n || failed=1; done
+(( failed )) && { echo "error: a run failed (above); the report is not written" >&2; exit 1; }
 
-python -m eval.report "${dirs[@]}" --out "$OUT/report.md" --title "Passkey retrieval past a 128-token training context (CPU)"
-echo "report: $OUT/report.md"
+python -m eval.report "${dirs[@]}" --out "$OUT/report.md" \
+    --title "Passkey retrieval past a 128-token training context (CPU)"
+echo "report: $OUT/report.md [$(( SECONDS - started ))s]"
