@@ -557,6 +557,10 @@ class Transformer(nn.Module):
         if last_k is not None:
             x = x[:, -last_k:]
         if sparse_targets:
+            if targets is None:
+                raise ValueError("sparse_targets needs targets: it computes logits only where they are not -1")
+            if last_k is not None and targets.shape[1] != x.shape[1]:
+                targets = targets[:, -last_k:]
             keep = targets != -1
             x, targets = x[keep], targets[keep]  # (N, C), (N,)
             logits = self.lm_head(self.norm(x))

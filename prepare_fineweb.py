@@ -482,6 +482,11 @@ def parse_args(argv=None):
     args.prefix = args.prefix or ("fineweb" if args.source in HUB_DATASETS else args.source)
     if not args.prefix.replace("-", "").replace("_", "").replace(".", "").isalnum():
         parser.error(f"--prefix {args.prefix!r}: use letters, digits, '-', '_' or '.'")
+    if args.retrieval_min_length == args.retrieval_length and args.retrieval_fraction == 1 \
+            and args.shard_size % args.retrieval_length:
+        # Not an error (the documents are still right), but the promise of one document per row breaks.
+        print(f"warning: --shard_size {args.shard_size} is not a multiple of --retrieval_length "
+              f"{args.retrieval_length}, so documents will not line up with training rows", file=sys.stderr)
     if args.workers is None:
         args.workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return args

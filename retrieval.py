@@ -59,6 +59,7 @@ class RetrievalDocuments:
         self._lengths = {}
         fixed = f"{TASK} {INFO.format(key='0' * key_digits)} {QUESTION} {'0' * key_digits}."
         self.overhead = self._length(fixed) + 4  # +EOT, and keys and joins may tokenise differently
+        self._zero_key = len(enc.encode_ordinary(" " + "0" * key_digits))
         if self.overhead >= self.max_tokens:
             raise ValueError(f"retrieval documents of {self.max_tokens} tokens leave no room for filler: the "
                              f"task, information line, question and answer alone take {self.overhead}")
@@ -69,15 +70,19 @@ class RetrievalDocuments:
         return self._lengths[sentence]
 
     def document(self):
-        while True:  # _exact() gives up on about one document in a thousand
+        for _ in range(1000):  # _exact() gives up on about one document in a thousand
             text = self._draw()
             if text is not None:
                 return text
+        raise ValueError(f"cannot fit a passkey document of {self.min_tokens}-{self.max_tokens} tokens with "
+                         f"{self.key_digits}-digit keys; use longer documents or shorter keys")
 
     def _draw(self):
         rng = self.rng
         key = str(rng.randrange(10 ** (self.key_digits - 1), 10 ** self.key_digits))
-        budget = rng.randint(self.min_tokens, self.max_tokens) - self.overhead
+        # The key appears three times; it may take more tokens than the all-zero key of `overhead`.
+        key_extra = 3 * max(0, len(self.enc.encode_ordinary(" " + key)) - self._zero_key)
+        budget = rng.randint(self.min_tokens, self.max_tokens) - self.overhead - key_extra
         source = self.filler if self.filler != "mixed" else rng.choice(("garbage", "text"))
         filler, used, g = [], 0, rng.randrange(len(GARBAGE_SENTENCES))
         while True:

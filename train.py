@@ -145,21 +145,41 @@ def loss_of(model, batch, doc_mask, loss_on):
     return model(x, y, doc_ids=doc_ids if doc_mask else None, sparse_targets=loss_on != "all")[1]
 
 
+def targets_in(batch, loss_on) -> int:
+    """How many targets a batch's mean loss averages over (1 for "all": every batch has the same)."""
+    return 1 if loss_on == "all" else int((batch[1] != -1).sum())
+
+
+def loss_weights(batches, loss_on, device, ddp, world_size):
+    """Weights of the micro-batches' mean losses that make the step's gradient the mean over every
+    target of the step on every rank (DDP then averages over ranks): n_i * world_size / N. That is
+    1 / accum_steps when every token is a target; passkey answers differ in number per micro-batch,
+    and one without any weighs nothing instead of pulling the mean towards 0."""
+    if loss_on == "all":
+        return [1 / len(batches)] * len(batches)  # no count to exchange: they are all equal
+    counts = [targets_in(b, loss_on) for b in batches]
+    total = torch.tensor(float(sum(counts)), device=device)
+    if ddp:
+        dist.all_reduce(total)
+    return [n * world_size / max(total.item(), 1.0) for n in counts]
+
+
 @torch.no_grad()
 def evaluate(model, loader, batches, autocast, device, doc_mask, loss_on, ddp):
     # The same slice every time (reset), so val losses of one run compare across steps.
     model.eval()
     loader.reset()
-    total = torch.zeros((), device=device)
+    total = torch.zeros(2, device=device)  # sum of (mean loss x its targets), targets
     for _ in range(batches):
         batch = next_batch(loader, loss_on, device)
         with autocast:
             loss = loss_of(model, batch, doc_mask, loss_on)
-        total += loss.float()
+        n = targets_in(batch, loss_on)
+        total += torch.stack([loss.float() * n, torch.tensor(float(n), device=device)])
     if ddp:
         dist.all_reduce(total)
     model.train()
-    return total.item() / (batches * (dist.get_world_size() if ddp else 1))
+    return (total[0] / total[1].clamp_min(1)).item()
 
 
 def metrics_step(line):
@@ -373,18 +393,19 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = base_lr[group["name"]] * lr_scale
         loss_sum = torch.zeros((), device=device)
-        for micro_step in range(accum_steps):
-            batch = next_batch(train_loader, cfg.data.loss_on, device)
+        batches = [next_batch(train_loader, cfg.data.loss_on, device) for _ in range(accum_steps)]
+        weights = loss_weights(batches, cfg.data.loss_on, device, ddp, world_size)
+        for micro_step, (batch, weight) in enumerate(zip(batches, weights)):
             # Gradients are averaged across ranks only on the last micro-step; syncing on the
             # others would send the same bytes accum_steps times for nothing.
             sync = model.no_sync() if ddp and micro_step < accum_steps - 1 else nullcontext()
             with sync:
                 with autocast:
                     loss = loss_of(model, batch, t.doc_mask, cfg.data.loss_on)
-                # Summed gradients of mean losses over accum_steps micro-batches: divide to get the
-                # mean over the whole step, the same as one big batch.
-                (loss / accum_steps).backward()
-            loss_sum += loss.detach().float() / accum_steps
+                # Summed gradients of weighted mean losses (1 / accum_steps each when every token
+                # counts): the mean over the whole step, the same as one big batch.
+                (loss * weight).backward()
+            loss_sum += loss.detach().float() * weight
         if ddp:
             dist.all_reduce(loss_sum)
             loss_sum /= world_size

@@ -46,6 +46,24 @@ def test_exact_length_documents(filler, length):
         assert text.startswith(TASK) and text.endswith(f"{QUESTION} {key}.")
 
 
+@pytest.mark.parametrize("digits", [8, 16])
+def test_long_keys_still_fit_exact_documents(digits):
+    """A random key can take more tokens than the all-zero one the overhead is measured with."""
+    enc = get_tokenizer()
+    docs = RetrievalDocuments(enc, 128, min_tokens=128, key_digits=digits, filler="garbage", seed=1)
+    for _ in range(50):
+        assert len(enc.encode_ordinary(docs.document())) + 1 == 128
+
+
+def test_impossible_documents_fail_instead_of_looping():
+    enc = get_tokenizer()
+    overhead = RetrievalDocuments(enc, 200, key_digits=16, filler="garbage").overhead
+    # Room for the all-zero key (2 tokens) but not for any random 16-digit key (5 or more).
+    docs = RetrievalDocuments(enc, overhead + 1, min_tokens=overhead + 1, key_digits=16, filler="garbage")
+    with pytest.raises(ValueError, match="cannot fit a passkey document"):
+        docs.document()
+
+
 def _row(enc, *texts):
     return [t for text in texts for t in [EOT] + enc.encode_ordinary(text)]
 
@@ -69,11 +87,12 @@ def test_answer_targets_keep_only_answers_of_whole_documents():
     assert torch.equal(out[out != -1], y[out != -1])
 
 
-def test_exact_documents_fill_one_row_each(tmp_path):
+def test_exact_documents_fill_one_row_each(tmp_path, capsys):
     out = tmp_path / "pk"
     prepare_main(["--source", "retrieval", "--max_tokens", "8000", "--shard_size", "800",
                   "--retrieval_length", "80", "--retrieval_min_length", "80", "--workers", "1",
                   "--retrieval_filler", "garbage", "--out_dir", str(out)])
+    assert "will not line up" not in capsys.readouterr().err
     loader = ShardLoader(str(out), "train", 4, 80)
     enc = get_tokenizer()
     for _ in range(5):  # across shard boundaries too
@@ -81,6 +100,11 @@ def test_exact_documents_fill_one_row_each(tmp_path):
         assert (x[:, 0] == EOT).all() and ((x == EOT).sum(1) == 1).all()
         answers = passkey_answer_targets(x, y, enc)
         assert ((answers != -1).sum(1) >= 3).all()  # every row: the key twice and a full stop
+    # A shard size that is not a multiple of the document length: said, not silently wasted.
+    prepare_main(["--source", "retrieval", "--max_tokens", "2000", "--shard_size", "1000",
+                  "--retrieval_length", "80", "--retrieval_min_length", "80", "--workers", "1",
+                  "--retrieval_filler", "garbage", "--out_dir", str(tmp_path / "misaligned")])
+    assert "documents will not line up with training rows" in capsys.readouterr().err
 
 
 def test_same_seed_same_documents():

@@ -336,3 +336,33 @@ def test_tiny_config_lowers_the_loss_on_real_text(tmp_path, demo_corpus):
     assert last_val < first_val - 2.5, (first_val, last_val)
     train_losses = [r["loss"] for r in table if "loss" in r]
     assert np.mean(train_losses[-2:]) < train_losses[0] - 2.5
+
+
+@pytest.fixture(scope="module")
+def passkey_corpus(tmp_path_factory):
+    """Passkey documents of 50-100 tokens: rows of 128 hold 0, 1 or 2 whole ones."""
+    from prepare_fineweb import main as prepare_main
+    path = str(tmp_path_factory.mktemp("passkey"))
+    prepare_main(["--source", "retrieval", "--max_tokens", "30000", "--shard_size", "10000", "--workers", "1",
+                  "--retrieval_length", "100", "--retrieval_filler", "garbage", "--out_dir", path])
+    return path
+
+
+def test_passkey_answer_loss_counts_every_target_once(tmp_path, passkey_corpus):
+    """Two micro-batches with different numbers of answers make the update of one batch of both:
+    the loss is the mean over all the step's targets, not the mean of the micro-batches' means."""
+    from retrieval import passkey_answer_targets
+    loader = data.ShardLoader(passkey_corpus, "train", 2, 128)
+    counts = [int((passkey_answer_targets(*loader.next_batch()[:2], data.get_tokenizer()) != -1).sum())
+              for _ in range(2)]
+    assert counts[0] != counts[1], counts  # otherwise this test could not tell the two apart
+    common = [f"--data.data_dir={passkey_corpus}", "--data.loss_on=passkey_answers", "--model.block_size=128",
+              "--train.tokens_per_step=512", "--train.max_steps=1", "--train.warmup_steps=0",
+              "--train.val_every=0", "--train.ckpt_every=1"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    train.main([small_config(tmp_path, passkey_corpus), *common, "--data.batch_size=4", f"--log.out_dir={one}"])
+    train.main([small_config(tmp_path, passkey_corpus), *common, "--data.batch_size=2", f"--log.out_dir={two}"])
+    assert rows(one)[-1]["loss"] == pytest.approx(rows(two)[-1]["loss"], rel=1e-5)
+    a, b = newest(one)["model"], newest(two)["model"]
+    for name in a:
+        assert relative_difference(b[name], a[name]) < 1e-5, name
