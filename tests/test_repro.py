@@ -9,8 +9,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_repro_pipeline_smoke(tmp_path):
+    # JOBS=2: the two runs train side by side, each logging to <run>.log
     env = dict(os.environ, OUT=str(tmp_path / "runs"), DATA=str(tmp_path / "data"), STEPS="2",
-               LENGTHS="128,256", SAMPLES="2", RUNS="rope bam_ssmax@2")
+               LENGTHS="128,256", SAMPLES="2", RUNS="rope bam_ssmax@2", JOBS="2", TOKENS="200000")
     proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "run.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -19,7 +20,17 @@ def test_repro_pipeline_smoke(tmp_path):
         result = json.loads((runs / name / "eval" / "passkey.json").read_text())
         assert [r["length"] for r in result["results"]] == [128, 256]
         assert (runs / name / "eval" / "passkey.png").stat().st_size > 0
+        assert "== passkey" in (runs / f"{name}.log").read_text()
     assert (runs / "bam_ssmax_seed2" / "eval" / "priors.png").exists()
     assert "seed = 2" in (runs / "bam_ssmax_seed2" / "config.toml").read_text()
     report = (runs / "report.md").read_text()
     assert "rope_seed1" in report and "bam_ssmax_seed2" in report
+
+
+def test_unknown_run_name_is_one_clear_error(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "runs"), DATA=str(tmp_path / "data"), RUNS="rope bogus@3")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "run.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == "error: no configs/repro/bogus.toml (a name in RUNS)"
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()  # checked before any work

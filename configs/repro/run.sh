@@ -26,7 +26,7 @@ DIGITS=${DIGITS:-2}                 # pass key digits, in training and evaluatio
 for run in $RUNS; do  # every name checked before any work starts
   [[ -f configs/repro/${run%@*}.toml ]] || { echo "error: no configs/repro/${run%@*}.toml (a name in RUNS)" >&2; exit 1; }
 done
-CORES=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
+CORES=$(python -c "import os; print(len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count())")
 THREADS=$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))
 
 # Documents of exactly 128 tokens, so every training row is one whole document. 4M tokens are more
@@ -35,16 +35,19 @@ TOKENS=${TOKENS:-4194304}
 python prepare_fineweb.py --source retrieval --retrieval_length 128 --retrieval_min_length 128 \
     --retrieval_filler garbage --key_digits "$DIGITS" --max_tokens "$TOKENS" --out_dir "$DATA"
 
-one_run() {  # name seed dir: train, then passkey and the learned priors
+one_run() {  # name seed dir: train, then passkey and the learned priors; stops at the first failure
   local name=$1 seed=$2 dir=$3
   local extra=(--data.data_dir="$DATA" --train.seed="$seed" --log.out_dir="$dir")
   [[ -n $STEPS ]] && extra+=(--train.max_steps="$STEPS")
+  [[ -n $STEPS ]] && (( STEPS < 100 )) && extra+=(--train.warmup_steps=0)  # a smoke run: no warmup
+  export OMP_NUM_THREADS=$THREADS
+  # `|| return 1` on every step: bash ignores set -e inside a function called from an `if`.
   echo "== train $name (seed $seed) -> $dir"
-  OMP_NUM_THREADS=$THREADS python train.py "configs/repro/$name.toml" "${extra[@]}"
+  python train.py "configs/repro/$name.toml" "${extra[@]}" || return 1
   echo "== passkey $name (seed $seed)"
-  OMP_NUM_THREADS=$THREADS python -m eval.passkey "$dir" --lengths "$LENGTHS" --samples "$SAMPLES" \
-      --digits "$DIGITS" --depths equidistant --stop_after_zero 0 --seed 0
-  python -m eval.priors "$dir"  # NoPE/RoPE/sinusoidal have no prior: it says so and exits 0
+  python -m eval.passkey "$dir" --lengths "$LENGTHS" --samples "$SAMPLES" --digits "$DIGITS" \
+      --depths equidistant --stop_after_zero 0 --seed 0 || return 1
+  python -m eval.priors "$dir" || return 1  # NoPE/RoPE/sinusoidal have no prior: it says so, exits 0
 }
 
 logged_run() {  # one_run with its output in <dir>.log; on failure, the log's end on stderr
@@ -57,20 +60,21 @@ logged_run() {  # one_run with its output in <dir>.log; on failure, the log's en
 }
 
 mkdir -p "$OUT"
-dirs=() failed=0 started=$SECONDS
+dirs=() pids=() failed=0 started=$SECONDS
 for run in $RUNS; do
   name=${run%@*}; seed=1; [[ $run == *@* ]] && seed=${run#*@}
   dir="$OUT/${name}_seed$seed"
   dirs+=("$dir")
   if (( JOBS == 1 )); then
-    one_run "$name" "$seed" "$dir"
+    one_run "$name" "$seed" "$dir" || exit 1
     continue
   fi
   while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n || failed=1; done
   echo "== $name (seed $seed): started, log in $dir.log [$(( SECONDS - started ))s]"
   logged_run "$name" "$seed" "$dir" &
+  pids+=($!)
 done
-while (( $(jobs -rp | wc -l) > 0 )); do wait -n || failed=1; done
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done  # every run's status, also those wait -n saw
 (( failed )) && { echo "error: a run failed (above); the report is not written" >&2; exit 1; }
 
 python -m eval.report "${dirs[@]}" --out "$OUT/report.md" \
