@@ -4,6 +4,8 @@ configs/tiny.toml, as ratios against NoPE measured side by side in one process.
 
     python bench/train_bench.py                  # CPU: about 2 minutes on 2 cores
     python bench/train_bench.py --batch_size 1 --seq_len 1024   # where attention, not the vocabulary, costs
+    python bench/train_bench.py --config configs/repro/base.toml --targets_per_row 3 --optimizer adamw
+                                                 # configs/repro's step: loss on 3 tokens a row, fused AdamW
 
 One step is what train.py does per micro-batch: forward, backward, gradient clipping, RAdam step,
 with document masking on (as in training). Variants take turns one step at a time for `rounds`
@@ -46,18 +48,22 @@ def synthetic_batch(batch_size, seq_len, vocab_size, device):
     return inputs.to(device), targets.to(device), doc_ids.to(device)
 
 
-def make_step(model_cfg, train_cfg, batch, device, autocast, doc_mask):
+def make_step(model_cfg, train_cfg, batch, device, autocast, doc_mask, optimizer_name="radam"):
     torch.manual_seed(0)
     model = Transformer(model_cfg).to(device)
     groups = model.optim_groups(train_cfg.weight_decay)
     for group in groups:
         group["lr"] = (train_cfg.prior_lr or train_cfg.lr) if group["name"] == "prior" else train_cfg.lr
-    optimizer = torch.optim.RAdam(groups, betas=train_cfg.betas, decoupled_weight_decay=True)
+    if optimizer_name == "adamw":  # as train.py: the fused kernel, on the GPU and the CPU
+        optimizer = torch.optim.AdamW(groups, betas=train_cfg.betas, fused=True)
+    else:
+        optimizer = torch.optim.RAdam(groups, betas=train_cfg.betas, decoupled_weight_decay=True)
     x, y, doc_ids = batch
+    sparse = bool((y == -1).any())  # as train.py with data.loss_on = "passkey_answers"
 
     def step():
         with autocast:
-            _, loss = model(x, y, doc_ids=doc_ids if doc_mask else None)
+            _, loss = model(x, y, doc_ids=doc_ids if doc_mask else None, sparse_targets=sparse)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
         optimizer.step()
@@ -73,6 +79,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=10, help="timed steps per variant, taken in turns")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (CPU only)")
     parser.add_argument("--no_doc_mask", action="store_true", help="one document per row")
+    parser.add_argument("--targets_per_row", type=int, default=0,
+                        help="count the loss at only this many positions a row (0 = all), as loss_on = "
+                             "passkey_answers does; the output layer then runs only there")
+    parser.add_argument("--optimizer", choices=("radam", "adamw"), default="radam")
     args = parser.parse_args()
 
     cfg = load_config(args.config)
@@ -84,13 +94,20 @@ def main():
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext()
     batch_size, seq_len = args.batch_size or cfg.data.batch_size, args.seq_len or cfg.model.block_size
     batch = synthetic_batch(batch_size, seq_len, cfg.model.vocab_size, device)
+    if args.targets_per_row:
+        x, y, doc_ids = batch
+        y = torch.full_like(y, -1).scatter(1, torch.arange(seq_len - args.targets_per_row - 1, seq_len - 1,
+                                                           device=device).expand(batch_size, -1),
+                                           y[:, -args.targets_per_row - 1:-1])
+        batch = x, y, doc_ids
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     variants = [(pe, ssmax) for ssmax in (False, True) for pe in ENCODINGS]
     steps = {}
     for pe, ssmax in variants:
         model_cfg = dataclasses.replace(cfg.model, pe=pe, ssmax=ssmax, block_size=seq_len)
-        steps[pe, ssmax] = make_step(model_cfg, cfg.train, batch, device, autocast, not args.no_doc_mask)
+        steps[pe, ssmax] = make_step(model_cfg, cfg.train, batch, device, autocast, not args.no_doc_mask,
+                                     args.optimizer)
         steps[pe, ssmax]()  # warm-up: first-call allocations, lazy inits
     times = {v: [] for v in variants}
     for round_ in range(args.rounds):
@@ -107,7 +124,9 @@ def main():
     m = cfg.model
     print(f"{where}, torch {torch.__version__}, {'bf16 autocast' if bf16 else 'fp32'}; model of {args.config}: "
           f"{m.n_layer} layers x {m.n_embd}, {m.n_head} heads, vocab {m.vocab_size}; batch {batch_size} x {seq_len}, "
-          f"document mask {'off' if args.no_doc_mask else 'on'}; {args.rounds} steps per variant, taken in turns\n")
+          f"document mask {'off' if args.no_doc_mask else 'on'}; loss at "
+          f"{args.targets_per_row or 'all'} positions a row; {args.optimizer}; {args.rounds} steps per variant, "
+          f"taken in turns\n")
     best, median = {v: min(ts) for v, ts in times.items()}, {v: statistics.median(ts) for v, ts in times.items()}
     print("| encoding | tokens/s (best step) | throughput vs NoPE (best) | vs NoPE (median) |")
     print("|---|---:|---:|---:|")
