@@ -169,13 +169,15 @@ def evaluate(model, loader, batches, autocast, device, doc_mask, loss_on, ddp):
     # The same slice every time (reset), so val losses of one run compare across steps.
     model.eval()
     loader.reset()
-    total = torch.zeros(2, device=device)  # sum of (mean loss x its targets), targets
+    loss_sum, count = torch.zeros((), device=device), 0  # sum of (mean loss x its targets), targets
     for _ in range(batches):
         batch = next_batch(loader, loss_on, device)
         with autocast:
             loss = loss_of(model, batch, doc_mask, loss_on)
         n = targets_in(batch, loss_on)
-        total += torch.stack([loss.float() * n, torch.tensor(float(n), device=device)])
+        loss_sum += loss.float() * n
+        count += n
+    total = torch.stack([loss_sum, torch.tensor(float(count), device=device)])
     if ddp:
         dist.all_reduce(total)
     model.train()
