@@ -1,7 +1,8 @@
 """
 A Llama-style decoder with pluggable positional encodings, read top to bottom:
 
-    config -> positional priors (ALiBi, BAM) -> RoPE / sinusoidal -> attention (flex / sdpa / eager)
+    config -> positional encodings (NoPE, RoPE, sinusoidal; the priors ALiBi, BAM, KERPLE) and their
+    registry ENCODINGS -> attention (flex / sdpa / eager)
     -> blocks -> Transformer -> conveniences (optimizer groups, generation, checkpoint loading)
 
 Every additive positional encoding is a *log-prior over relative position* (PAPER.md §1): a bias
@@ -21,7 +22,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-PE_CHOICES = ("nope", "rope", "alibi", "sinusoidal", "bam")
 ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")
 BAM_INITS = ("alibi", "uniform", "constant", "sampled", "linear")
 
@@ -48,7 +48,7 @@ class ModelConfig:
     block_size: int = 512  # training context; nothing at inference depends on it
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    pe: str = "bam"  # nope | rope | alibi | sinusoidal | bam
+    pe: str = "bam"  # a name in ENCODINGS: nope | rope | sinusoidal | alibi | bam | kerple_log | kerple_power
     rope_theta: float = 500_000.0  # the paper's RoPE baseline
     sinusoidal_base: float = 10_000.0
     ssmax: bool = False  # Scalable-Softmax (Nakanishi 2025), PAPER.md §3
@@ -67,8 +67,8 @@ class ModelConfig:
         def bad(msg):
             raise ValueError(f"model config: {msg}")
 
-        if self.pe not in PE_CHOICES:
-            bad(f"unknown pe {self.pe!r}; allowed: {', '.join(PE_CHOICES)}")
+        if self.pe not in ENCODINGS:
+            bad(f"unknown pe {self.pe!r}; allowed: {', '.join(ENCODINGS)}")
         if self.attn_impl not in ATTN_IMPLS:
             bad(f"unknown attn_impl {self.attn_impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
         if self.bam_init not in BAM_INITS:
@@ -78,8 +78,9 @@ class ModelConfig:
                 bad(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
             bad(f"n_head={self.n_head} must divide n_embd={self.n_embd}")
-        if (self.n_embd // self.n_head) % 2 and self.pe in ("rope", "sinusoidal"):
-            bad(f"{self.pe} needs an even head/embedding width, got head_dim={self.n_embd // self.n_head}")
+        even = ENCODINGS[self.pe].even_width
+        if even and getattr(self, even) % 2:
+            bad(f"{self.pe} needs an even {even}, got {even}={getattr(self, even)}")
         if self.n_kv_head < 0 or (self.n_kv_head and self.n_head % self.n_kv_head):
             bad(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (or be 0 for n_head)")
 
@@ -103,10 +104,113 @@ class ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Positional priors: the bias g_h(distance) that an additive encoding adds to every attention logit.
-# Each bias function takes the distance i - j (float), the head index and the prior's tensors, and is a
-# plain broadcastable torch expression: scalars inside FlexAttention's score_mod, (H, Tq, Tk) for the
-# dense paths.
+# Positional encodings. Each one is a small class registered once in ENCODINGS (below); everything else
+# (the config's choices, the attention path, the evaluators, benchmarks and tests) reads the registry.
+# An encoding plays at most these roles (DESIGN.md): rotate q and k (RoPE), add to the token embeddings
+# (sinusoidal), or add a prior g_h(i - j) to every attention logit (ALiBi, BAM, KERPLE).
+
+
+class Encoding:
+    """The hooks an encoding may override; the defaults do nothing, which is NoPE."""
+
+    even_width = None  # a ModelConfig field this encoding needs even (rotation pairs, sin/cos pairs)
+
+    @classmethod
+    def build_priors(cls, cfg):
+        """The modules holding an additive prior's tensors: one per layer, or one shared by all layers."""
+        return []
+
+    @staticmethod
+    def rotation(positions, cfg):
+        """(cos, sin) that rotate q and k at these positions, or None."""
+        return None
+
+    @staticmethod
+    def embedding(positions, cfg):
+        """(..., T, n_embd) added to the token embeddings at these in-document positions, or None."""
+        return None
+
+
+class NoPE(Encoding):
+    """No positional signal but the causal mask: a uniform prior over positions (PAPER.md §1)."""
+
+
+def _angles(positions, dim, base):
+    # float64: at 500K positions fp32 angles would be off by ~0.03 rad before the cosine.
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
+    return positions.to(torch.float64)[..., None] * inv_freq
+
+
+def rope_cos_sin(positions, head_dim, theta):
+    angles = _angles(positions, head_dim, theta)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate (B, H, T, hd) by position; the pairs are (x[:hd/2], x[hd/2:]), a fixed permutation of
+    Llama's interleaved pairs that leaves the attention scores the same."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def sinusoidal_embedding(positions, dim, base):
+    """Vaswani et al.'s absolute encoding, (..., T) positions -> (..., T, dim): sin on even, cos on odd."""
+    angles = _angles(positions, dim, base)
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).float()
+
+
+class RoPE(Encoding):
+    """Rotary embedding (Su et al. 2021), theta 500K as the paper's baseline; computed from positions on
+    the fly, so no table runs out past the training length."""
+
+    even_width = "head_dim"
+
+    @staticmethod
+    def rotation(positions, cfg):
+        return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+
+
+class Sinusoidal(Encoding):
+    """Absolute sin/cos added to the token embeddings, at the position inside the document."""
+
+    even_width = "n_embd"
+
+    @staticmethod
+    def embedding(positions, cfg):
+        # At the token embeddings' scale: the official code adds the unit-amplitude table to N(0, 1)
+        # embeddings; ours start at N(0, init_std), so the table is scaled alike. Unscaled it would
+        # outweigh the tokens 35 to 1 and the model hardly learns (docs/repro.md).
+        return cfg.init_std * sinusoidal_embedding(positions, cfg.n_embd, cfg.sinusoidal_base)
+
+
+class AdditivePrior(Encoding, nn.Module):
+    """A log-prior over relative position (PAPER.md §1): `bias_fn(dist, head, *tensors())` is the bias
+    g_h(i - j), a plain broadcastable torch expression (scalars inside FlexAttention's score_mod,
+    (H, Tq, Tk) or (H, D) tensors on the dense paths). `summary()` gives every head's parameters
+    ({name: [value per head]}, logged to metrics.jsonl); `head_columns()` the same for eval.priors'
+    table. A prior whose heads fall into named groups (BAM's shapes) sets GROUPS and `head_group`."""
+
+    GROUPS = {}  # group name -> rule, in the order they are reported
+
+    @classmethod
+    def build_priors(cls, cfg):
+        return [cls(cfg) for _ in range(cls.copies(cfg))]
+
+    @classmethod
+    def copies(cls, cfg):
+        return cfg.n_layer  # one prior per layer unless the encoding says otherwise
+
+    def summary(self):
+        raise NotImplementedError
+
+    def head_columns(self):
+        return self.summary()
+
+    def head_group(self, head):
+        return None
+
+
+# Every bias function takes the distance i - j (float), the head index and the prior's tensors.
 
 GGD_EPS = 1e-5  # PAPER.md §2: keeps distance 0 finite when the shape is negative
 # exp(50) ~ 5e21: far past anything softmax can tell from -inf, far below fp32's overflow even after the
@@ -146,12 +250,33 @@ def ggd_bias(dist, head, shape, log_scale, loc):
     return -torch.exp(torch.clamp(log_magnitude, max=MAX_LOG_BIAS))
 
 
-class ALiBiPrior(nn.Module):
+def kerple_log_bias(dist, head, r1, r2):
+    """KERPLE's logarithmic kernel (Chi et al., NeurIPS 2022): -r1 log(1 + r2 |i - j|), r1, r2 > 0."""
+    return -r1[head] * torch.log1p(r2[head] * dist.abs())
+
+
+def kerple_power_bias(dist, head, r1, r2):
+    """KERPLE's power kernel: -r1 |i - j| ** r2 with r1 > 0, 0 < r2 <= 2 (conditionally positive definite
+    only up to 2). Written as exp(r2 log |d|) on a distance kept away from 0, and 0 at distance 0:
+    d ** r2 there is 0 but its derivative in r2 (d ** r2 log d) would be 0 x -inf = NaN."""
+    d = dist.abs()
+    far = d > 0
+    power = torch.exp(r2[head] * torch.log(torch.where(far, d, torch.ones_like(d))))
+    return torch.where(far, -r1[head] * power, torch.zeros_like(power))
+
+
+class ALiBiPrior(AdditivePrior):
+    """Fixed slopes, the same in every layer."""
+
     bias_fn = staticmethod(alibi_bias)
 
-    def __init__(self, n_head):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.register_buffer("slopes", torch.tensor(alibi_slopes(n_head)), persistent=False)
+        self.register_buffer("slopes", torch.tensor(alibi_slopes(cfg.n_head)), persistent=False)
+
+    @classmethod
+    def copies(cls, cfg):
+        return 1
 
     def tensors(self):
         return (self.slopes,)
@@ -160,10 +285,16 @@ class ALiBiPrior(nn.Module):
         return {"alibi_slope": self.slopes.tolist()}
 
 
-class BAMPrior(nn.Module):
+class BAMPrior(AdditivePrior):
     """Per-head shape b, log-scale a and location parameter l of one GGD prior."""
 
     bias_fn = staticmethod(ggd_bias)
+    # After training, heads cluster by shape (PAPER.md §2).
+    RETRIEVAL_FLOOR = -0.6
+    GROUPS = {"local": "b > 0", "retrieval": "-0.6 <= b <= 0", "aggressive": "b < -0.6"}
+    GROUP_PARAMETER, SECOND_PARAMETER = "shape", "log_scale"  # what eval.priors plots the groups against
+    GROUP_SPANS = {"aggressive": (-math.inf, RETRIEVAL_FLOOR), "retrieval": (RETRIEVAL_FLOOR, 0.0),
+                   "local": (0.0, math.inf)}
 
     def __init__(self, cfg: ModelConfig, generator=None):
         super().__init__()
@@ -183,12 +314,90 @@ class BAMPrior(nn.Module):
         self.log_scale = nn.Parameter(log_scale, requires_grad=cfg.bam_train_scale)
         self.loc = nn.Parameter(torch.zeros(H), requires_grad=cfg.bam_train_loc)
 
+    @classmethod
+    def copies(cls, cfg):
+        return cfg.n_layer if cfg.bam_per_layer else 1
+
     def tensors(self):
         return (self.shape, self.log_scale, self.loc)
 
     def summary(self):
         return {"bam_shape": self.shape.tolist(), "bam_log_scale": self.log_scale.tolist(),
                 "bam_loc": (2.0 * torch.sinh(self.loc)).tolist()}
+
+    def head_columns(self):
+        return {"shape": self.shape.tolist(), "log_scale": self.log_scale.tolist(),
+                "scale": self.log_scale.exp().tolist(), "loc": (2.0 * torch.sinh(self.loc)).tolist()}
+
+    def head_group(self, head):
+        b = float(self.shape[head])
+        return "local" if b > 0 else ("retrieval" if b >= self.RETRIEVAL_FLOOR else "aggressive")
+
+
+KERPLE_FLOOR = 1e-2  # Chi et al.'s reference code keeps r1, r2 >= 0.01 (by clamping after each step)
+
+
+def _inverse_softplus(y):
+    return y + torch.log(-torch.expm1(-y))
+
+
+class KerplePrior(AdditivePrior):
+    """KERPLE's two per-head parameters r1, r2 > 0, per layer. The reference code clamps the raw values
+    after every update; here they are smooth functions of unconstrained parameters instead, so nothing
+    edits weights behind the optimizer's back and the same tensors serve score_mod and the dense paths:
+    r = 0.01 + softplus(raw), linear in raw away from the floor (the reference's dynamics there), and,
+    for an exponent bounded above (the power kernel's r2 <= 2), r = 0.01 + (max - 0.01) sigmoid(raw).
+    Init as the reference: r1 ~ U(0, R1_INIT) and r2 ~ U(0, R2_INIT), kept strictly inside the bounds."""
+
+    R1_INIT, R2_INIT, R2_MAX = 2.0, 1.0, None
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H = cfg.n_head
+        r1 = (torch.rand(H) * self.R1_INIT).clamp(min=KERPLE_FLOOR + 1e-3)
+        r2 = (torch.rand(H) * self.R2_INIT).clamp(min=KERPLE_FLOOR + 1e-3)
+        self.raw_r1 = nn.Parameter(_inverse_softplus(r1 - KERPLE_FLOOR))
+        if self.R2_MAX is None:
+            self.raw_r2 = nn.Parameter(_inverse_softplus(r2 - KERPLE_FLOOR))
+        else:
+            self.raw_r2 = nn.Parameter(torch.logit((r2 - KERPLE_FLOOR) / (self.R2_MAX - KERPLE_FLOOR), eps=1e-3))
+
+    def tensors(self):
+        r1 = KERPLE_FLOOR + F.softplus(self.raw_r1)
+        if self.R2_MAX is None:
+            return r1, KERPLE_FLOOR + F.softplus(self.raw_r2)
+        return r1, KERPLE_FLOOR + (self.R2_MAX - KERPLE_FLOOR) * torch.sigmoid(self.raw_r2)
+
+    def summary(self):
+        r1, r2 = self.tensors()
+        return {"kerple_r1": r1.tolist(), "kerple_r2": r2.tolist()}
+
+    def head_columns(self):
+        r1, r2 = self.tensors()
+        return {"r1": r1.tolist(), "r2": r2.tolist()}
+
+
+class KerpleLogPrior(KerplePrior):
+    bias_fn = staticmethod(kerple_log_bias)
+
+
+class KerplePowerPrior(KerplePrior):
+    bias_fn = staticmethod(kerple_power_bias)
+    R1_INIT, R2_INIT, R2_MAX = 1.0, 2.0, 2.0
+
+
+# The registry: the name a config uses -> the encoding. PE_CHOICES and PRIORS are views of it.
+ENCODINGS = {
+    "nope": NoPE,
+    "rope": RoPE,
+    "sinusoidal": Sinusoidal,
+    "alibi": ALiBiPrior,
+    "bam": BAMPrior,
+    "kerple_log": KerpleLogPrior,
+    "kerple_power": KerplePowerPrior,
+}
+PE_CHOICES = tuple(ENCODINGS)
+PRIORS = {name: enc for name, enc in ENCODINGS.items() if issubclass(enc, AdditivePrior)}
 
 
 def positional_scores(scores, head, q_pos, k_pos, log_n, prior, ssmax_scale):
@@ -206,35 +415,6 @@ def positional_scores(scores, head, q_pos, k_pos, log_n, prior, ssmax_scale):
     if ssmax_scale is not None:
         scores = scores * (ssmax_scale[head] * log_n)
     return scores
-
-
-# ---------------------------------------------------------------------------------------------------
-# Rotary and sinusoidal encodings, computed from positions on the fly: no table that runs out past the
-# training length.
-
-
-def _angles(positions, dim, base):
-    # float64: at 500K positions fp32 angles would be off by ~0.03 rad before the cosine.
-    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
-    return positions.to(torch.float64)[..., None] * inv_freq
-
-
-def rope_cos_sin(positions, head_dim, theta):
-    angles = _angles(positions, head_dim, theta)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x, cos, sin):
-    """Rotate (B, H, T, hd) by position; the pairs are (x[:hd/2], x[hd/2:]), a fixed permutation of
-    Llama's interleaved pairs that leaves the attention scores the same."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
-
-
-def sinusoidal_embedding(positions, dim, base):
-    """Vaswani et al.'s absolute encoding, (..., T) positions -> (..., T, dim): sin on even, cos on odd."""
-    angles = _angles(positions, dim, base)
-    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).float()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -326,14 +506,14 @@ def _make_flex_kernel(bias_fn, use_ssmax):
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                               enable_gqa=k.shape[1] != q.shape[1])
 
+    # dynamo's recompile budget (8) is per code object, and every variant, sequence length and mask shape
+    # of the kernel above shares one: an evaluation sweep over lengths, or a test comparing encodings, would
+    # exhaust it and fail under fullgraph. Raise it at the first flex compile (never lower a user's setting).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(kernel, fullgraph=True)
 
 
 _FLEX_KERNELS = {}
-# dynamo's recompile budget (8) is per code object, and every variant, sequence length and mask shape of
-# the kernel above shares one: an evaluation sweep over lengths, or a test comparing encodings, would
-# exhaust it and fail under fullgraph. Raise it (never lower a user's setting).
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
 
 def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale):
@@ -468,13 +648,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied, as in the paper
-        if cfg.pe == "bam":
-            n_priors = cfg.n_layer if cfg.bam_per_layer else 1
-            self.priors = nn.ModuleList([BAMPrior(cfg) for _ in range(n_priors)])
-        elif cfg.pe == "alibi":
-            self.priors = nn.ModuleList([ALiBiPrior(cfg.n_head)])
-        else:
-            self.priors = nn.ModuleList()
+        self.encoding = ENCODINGS[cfg.pe]
+        self.priors = nn.ModuleList(self.encoding.build_priors(cfg))  # empty unless the encoding is a prior
         self.apply(self._init_weights)
         # GPT-2 / nanoGPT: shrink the residual-stream writes with depth so activations stay O(1)
         for name, p in self.named_parameters():
@@ -505,7 +680,7 @@ class Transformer(nn.Module):
                              "'sdpa', 'eager' or 'auto', or run inference under torch.no_grad()")
         if impl != "auto":
             return impl
-        positional = cfg.pe in ("alibi", "bam") or cfg.ssmax or has_docs
+        positional = len(self.priors) > 0 or cfg.ssmax or has_docs
         if not positional:
             return "sdpa"  # flash attention with is_causal
         if on_cuda:
@@ -538,7 +713,7 @@ class Transformer(nn.Module):
             starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
             pos_in_doc = idx - torch.where(starts, idx, 0).cummax(dim=1).values
         log_n = torch.log1p(pos_in_doc.float()) if cfg.ssmax else None  # n_i = in-document position + 1
-        rope = rope_cos_sin(q_pos, cfg.head_dim, cfg.rope_theta) if cfg.pe == "rope" else None
+        rope = self.encoding.rotation(q_pos, cfg)
         block_mask = make_block_mask(doc_ids, T, device) if impl == "flex" else None
         ctx = AttnContext(impl, q_pos, k_pos, doc_ids, log_n, rope, block_mask)
         return ctx, pos_in_doc
@@ -555,12 +730,9 @@ class Transformer(nn.Module):
         B, T = idx.shape
         ctx, pos_in_doc = self._context(B, T, idx.device, start_pos, doc_ids)
         x = self.tok_emb(idx)
-        if self.config.pe == "sinusoidal":
-            # At the token embeddings' scale: the official code adds the unit-amplitude table to
-            # N(0, 1) embeddings; ours start at N(0, init_std), so the table is scaled alike. Unscaled it
-            # would outweigh the tokens 35 to 1 and the model hardly learns (docs/repro.md).
-            pe = sinusoidal_embedding(pos_in_doc, self.config.n_embd, self.config.sinusoidal_base)
-            x = x + (self.config.init_std * pe).to(x.dtype)
+        pe = self.encoding.embedding(pos_in_doc, self.config)
+        if pe is not None:
+            x = x + pe.to(x.dtype)
         for layer, block in enumerate(self.blocks):
             x = block(x, ctx, self._prior_of_layer(layer), layer, kv_cache)
         if last_k is not None:

@@ -23,11 +23,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.peak_memory import PeakMemory, fixed_mmap_threshold  # noqa: E402
-from model import ATTENTION, AttnContext, BAMPrior, ModelConfig, apply_rope, alibi_bias, make_block_mask, \
-    rope_cos_sin  # noqa: E402
+from model import ATTENTION, ENCODINGS, PRIORS, AttnContext, Encoding, ModelConfig, apply_rope, make_block_mask  # noqa: E402
 
 H, HD = 16, 48  # the paper's 12-layer model: 768 wide, 16 heads
-ENCODINGS = ["nope", "rope", "alibi", "bam", "bam+ssmax"]
+# Every registered encoding that changes attention (NoPE as the baseline, those that rotate q and k, every
+# additive prior), and every prior with SSMax; sinusoidal acts on the embeddings only, so it costs as NoPE.
+VARIANTS = ["nope"] + [name for name, enc in ENCODINGS.items() if enc.rotation is not Encoding.rotation] \
+    + [f"{name}{ssmax}" for name in PRIORS for ssmax in ("", "+ssmax")]
 # The sdpa path as it runs inside a torch.compile'd model (train.compile = true): inductor fuses the
 # dense bias's elementwise passes.
 COMPILED_SDPA = torch.compile(ATTENTION["sdpa"])
@@ -38,17 +40,13 @@ def setup(encoding, T, device, dtype, requires_grad):
     q, k, v = (torch.randn(1, H, T, HD, device=device, dtype=dtype, requires_grad=requires_grad)
                for _ in range(3))
     pos = torch.arange(T, device=device)
-    ssmax = encoding.endswith("+ssmax")
+    name, ssmax = encoding.removesuffix("+ssmax"), encoding.endswith("+ssmax")
     log_n = torch.log1p(pos.float())[None] if ssmax else None
-    prior = None
-    if encoding.startswith("bam"):
-        p = BAMPrior(ModelConfig(n_head=H, n_embd=H * HD, bam_init="alibi")).to(device)
-        prior = (p.bias_fn, p.tensors())
-    elif encoding == "alibi":
-        from model import alibi_slopes
-        prior = (alibi_bias, (torch.tensor(alibi_slopes(H), device=device),))
+    cfg = ModelConfig(n_head=H, n_embd=H * HD, pe=name)
+    priors = [p.to(device) for p in ENCODINGS[name].build_priors(cfg)[:1]]
+    prior = priors[0] if priors else None  # its tensors() are taken per call: KERPLE's are computed
     scale = torch.ones(H, device=device, requires_grad=True) if ssmax else None
-    rope = rope_cos_sin(pos, HD, 500_000.0) if encoding == "rope" else None
+    rope = ENCODINGS[name].rotation(pos, cfg)
     return q, k, v, pos, log_n, prior, scale, rope
 
 
@@ -61,7 +59,7 @@ def attention_call(encoding, impl, T, device, dtype, backward):
     @torch.set_grad_enabled(backward)
     def run():
         qq, kk = (apply_rope(q, *rope), apply_rope(k, *rope)) if rope is not None else (q, k)
-        y = attend(qq, kk, v, ctx, prior, scale)
+        y = attend(qq, kk, v, ctx, prior and (prior.bias_fn, prior.tensors()), scale)
         if backward:
             y.float().sum().backward()
         return y
@@ -93,7 +91,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--lengths", default=None, help="comma-separated T for part 1 (default 512 ... 4096)")
     ap.add_argument("--long_lengths", default=None, help="comma-separated T for part 2; '' skips it")
+    ap.add_argument("--encodings", default=",".join(VARIANTS), help="comma-separated (default: %(default)s)")
     args = ap.parse_args()
+    encodings = args.encodings.split(",")
+    unknown = [e for e in encodings if e not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown encoding(s) {', '.join(unknown)}; allowed: {', '.join(VARIANTS)}")
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
@@ -108,10 +111,11 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for T in lengths:
         base = None
-        for encoding in ENCODINGS:
+        for encoding in encodings:
             for impl in impls:
-                if (impl == "eager" and T > 4096) or (impl == "sdpa+compile" and encoding in ("nope", "rope")):
-                    continue  # nope/rope on sdpa are one flash call already
+                if (impl == "eager" and T > 4096) or (impl == "sdpa+compile" and encoding not in PRIORS and
+                                                      not encoding.endswith("+ssmax")):
+                    continue  # without a prior or SSMax, sdpa is one flash call already
                 backward = not (impl == "flex" and device == "cpu")
                 t, mem = measure(attention_call(encoding, impl, T, device, dtype, backward), device, args.repeats)
                 if base is None:

@@ -257,7 +257,7 @@ def forward_bytes(model, batch, length, scored):
         impl = resolve(length, length, False) if resolve else "flex"
     if impl == "flex":
         need += 8 * (length // 128 + 1) ** 2  # the causal BlockMask's block indices
-    dense = impl == "eager" or (impl == "sdpa" and (cfg.pe in ("alibi", "bam") or cfg.ssmax))
+    dense = impl == "eager" or (impl == "sdpa" and (len(getattr(model, "priors", ())) > 0 or cfg.ssmax))
     if dense:
         need += 3 * 4 * batch * cfg.n_head * length * length  # bias, masked bias, probabilities (fp32)
     return need

@@ -1,24 +1,25 @@
 """
-The learned positional priors of a BAM, ALiBi or SSMax model: what each head ended up preferring, and how
-it got there.
+The learned positional priors of a model with an additive prior (ALiBi, BAM, KERPLE, any in
+model.PRIORS) or SSMax: what each head ended up preferring, and how it got there.
 
     python -m eval.priors runs/bam_ssmax_512
     python -m eval.priors runs/bam_ssmax_512/checkpoints/step_00020000.pt --max_distance 256K
 
 For every layer and head, the prior's logit bias g(d) against the distance d = i - j (log axis, 1 to
-the longest evaluated length), computed with model.py's own prior functions (`ggd_bias`, `alibi_bias`);
-the distribution of BAM's shapes b with the paper's three groups (PAPER.md §2): local (b > 0), retrieval
-(-0.6 <= b <= 0) and aggressive retrieval (b < -0.6); a table of every head's shape, log-scale a,
-location mu and SSMax scale s; and, from RUN/metrics.jsonl, how those parameters moved during training.
+the longest evaluated length), computed with each prior module's own bias function (model.py); a table
+of every head's parameters as the prior names them (BAM: shape b, log-scale a, scale, location mu;
+KERPLE: r1, r2; ALiBi: its slope) and SSMax scale s; for BAM, the paper's three groups of shapes
+(PAPER.md §2): local (b > 0), retrieval (-0.6 <= b <= 0) and aggressive retrieval (b < -0.6); and, from
+RUN/metrics.jsonl, how those parameters moved during training.
 
 The bias shown is the prior alone. With SSMax the whole logit, prior included, is then multiplied by
 s * log n (n = the number of keys the query sees), which sharpens every head alike as the context grows.
 
-Outputs: priors.json, priors.png (bias curves), priors_shapes.png (shape histogram, shape vs scale) and
-priors_training.png (parameters against training step) in RUN/eval. NoPE, RoPE and sinusoidal models have
-no prior; without SSMax there is nothing to show and the command says so and exits 0.
+Outputs: priors.json, priors.png (bias curves), priors_shapes.png (BAM: shape histogram and shape against
+scale; otherwise a histogram of each learned parameter) and priors_training.png (parameters against
+training step) in RUN/eval. NoPE, RoPE and sinusoidal models have no prior; without SSMax there is
+nothing to show and the command says so and exits 0.
 """
-
 import glob
 import json
 import math
@@ -30,36 +31,30 @@ import torch
 from eval.common import (SCHEMA_VERSION, EvalError, Parser, load_for_eval, output_dir, parse_length,
                          read_json, run_cli, write_json)
 
-GROUPS = {  # PAPER.md §2, by BAM's shape b
-    "local": ("b > 0", "tab:blue"),
-    "retrieval": ("-0.6 <= b <= 0", "tab:orange"),
-    "aggressive": ("b < -0.6", "tab:red"),
-}
-RETRIEVAL_FLOOR = -0.6
+GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
 
 
-def group_of(shape):
-    return "local" if shape > 0 else ("retrieval" if shape >= RETRIEVAL_FLOOR else "aggressive")
+def group_colors(model):
+    """{group: colour} for a prior whose heads fall into named groups (BAM's shapes, PAPER.md §2)."""
+    groups = type(model.priors[0]).GROUPS if len(model.priors) else {}
+    return dict(zip(groups, GROUP_COLORS))
 
 
 def head_table(model):
-    """One row per (layer, head) with every positional parameter that head has."""
+    """One row per (layer, head) with every positional parameter that head has, as each prior module
+    names them (`head_columns`), its group if the prior defines groups, and its SSMax scale."""
     cfg = model.config
-    summary = model.prior_summary()
+    ssmax = [b.attn.ssmax_scale for b in model.blocks if b.attn.ssmax_scale is not None]
     rows = []
     for layer in range(cfg.n_layer):
+        prior = model._prior_of_layer(layer)
+        columns = prior.head_columns() if prior is not None else {}
         for head in range(cfg.n_head):
-            row = {"layer": layer, "head": head}
-            if "bam_shape" in summary:
-                p = layer if len(summary["bam_shape"]) > 1 else 0  # one prior shared by all layers
-                row.update(shape=summary["bam_shape"][p][head], log_scale=summary["bam_log_scale"][p][head],
-                           loc=summary["bam_loc"][p][head])
-                row["scale"] = math.exp(row["log_scale"])
-                row["group"] = group_of(row["shape"])
-            if "alibi_slope" in summary:
-                row["alibi_slope"] = summary["alibi_slope"][0][head]
-            if "ssmax_scale" in summary:
-                row["ssmax_scale"] = summary["ssmax_scale"][layer][head]
+            row = {"layer": layer, "head": head, **{name: values[head] for name, values in columns.items()}}
+            if prior is not None and prior.GROUPS:
+                row["group"] = prior.head_group(head)
+            if ssmax:
+                row["ssmax_scale"] = float(ssmax[layer][head])
             rows.append(row)
     return rows
 
@@ -128,7 +123,8 @@ def evaluate_priors(source, max_distance=None, metrics=None, out=None, verbose=T
     if max_distance is None:
         max_distance = (folder and longest_evaluated(folder)) or 500 * cfg.block_size
     rows = head_table(model)
-    groups = {g: sum(r.get("group") == g for r in rows) for g in GROUPS} if cfg.pe == "bam" else None
+    prior_groups = type(model.priors[0]).GROUPS if has_prior else {}
+    groups = {g: sum(r.get("group") == g for r in rows) for g in prior_groups} or None
     dist = distances(max_distance)
     curves = bias_curves(model, dist) if has_prior else {}
     decades = [d for d in (1, 10, 100, 1000, 10_000, 100_000, 1_000_000) if d <= max_distance]
@@ -140,19 +136,21 @@ def evaluate_priors(source, max_distance=None, metrics=None, out=None, verbose=T
     results = {"schema": "priors", "schema_version": SCHEMA_VERSION, "model": info,
                "settings": {"max_distance": int(max_distance), "metrics": metrics or metrics_file(source)},
                "pe": cfg.pe, "ssmax": cfg.ssmax, "shared_across_layers": len(model.priors) == 1 and cfg.n_layer > 1,
-               "groups": groups, "heads": rows, "training_rows": len(history)}
+               "groups": groups, "group_rules": prior_groups or None, "heads": rows,
+               "training_rows": len(history)}
     if folder:
         os.makedirs(folder, exist_ok=True)
         write_json(os.path.join(folder, "priors.json"), results)
         written = ["priors.json"]
+        prior_cls, colors = (type(model.priors[0]) if has_prior else None), group_colors(model)
         if curves:
-            plot_curves(results, dist, curves, os.path.join(folder, "priors.png"))
+            plot_curves(results, dist, curves, os.path.join(folder, "priors.png"), colors)
             written.append("priors.png")
-        if cfg.pe == "bam" or cfg.ssmax:
-            plot_shapes(results, os.path.join(folder, "priors_shapes.png"))
+        if any(k not in ("layer", "head", "group", "bias_at", "alibi_slope") for k in rows[0]):  # something learned
+            plot_shapes(results, os.path.join(folder, "priors_shapes.png"), prior_cls, colors)
             written.append("priors_shapes.png")
         if history:
-            plot_training(results, history, os.path.join(folder, "priors_training.png"))
+            plot_training(results, history, os.path.join(folder, "priors_training.png"), prior_cls)
             written.append("priors_training.png")
     if verbose:
         print(format_table(results))
@@ -167,10 +165,9 @@ def format_table(results):
              + (", one prior shared by all layers" if results["shared_across_layers"] else "") + ")"]
     if results["groups"]:
         total = sum(results["groups"].values())
-        counts = [f"{g} ({GROUPS[g][0]}) {n}/{total}" for g, n in results["groups"].items()]
-        lines.append("shape groups: " + ", ".join(counts))
-    columns = [c for c in ("shape", "log_scale", "scale", "loc", "alibi_slope", "ssmax_scale", "group")
-               if c in results["heads"][0]]
+        counts = [f"{g} ({results['group_rules'][g]}) {n}/{total}" for g, n in results["groups"].items()]
+        lines.append("head groups: " + ", ".join(counts))
+    columns = [c for c in results["heads"][0] if c not in ("layer", "head", "bias_at")]
     lines += ["", "| layer | head | " + " | ".join(columns) + " |", "|---:|---:|" + "---:|" * len(columns)]
     for r in results["heads"]:
         cells = [r[c] if isinstance(r[c], str) else f"{r[c]:.4g}" for c in columns]
@@ -183,8 +180,8 @@ def _grid(n):
     return math.ceil(n / cols), cols
 
 
-def plot_curves(results, dist, curves, path):
-    """One panel per layer (one if the prior is shared), one line per head, coloured by shape group."""
+def plot_curves(results, dist, curves, path, colors):
+    """One panel per layer (one if the prior is shared), one line per head, coloured by group if any."""
     import matplotlib.pyplot as plt
 
     rows, cols = _grid(len(curves))
@@ -197,8 +194,7 @@ def plot_curves(results, dist, curves, path):
             continue
         for h, curve in enumerate(curves[idx]):
             row = heads[idx * (len(heads) // len(curves)) + h] if len(curves) > 1 else heads[h]
-            color = GROUPS[row["group"]][1] if "group" in row else "tab:blue"
-            ax.plot(dist, curve, color=color, linewidth=1, alpha=0.8)
+            ax.plot(dist, curve, color=colors.get(row.get("group"), "tab:blue"), linewidth=1, alpha=0.8)
         ax.set_xscale("log")
         ax.set_yscale("symlog", linthresh=1e-2)
         ax.set_ylim(top=2e-3)  # every prior is <= 0: a log-prior, highest where the head looks
@@ -210,8 +206,9 @@ def plot_curves(results, dist, curves, path):
         ax.set_xlabel("distance i - j (tokens)", fontsize=8)
     for ax in axes[:, 0]:
         ax.set_ylabel("prior bias g(d)", fontsize=8)
-    handles = [plt.Line2D([], [], color=c, label=f"{g}: {rule}") for g, (rule, c) in GROUPS.items()] \
-        if results["pe"] == "bam" else [plt.Line2D([], [], color="tab:blue", label="ALiBi: -m_h d")]
+    rules = results["group_rules"] or {}
+    handles = [plt.Line2D([], [], color=c, label=f"{g}: {rules[g]}") for g, c in colors.items()] \
+        or [plt.Line2D([], [], color="tab:blue", label=f"{results['pe']}, one line per head")]
     handles.append(plt.Line2D([], [], color="gray", linestyle=":", label="training context"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle(f"{results['model']['name']}: positional prior per head" +
@@ -221,72 +218,76 @@ def plot_curves(results, dist, curves, path):
     plt.close(fig)
 
 
-def plot_shapes(results, path):
-    """BAM: histogram of shapes with the three groups, and shape against log-scale per layer.
-    SSMax without BAM: histogram of the SSMax scales."""
+def plot_shapes(results, path, prior_cls, colors):
+    """A prior with head groups (BAM): histogram of the grouping parameter over the groups' spans, and
+    that parameter against the next one per layer. Otherwise: a histogram of every learned per-head
+    parameter (KERPLE's r1, r2; SSMax's s)."""
     import matplotlib.pyplot as plt
 
     heads = results["heads"]
-    if results["pe"] != "bam":
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.hist([r["ssmax_scale"] for r in heads], bins=30, color="tab:purple")
-        ax.set_xlabel("SSMax scale s (init 1)")
-        ax.set_ylabel("heads")
-        ax.set_title(f"{results['model']['name']}: SSMax scales of {len(heads)} heads", fontsize=10)
+    name = results["model"]["name"]
+    grouped = prior_cls is not None and prior_cls.GROUPS
+    learned = [c for c in heads[0] if c not in ("layer", "head", "group", "bias_at", "alibi_slope")]
+    if not grouped:
+        fig, axes = plt.subplots(1, len(learned), figsize=(4.2 * len(learned), 3.5), squeeze=False)
+        for ax, column in zip(axes[0], learned):
+            ax.hist([r[column] for r in heads], bins=30, color="tab:purple")
+            ax.set_xlabel(column)
+            ax.set_ylabel("heads")
+        fig.suptitle(f"{name}: per-head positional parameters of {len(heads)} heads", fontsize=10)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return
-    shapes = np.array([r["shape"] for r in heads])
+    column, other = prior_cls.GROUP_PARAMETER, prior_cls.SECOND_PARAMETER
+    values = np.array([r[column] for r in heads])
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    low, high = min(shapes.min(), -1.0) - 0.1, max(shapes.max(), 1.2) + 0.1
-    spans = {"aggressive": (low, RETRIEVAL_FLOOR), "retrieval": (RETRIEVAL_FLOOR, 0.0), "local": (0.0, high)}
-    for g, (lo, hi) in spans.items():
-        ax.axvspan(lo, hi, color=GROUPS[g][1], alpha=0.12)
-    counts = results["groups"]
-    ax.hist(shapes, bins=np.linspace(low, high, 41), color="black", alpha=0.75)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=GROUPS[g][1], alpha=0.35, label=f"{g} ({GROUPS[g][0]}): {counts[g]}")
-               for g in GROUPS]
-    ax.legend(handles=handles, fontsize=8)
-    ax.set_xlabel("shape b (1 = ALiBi/Laplace, 0 = flat/NoPE, < 0 = favours far tokens)")
+    edges = sorted({e for lo_hi in prior_cls.GROUP_SPANS.values() for e in lo_hi if math.isfinite(e)})
+    low, high = min(values.min(), edges[0] - 0.4) - 0.1, max(values.max(), edges[-1] + 1.2) + 0.1
+    for g, (lo, hi) in prior_cls.GROUP_SPANS.items():
+        ax.axvspan(max(lo, low), min(hi, high), color=colors[g], alpha=0.12)
+    counts, rules = results["groups"], results["group_rules"]
+    ax.hist(values, bins=np.linspace(low, high, 41), color="black", alpha=0.75)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[g], alpha=0.35, label=f"{g} ({rules[g]}): {counts[g]}")
+                       for g in colors], fontsize=8)
+    ax.set_xlabel(f"{column} (1 = ALiBi/Laplace, 0 = flat/NoPE, < 0 = favours far tokens)")
     ax.set_ylabel("heads")
-    ax.set_title(f"{results['model']['name']}: shapes of {len(shapes)} heads", fontsize=10)
-    layers = np.array([r["layer"] for r in heads])
-    points = ax2.scatter(shapes, [r["log_scale"] for r in heads], c=layers, cmap="viridis", s=14)
+    ax.set_title(f"{name}: {column}s of {len(values)} heads", fontsize=10)
+    points = ax2.scatter(values, [r[other] for r in heads], c=[r["layer"] for r in heads], cmap="viridis", s=14)
     fig.colorbar(points, ax=ax2, label="layer")
-    ax2.axvline(0.0, color="gray", linewidth=0.8)
-    ax2.axvline(RETRIEVAL_FLOOR, color="gray", linewidth=0.8, linestyle="--")
-    ax2.set_xlabel("shape b")
-    ax2.set_ylabel("log-scale a (bias = -e^a (|d| + eps)^b)")
-    ax2.set_title("shape against scale", fontsize=10)
+    for edge in edges:
+        ax2.axvline(edge, color="gray", linewidth=0.8)
+    ax2.set_xlabel(column)
+    ax2.set_ylabel(other)
+    ax2.set_title(f"{column} against {other}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_training(results, history, path):
-    """Every head's parameters against the training step, one colour per layer."""
+def plot_training(results, history, path, prior_cls):
+    """Every head's logged parameters (metrics.jsonl's "prior") against the training step, one colour per
+    layer. Those that never moved (ALiBi's slopes, a frozen location) are left out."""
     import matplotlib.pyplot as plt
 
-    names = [n for n in ("bam_shape", "bam_log_scale", "ssmax_scale") if n in history[-1][1]]
+    names = [n for n in history[-1][1] if any(prior.get(n) != history[0][1].get(n) for _, prior in history)]
     if not names:
         return
-    labels = {"bam_shape": "shape b", "bam_log_scale": "log-scale a", "ssmax_scale": "SSMax scale s"}
     steps = [s for s, _ in history]
     fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 3.6), squeeze=False)
     cmap = plt.get_cmap("viridis")
     for ax, name in zip(axes[0], names):
-        values = np.array([prior[name] for _, prior in history], dtype=float)  # (steps, layers, heads)
+        values = np.array([prior[name] for _, prior in history if name in prior], dtype=float)  # (steps, layers, heads)
         n_layers = values.shape[1]
         for layer in range(n_layers):
             for head in range(values.shape[2]):
-                ax.plot(steps, values[:, layer, head], color=cmap(layer / max(1, n_layers - 1)), linewidth=0.8,
-                        alpha=0.7)
-        if name == "bam_shape":
-            ax.axhline(0.0, color="gray", linewidth=0.8)
-            ax.axhline(RETRIEVAL_FLOOR, color="gray", linewidth=0.8, linestyle="--")
+                ax.plot(steps[-len(values):], values[:, layer, head], color=cmap(layer / max(1, n_layers - 1)),
+                        linewidth=0.8, alpha=0.7)
+        if prior_cls is not None and prior_cls.GROUPS and name.endswith("_" + prior_cls.GROUP_PARAMETER):
+            for edge in {e for span in prior_cls.GROUP_SPANS.values() for e in span if math.isfinite(e)}:
+                ax.axhline(edge, color="gray", linewidth=0.8)  # the bounds of the head groups
         ax.set_xlabel("training step")
-        ax.set_title(labels[name], fontsize=10)
+        ax.set_title(name, fontsize=10)
         ax.grid(True, alpha=0.3)
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, max(0, len(history[-1][1][names[0]]) - 1)))
     fig.colorbar(sm, ax=list(axes[0]), label="layer", fraction=0.03)
