@@ -79,13 +79,15 @@ def snapshot(out_dir):
 
 
 def run_error(argv):
-    """main(argv) must exit non-zero with one line on stderr starting with 'error:'."""
+    """main(argv) must exit non-zero with one line on stderr starting with 'error:' (after the progress
+    bar, when it had started)."""
     stderr = io.StringIO()
     with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(stderr):
         main(argv)
-    message = stderr.getvalue()
-    assert e.value.code != 0 and message.startswith("error: ") and message.count("\n") == 1, message
-    message = message.rstrip("\n")
+    lines = stderr.getvalue().splitlines()
+    message = lines[-1] if lines else ""
+    assert e.value.code != 0 and message.startswith("error: "), stderr.getvalue()
+    assert [line for line in lines if line.startswith("error")] == [message], stderr.getvalue()
     return message
 
 
