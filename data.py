@@ -27,6 +27,8 @@ import threading
 import numpy as np
 import torch
 
+from checkpoint import write_bytes
+
 EOT = 50256  # <|endoftext|>; llm.c writes it *before* every document
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1  # version 1 = GPT-2 tokens as uint16 (llm.c's llama-3 shards use 7 and uint32)
@@ -108,7 +110,7 @@ def download_gpt2_tiktoken(path: str) -> str:
             ranks = tar.extractfile(member).read()
     if hashlib.sha256(ranks).hexdigest() != GPT2_TIKTOKEN_SHA256:
         raise RuntimeError(f"gpt2.tiktoken in {WHISPER_SDIST} has an unexpected sha256")
-    atomic_write(path, [ranks])
+    write_bytes(path, [ranks])
     return path
 
 
@@ -162,23 +164,6 @@ def get_tokenizer():
 # ----------------------------------------------------------------------------------------------
 # Shards
 
-def atomic_write(path: str, chunks) -> None:
-    """Write to a temp file next to `path`, fsync, rename: a reader sees the old file or the new."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def write_shard(path: str, tokens) -> None:
     """Write `tokens` (ints < 2**16) as an llm.c GPT-2 shard, atomically."""
     tokens = np.asarray(tokens)
@@ -188,7 +173,7 @@ def write_shard(path: str, tokens) -> None:
         raise ValueError(f"{path}: {tokens.size} tokens do not fit the int32 count of the header")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    atomic_write(path, [header.tobytes(), tokens.astype(TOKEN_DTYPE, copy=False).tobytes()])
+    write_bytes(path, [header.tobytes(), tokens.astype(TOKEN_DTYPE, copy=False).tobytes()])
 
 
 def shard_num_tokens(path: str) -> int:

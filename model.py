@@ -829,20 +829,10 @@ class Transformer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checkpoints: a dict with "model_config" (ModelConfig as a dict) and "model" (state dict); train.py adds
-# optimizer, data and RNG state next to them.
+# Checkpoints. checkpoint.py owns their layout, discovery and atomic writing; these are the model's
+# side of it. Imported here rather than at the top so that this section stays self-contained.
 
-
-def checkpoint_path(path):
-    """A checkpoint file as given, or the newest RUN/checkpoints/step_*.pt of a run directory."""
-    if os.path.isdir(path):
-        steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_*.pt")))
-        if not steps:
-            raise FileNotFoundError(f"no checkpoint in {path}/checkpoints (expected step_*.pt files)")
-        return steps[-1]
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint file or run directory at {path}")
-    return path
+from checkpoint import checkpoint_dict, find_checkpoint, save_atomic  # noqa: E402
 
 
 def model_from_checkpoint(ckpt, device="cpu", **overrides):
@@ -857,10 +847,11 @@ def model_from_checkpoint(ckpt, device="cpu", **overrides):
 
 
 def load_model(path, device="cpu", **overrides):
-    ckpt = torch.load(checkpoint_path(path), map_location="cpu", weights_only=True)
+    """The model of a checkpoint file, or of a run directory's newest checkpoint."""
+    ckpt = torch.load(find_checkpoint(path), map_location="cpu", weights_only=True)
     return model_from_checkpoint(ckpt, device, **overrides)
 
 
 def save_model(model, path):
     """A minimal checkpoint (config + weights), e.g. for tests and exported models."""
-    torch.save({"model_config": asdict(model.config), "model": model.state_dict()}, path)
+    save_atomic(checkpoint_dict(model), path)

@@ -43,7 +43,9 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from data import EOT, ShardError, get_tokenizer, shard_num_tokens, write_shard, atomic_write
+from checkpoint import write_bytes
+from cli import Parser, UserError, fail
+from data import EOT, ShardError, get_tokenizer, shard_num_tokens, write_shard
 
 HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 FINEWEB_SAMPLES = ("sample-10BT", "sample-100BT", "sample-350BT")
@@ -60,7 +62,7 @@ TOKENIZER = "gpt2"
 CHUNKSIZE = 64  # documents per task sent to a worker: fewer, larger messages keep the main process light
 
 
-class PrepareError(Exception):
+class PrepareError(UserError):
     """A user mistake (bad input or output directory); main() prints it as one line."""
 
 
@@ -292,7 +294,7 @@ def _read_manifest(out_dir: str):
 
 
 def _write_manifest(out_dir: str, manifest: dict):
-    atomic_write(os.path.join(out_dir, MANIFEST), [json.dumps(manifest, indent=1).encode()])
+    write_bytes(os.path.join(out_dir, MANIFEST), [json.dumps(manifest, indent=1).encode()])
 
 
 def _check_out_dir(out_dir, manifest, *, prefix, source, shard_size, max_tokens):
@@ -414,13 +416,8 @@ def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
 # ----------------------------------------------------------------------------------------------
 # Command line
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        sys.exit(f"error: {message} (see --help)")  # one line, not argparse's usage block
-
-
 def parse_args(argv=None):
-    parser = _Parser(description=__doc__.split("\n\n")[0],
+    parser = Parser(prog="prepare_fineweb.py", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", required=True, choices=SOURCES,
                         help="FineWeb / FineWeb-Edu from the Hub, the offline demo corpus, or --input files")
@@ -541,15 +538,15 @@ def main(argv=None):
             # Kept next to the shards, where the text is easy to read, and tokenised through the
             # same `datasets` json reader as any local corpus.
             corpus_path = os.path.join(args.out_dir, "demo_corpus.jsonl")
-            atomic_write(corpus_path, [corpus])
+            write_bytes(corpus_path, [corpus])
             documents = local_documents([corpus_path])
         if args.retrieval_fraction:
             documents = passkey_mixture(documents, args)
         t0 = time.time()
         manifest = prepare(documents, args.out_dir, source=source, prefix=args.prefix,
                            shard_size=args.shard_size, max_tokens=args.max_tokens, workers=args.workers)
-    except (PrepareError, ShardError) as e:
-        sys.exit(f"error: {e}")
+    except (UserError, ShardError) as e:  # PrepareError is a UserError
+        fail(e)
     except KeyboardInterrupt:
         sys.exit("interrupted: the finished shards are kept; run the same command again to resume")
     shards = manifest["shards"]

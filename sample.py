@@ -12,8 +12,9 @@ import sys
 
 import torch
 
+from cli import Parser, UserError, run_cli
 from data import EOT
-from eval.common import EvalError, Parser, autocast, load_for_eval, pick_device, pick_dtype, run_cli, tokenizer
+from eval.common import autocast, load_for_eval, pick_device, pick_dtype, tokenizer
 
 
 def main(argv=None):
@@ -30,14 +31,14 @@ def main(argv=None):
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
-        raise EvalError("--max_new_tokens and --num_samples must be at least 1, --temperature and --top_k at least 0")
+        raise UserError("--max_new_tokens and --num_samples must be at least 1, --temperature and --top_k at least 0")
     prompt = args.prompt
     if args.prompt_file:
         try:
             with open(args.prompt_file) as f:
                 prompt = f.read()
         except OSError as e:
-            raise EvalError(f"cannot read --prompt_file: {e}") from None
+            raise UserError(f"cannot read --prompt_file: {e}") from None
 
     device = pick_device(args.device)
     model, info = load_for_eval(args.source, device)

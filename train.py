@@ -30,6 +30,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from checkpoint import (best_path, checkpoint_dict, checkpoint_dir, config_path, keep_last, metrics_path,
+                        remove_temp_files, save_atomic, step_checkpoints, step_path, write_text)
+from cli import Parser, UserError, user_errors
 from config import ConfigError, check, describe, load_config, to_dict, to_toml
 from data import EOT, ShardLoader, get_tokenizer
 from model import Transformer
@@ -48,13 +51,6 @@ CHANGEABLE_ON_RESUME = {
               "keep_last", "compile", "dtype", "seed"},
     "log": {"out_dir", "log_every", "wandb", "wandb_project", "run_name", "peak_tflops"},
 }
-
-
-def fail(message, master=True):
-    # One line and a non-zero exit for anything the user can fix; every rank exits, one speaks.
-    if master:
-        print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(1)
 
 
 def lr_multiplier(step, train):
@@ -76,27 +72,6 @@ def peak_flops(device, bf16, override_tflops):
         return None
     name = torch.cuda.get_device_name(device)
     return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
-
-
-def save_atomic(obj, path):
-    """Temp file in the same directory, fsync, rename, fsync the directory: a crash at any moment
-    leaves the previous file or the complete new one under `path`, never a torn one."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def step_checkpoints(ckpt_dir):
-    # Zero-padded step numbers sort by name; temp files (.pt.tmp) never match.
-    return sorted(glob.glob(os.path.join(ckpt_dir, "step_*.pt")))
 
 
 def rng_state():
@@ -201,96 +176,181 @@ def rounded(tree):
     return float(f"{tree:.6g}") if isinstance(tree, float) else tree
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description="Pretrain a language model. Override any config key with --section.key=value.",
+# ---------------------------------------------------------------------------------------------------
+# The run: what main builds once, and what every step reads and updates.
+
+
+@dataclasses.dataclass
+class Processes:
+    """Where this process runs. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we are alone."""
+
+    ddp: bool
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def master(self):
+        return self.rank == 0  # the one that writes files and prints
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What changes from step to step besides the weights, optimizer and loader; checkpoints carry it."""
+
+    step: int = 0  # finished optimizer updates
+    tokens_seen: int = 0
+    best_val_loss: float = math.inf
+    wandb_id: str | None = None  # a resumed run continues the same wandb run
+
+
+class MetricsLog:
+    """metrics.jsonl (always, so plots never need wandb) and wandb; rank 0 holds the files, the other
+    ranks a log that writes nothing."""
+
+    def __init__(self, file=None, wandb_run=None):
+        self.file, self.wandb_run = file, wandb_run
+
+    def record(self, row):
+        if self.file is None:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb_run:
+            import wandb
+
+            flat = {k: v for k, v in row.items() if k != "prior"}
+            flat.update({f"prior/{kind}": wandb.Histogram(np.ravel(values))
+                         for kind, values in row.get("prior", {}).items()})
+            self.wandb_run.log(flat, step=row["step"])
+
+    def close(self, exit_code=0):
+        if self.file is not None:
+            self.file.close()
+        if self.wandb_run:
+            self.wandb_run.finish(exit_code=exit_code)
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: object
+    procs: Processes
+    bf16: bool
+    accum_steps: int  # micro-batches per optimizer step on each rank
+    train_loader: ShardLoader
+    val_loader: ShardLoader | None
+    val_batches: int
+    raw_model: Transformer  # unwrapped: its state_dict has no DDP/compile prefixes
+    optimizer: torch.optim.Optimizer
+    base_lr: dict  # per param group name, before the schedule's factor
+    model: torch.nn.Module = None  # raw_model compiled and/or DDP-wrapped: what the steps run
+    state: TrainState = dataclasses.field(default_factory=TrainState)
+    metrics: MetricsLog = dataclasses.field(default_factory=MetricsLog)
+    peak_flops: float | None = None  # of one device, for MFU
+
+    @property
+    def autocast(self):
+        return torch.autocast(self.procs.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Setup, in the order main runs it. Every check comes before anything is written.
+
+
+def parse_args(argv):
+    parser = Parser(
+        prog="train.py", description="Pretrain a language model. Override any config key with --section.key=value.",
         epilog="config keys and their defaults (the paper's 12-layer run):\n" + describe(),
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("config", nargs="?", default="configs/tiny.toml", help="TOML file (default: %(default)s)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in log.out_dir (start fresh if there is none)")
-    args, overrides = parser.parse_known_args(argv)
+    return parser.parse_known_args(argv)
 
-    # -------------------------------------------------------------------------------------------
-    # Config and processes. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we are alone.
-    ddp = "RANK" in os.environ
-    rank = int(os.environ.get("RANK", 0))
+
+def setup_processes():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    master = rank == 0
-    try:
-        cfg = load_config(args.config, overrides)
-        check(cfg, world_size)
-    except ConfigError as e:
-        fail(e, master)
-    m, t, log = cfg.model, cfg.train, cfg.log
-    batch_size, seq_len = cfg.data.batch_size, m.block_size
-    accum_steps = t.tokens_per_step // (batch_size * seq_len * world_size)
-
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # TF32 for whatever stays in fp32
     else:
         device = torch.device("cpu")
-    bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    return Processes(ddp="RANK" in os.environ, rank=int(os.environ.get("RANK", 0)), local_rank=local_rank,
+                     world_size=int(os.environ.get("WORLD_SIZE", 1)), device=device)
 
-    # -------------------------------------------------------------------------------------------
-    # Data, and the run directory's state, checked before anything is written.
-    data_dir = cfg.data.data_dir
-    if not glob.glob(os.path.join(data_dir, "*_train_*.bin")):
-        fail(f"data.data_dir = {data_dir!r} holds no *_train_*.bin shards; make them with prepare_fineweb.py "
-             f"(e.g. `python prepare_fineweb.py --source demo --out_dir {data_dir}`)", master)
+
+def load_checked_config(path, overrides, world_size):
     try:
-        train_loader = ShardLoader(data_dir, "train", batch_size, seq_len, rank, world_size)
-        val_loader = ShardLoader(data_dir, "val", batch_size, seq_len, rank, world_size) if t.val_every else None
+        cfg = load_config(path, overrides)
+        check(cfg, world_size)
+    except ConfigError as e:
+        raise UserError(e) from None
+    if cfg.model.vocab_size <= EOT:
+        raise UserError(f"model.vocab_size = {cfg.model.vocab_size} cannot hold the GPT-2 tokens of the shards "
+                        f"(up to {EOT}); use 50257 or more")
+    return cfg
+
+
+def build_data(cfg, procs):
+    """(train loader, validation loader or None, validation batches per evaluation)."""
+    d, t = cfg.data, cfg.train
+    shape = (d.batch_size, cfg.model.block_size, procs.rank, procs.world_size)
+    if not glob.glob(os.path.join(d.data_dir, "*_train_*.bin")):
+        raise UserError(f"data.data_dir = {d.data_dir!r} holds no *_train_*.bin shards; make them with "
+                        f"prepare_fineweb.py (e.g. `python prepare_fineweb.py --source demo --out_dir {d.data_dir}`)")
+    try:
+        train_loader = ShardLoader(d.data_dir, "train", *shape)
+        val_loader = ShardLoader(d.data_dir, "val", *shape) if t.val_every else None
     except (OSError, ValueError) as e:  # data.ShardError is a ValueError
-        fail(f"cannot use the shards in {data_dir}: {e}", master)
-    if cfg.data.loss_on != "all":  # a look at the first batch (a fresh loader: nothing is consumed)
-        probe = ShardLoader(data_dir, "train", batch_size, seq_len, rank, world_size)
-        if not (next_batch(probe, cfg.data.loss_on, "cpu")[1] != -1).any():
-            fail(f"data.loss_on = {cfg.data.loss_on!r} but the first batch from {data_dir} has no passkey answer "
-                 f"to train on; prepare the data with --retrieval_fraction (docs/repro.md)", master)
+        raise UserError(f"cannot use the shards in {d.data_dir}: {e}") from None
+    if d.loss_on != "all":  # a look at the first batch (a fresh loader: nothing is consumed)
+        probe = ShardLoader(d.data_dir, "train", *shape)
+        if not (next_batch(probe, d.loss_on, "cpu")[1] != -1).any():
+            raise UserError(f"data.loss_on = {d.loss_on!r} but the first batch from {d.data_dir} has no passkey "
+                            f"answer to train on; prepare the data with --retrieval_fraction (docs/repro.md)")
+    if not val_loader:
+        return train_loader, None, 0
     # A short validation split is used whole rather than read around twice.
-    val_batches = min(t.val_tokens // (batch_size * seq_len * world_size), val_loader.batches_per_epoch) if val_loader else 0
+    per_batch = d.batch_size * cfg.model.block_size * procs.world_size
+    return train_loader, val_loader, min(t.val_tokens // per_batch, val_loader.batches_per_epoch)
 
-    if m.vocab_size <= EOT:
-        fail(f"model.vocab_size = {m.vocab_size} cannot hold the GPT-2 tokens of the shards (up to {EOT}); use 50257 or more", master)
 
-    ckpt_dir = os.path.join(log.out_dir, "checkpoints")
-    existing = step_checkpoints(ckpt_dir)
-    if existing and not args.resume:
-        fail(f"{log.out_dir} already holds checkpoints (newest {os.path.basename(existing[-1])}); "
-             "pass --resume to continue that run or choose another --log.out_dir", master)
-    ckpt = None
-    if args.resume and existing:
-        ckpt = torch.load(existing[-1], map_location="cpu", weights_only=True)
-        forbidden, changed = resume_conflicts(ckpt["config"], to_dict(cfg))
-        if forbidden:
-            fail(f"cannot resume {existing[-1]} with different settings ({'; '.join(forbidden)}); "
-                 f"only these may change: {', '.join(f'{s}.{k}' for s, ks in CHANGEABLE_ON_RESUME.items() for k in sorted(ks))}",
-                 master)
-        if master and changed:
-            print(f"resuming with changed settings: {'; '.join(changed)}")
-    start_step = ckpt["step"] if ckpt else 0
+def load_resume_state(cfg, resume, master):
+    """The checkpoint to continue from, or None for a fresh run. A run directory that holds another run's
+    checkpoints, or settings that would make the resumed run a different experiment, are refused."""
+    run_dir = cfg.log.out_dir
+    existing = step_checkpoints(run_dir)
+    if existing and not resume:
+        raise UserError(f"{run_dir} already holds checkpoints (newest {os.path.basename(existing[-1])}); "
+                        "pass --resume to continue that run or choose another --log.out_dir")
+    if not existing:
+        return None
+    ckpt = torch.load(existing[-1], map_location="cpu", weights_only=True)
+    forbidden, changed = resume_conflicts(ckpt["config"], to_dict(cfg))
+    if forbidden:
+        allowed = ", ".join(f"{s}.{k}" for s, ks in CHANGEABLE_ON_RESUME.items() for k in sorted(ks))
+        raise UserError(f"cannot resume {existing[-1]} with different settings ({'; '.join(forbidden)}); "
+                        f"only these may change: {allowed}")
+    if master and changed:
+        print(f"resuming with changed settings: {'; '.join(changed)}")
+    return ckpt
 
-    if ddp:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
 
-    # -------------------------------------------------------------------------------------------
-    # Model and optimizer. Every rank seeds alike so the initial weights agree (DDP also
-    # broadcasts rank 0's at wrap time); the model has no dropout, so nothing else draws.
+def build_model(cfg, device, ckpt):
+    """(model, optimizer, base learning rate per param group), with the checkpoint's weights and
+    optimizer state when resuming."""
+    t = cfg.train
+    # Every rank seeds alike so the initial weights agree (DDP also broadcasts rank 0's at wrap time);
+    # the model has no dropout, so nothing else draws.
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
-    model = Transformer(m)
+    model = Transformer(cfg.model)
     if ckpt:
         model.load_state_dict(ckpt["model"])
     model.to(device)
-    raw_model = model  # unwrapped: its state_dict has no DDP/compile prefixes
-
     groups = model.optim_groups(t.weight_decay)
     base_lr = {"decay": t.lr, "no_decay": t.lr, "prior": t.prior_lr or t.lr}
     for group in groups:
@@ -302,170 +362,222 @@ def main(argv=None):
         optimizer = torch.optim.RAdam(groups, lr=t.lr, betas=t.betas, eps=t.eps, decoupled_weight_decay=True)
     if ckpt:
         optimizer.load_state_dict(ckpt["optimizer"])
-        # A position in the token stream, the same for every rank: seeking there replaces replaying.
-        train_loader.load_state_dict(ckpt["loader"])
-        set_rng_state(ckpt["rng"])
+    return model, optimizer, base_lr
 
-    if t.compile:
+
+def restore(run, ckpt):
+    """The rest of a checkpoint's state: where the data stands, the RNGs, the train state."""
+    # A position in the token stream, the same for every rank: seeking there replaces replaying.
+    run.train_loader.load_state_dict(ckpt["loader"])
+    set_rng_state(ckpt["rng"])
+    run.state = TrainState(step=ckpt["step"], tokens_seen=ckpt["tokens_seen"],
+                           best_val_loss=ckpt["best_val_loss"], wandb_id=ckpt.get("wandb_id"))
+
+
+def wrap_model(model, compile_model, procs):
+    if compile_model:
         model = torch.compile(model)
-    if ddp:
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    if procs.ddp:
+        model = DDP(model, device_ids=[procs.local_rank] if procs.device.type == "cuda" else None)
+    return model
 
-    # -------------------------------------------------------------------------------------------
-    # Run directory, metrics, wandb: rank 0 only.
-    metrics_path = os.path.join(log.out_dir, "metrics.jsonl")
-    best_val_loss = ckpt["best_val_loss"] if ckpt else math.inf
-    tokens_seen = ckpt["tokens_seen"] if ckpt else 0
-    wandb_run, wandb_id = None, ckpt.get("wandb_id") if ckpt else None
-    if master:
-        os.makedirs(ckpt_dir, exist_ok=True)
-        for stale in glob.glob(os.path.join(ckpt_dir, "*.tmp")):
-            os.remove(stale)  # a save that was interrupted; the rename never happened
-        with open(os.path.join(log.out_dir, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
-        # Rows past the checkpoint belong to steps that are about to be redone.
-        rows = []
-        if ckpt and os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                rows = [line for line in f if metrics_step(line) <= start_step]
-        with open(metrics_path + ".tmp", "w") as f:
-            f.writelines(rows)
-        os.replace(metrics_path + ".tmp", metrics_path)
-        metrics_file = open(metrics_path, "a")
-        if log.wandb != "disabled":
-            import wandb  # imported only when used: it is slow to import
-            # A resumed run continues the same wandb run: its id travels in the checkpoint.
-            wandb_run = wandb.init(project=log.wandb_project, name=log.run_name or os.path.basename(os.path.normpath(log.out_dir)),
-                                   dir=log.out_dir, config=to_dict(cfg), mode=log.wandb, id=wandb_id,
-                                   resume="allow" if wandb_id else None)
-            wandb_id = wandb_run.id
 
-    peak = peak_flops(device, bf16, log.peak_tflops)
-    flops_per_token = raw_model.flops_per_token(seq_len)
-    if master:
-        print(f"model: {raw_model.num_params():,} parameters, pe={m.pe}{' + ssmax' if m.ssmax else ''}, "
-              f"{m.n_layer} layers x {m.n_embd} wide, context {seq_len}")
-        print(f"batch: {t.tokens_per_step:,} tokens per step = {batch_size} x {seq_len} x {world_size} ranks "
-              f"x {accum_steps} accumulation steps; {t.max_steps:,} steps; device {device}, "
-              f"{'bf16 autocast' if bf16 else 'fp32'}{', compiled' if t.compile else ''}")
-        print(f"run dir: {log.out_dir}" + (f" (resuming at step {start_step})" if ckpt else ""))
+def setup_run_dir(cfg, state, resumed_step):
+    """config.toml, metrics.jsonl and wandb (rank 0 only): the MetricsLog that records the run."""
+    run_dir, log = cfg.log.out_dir, cfg.log
+    os.makedirs(checkpoint_dir(run_dir), exist_ok=True)
+    remove_temp_files(checkpoint_dir(run_dir))  # saves that were interrupted; the rename never happened
+    write_text(config_path(run_dir), to_toml(cfg))
+    # Rows past the checkpoint belong to steps that are about to be redone.
+    rows = []
+    if resumed_step is not None and os.path.exists(metrics_path(run_dir)):
+        with open(metrics_path(run_dir)) as f:
+            rows = [line for line in f if metrics_step(line) <= resumed_step]
+    write_text(metrics_path(run_dir), "".join(rows))
+    wandb_run = None
+    if log.wandb != "disabled":
+        import wandb  # imported only when used: it is slow to import
 
-    def record(row):
-        if master:
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-            if wandb_run:
-                flat = {k: v for k, v in row.items() if k != "prior"}
-                flat.update({f"prior/{kind}": wandb.Histogram(np.ravel(values)) for kind, values in row.get("prior", {}).items()})
-                wandb_run.log(flat, step=row["step"])
+        name = log.run_name or os.path.basename(os.path.normpath(run_dir))
+        wandb_run = wandb.init(project=log.wandb_project, name=name, dir=run_dir, config=to_dict(cfg),
+                               mode=log.wandb, id=state.wandb_id, resume="allow" if state.wandb_id else None)
+        state.wandb_id = wandb_run.id
+    return MetricsLog(open(metrics_path(run_dir), "a"), wandb_run)
 
-    def save_checkpoint(step):
-        if master:
-            save_atomic({
-                "model_config": dataclasses.asdict(m), "model": raw_model.state_dict(),
-                "optimizer": optimizer.state_dict(), "step": step, "tokens_seen": tokens_seen,
-                "best_val_loss": best_val_loss, "config": to_dict(cfg), "loader": train_loader.state_dict(),
-                "rng": rng_state(), "wandb_id": wandb_id,
-            }, os.path.join(ckpt_dir, f"step_{step:08d}.pt"))
-            for old in step_checkpoints(ckpt_dir)[:-t.keep_last]:
-                os.remove(old)
 
-    def validate(step, row):
-        nonlocal best_val_loss
-        row["val_loss"] = evaluate(model, val_loader, val_batches, autocast, device, t.doc_mask, cfg.data.loss_on, ddp)
-        if row["val_loss"] < best_val_loss:
-            best_val_loss = row["val_loss"]
-            if master:
-                save_atomic({"model_config": dataclasses.asdict(m), "model": raw_model.state_dict(),
-                             "config": to_dict(cfg), "step": step, "val_loss": best_val_loss},
-                            os.path.join(ckpt_dir, "best.pt"))
+def print_summary(run, resumed):
+    m, t, procs = run.cfg.model, run.cfg.train, run.procs
+    print(f"model: {run.raw_model.num_params():,} parameters, pe={m.pe}{' + ssmax' if m.ssmax else ''}, "
+          f"{m.n_layer} layers x {m.n_embd} wide, context {m.block_size}")
+    print(f"batch: {t.tokens_per_step:,} tokens per step = {run.cfg.data.batch_size} x {m.block_size} x "
+          f"{procs.world_size} ranks x {run.accum_steps} accumulation steps; {t.max_steps:,} steps; device "
+          f"{procs.device}, {'bf16 autocast' if run.bf16 else 'fp32'}{', compiled' if t.compile else ''}")
+    print(f"run dir: {run.cfg.log.out_dir}" + (f" (resuming at step {run.state.step})" if resumed else ""))
 
-    # -------------------------------------------------------------------------------------------
-    # Training. `step` counts finished optimizer updates; a row for step s describes update s.
-    if val_batches and start_step == 0:
-        row = {"step": 0, "tokens": 0, "prior": rounded(raw_model.prior_summary())}
-        validate(0, row)
-        record(row)
-    bar = tqdm(total=t.max_steps, initial=start_step, unit="step", disable=not master, dynamic_ncols=True,
-               mininterval=1.0 if sys.stderr.isatty() else 30.0)
+
+def build_run(args, overrides, procs):
+    cfg = load_checked_config(args.config, overrides, procs.world_size)
+    train_loader, val_loader, val_batches = build_data(cfg, procs)
+    ckpt = load_resume_state(cfg, args.resume, procs.master)
+    if procs.ddp:
+        dist.init_process_group(backend="nccl" if procs.device.type == "cuda" else "gloo",
+                                device_id=procs.device if procs.device.type == "cuda" else None)
+    t, device = cfg.train, procs.device
+    bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    accum_steps = t.tokens_per_step // (cfg.data.batch_size * cfg.model.block_size * procs.world_size)
+    run = Run(cfg, procs, bf16, accum_steps, train_loader, val_loader, val_batches,
+              *build_model(cfg, device, ckpt), peak_flops=peak_flops(device, bf16, cfg.log.peak_tflops))
+    if ckpt:
+        restore(run, ckpt)
+    run.model = wrap_model(run.raw_model, t.compile, procs)
+    if procs.master:
+        run.metrics = setup_run_dir(cfg, run.state, ckpt["step"] if ckpt else None)
+        print_summary(run, resumed=ckpt is not None)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training: one step, validation, checkpoints, and the loop that calls them.
+
+
+def train_step(run, step):
+    """Optimizer update number `step` (1-based) over accum_steps micro-batches per rank. Returns (loss,
+    grad norm, lr factor); a non-finite loss or gradient stops the run before it is applied."""
+    t, loss_on, procs = run.cfg.train, run.cfg.data.loss_on, run.procs
+    lr_scale = lr_multiplier(step - 1, t)
+    for group in run.optimizer.param_groups:
+        group["lr"] = run.base_lr[group["name"]] * lr_scale
+    batches = [next_batch(run.train_loader, loss_on, procs.device) for _ in range(run.accum_steps)]
+    weights = loss_weights(batches, loss_on, procs.device, procs.ddp, procs.world_size)
+    loss_sum = torch.zeros((), device=procs.device)
+    for micro_step, (batch, weight) in enumerate(zip(batches, weights)):
+        # Gradients are averaged across ranks only on the last micro-step; syncing on the others
+        # would send the same bytes accum_steps times for nothing.
+        sync = run.model.no_sync() if procs.ddp and micro_step < run.accum_steps - 1 else nullcontext()
+        with sync:
+            with run.autocast:
+                loss = loss_of(run.model, batch, t.doc_mask, loss_on)
+            # Summed gradients of weighted mean losses (1 / accum_steps each when every token counts):
+            # the mean over the whole step, the same as one big batch.
+            (loss * weight).backward()
+        loss_sum += loss.detach().float() * weight
+    if procs.ddp:
+        dist.all_reduce(loss_sum)
+        loss_sum /= procs.world_size
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), t.grad_clip or math.inf)
+    # One sync per step: it lets every rank agree to stop before a non-finite update is applied.
+    loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
+    if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
+        newest = step_checkpoints(run.cfg.log.out_dir)
+        raise UserError(f"non-finite loss or gradient at step {step} (loss {loss_value}, grad norm {grad_norm_value}); "
+                        f"stopped without applying it. The last good checkpoint is {newest[-1] if newest else '(none yet)'}; "
+                        "lower train.lr or raise train.warmup_steps and rerun with --resume")
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.state.step = step
+    run.state.tokens_seen += t.tokens_per_step
+    return loss_value, grad_norm_value, lr_scale
+
+
+def validate(run, row):
+    """Adds the validation loss to `row` (the metrics row of step row["step"]); a new best is saved."""
+    cfg, procs = run.cfg, run.procs
+    row["val_loss"] = evaluate(run.model, run.val_loader, run.val_batches, run.autocast, procs.device,
+                               cfg.train.doc_mask, cfg.data.loss_on, procs.ddp)
+    if row["val_loss"] < run.state.best_val_loss:
+        run.state.best_val_loss = row["val_loss"]
+        if procs.master:
+            save_atomic(checkpoint_dict(run.raw_model, config=to_dict(cfg), step=row["step"], val_loss=row["val_loss"]),
+                        best_path(cfg.log.out_dir))
+
+
+def save_checkpoint(run):
+    """Everything an exact resume needs, as step_XXXXXXXX.pt; only the newest train.keep_last stay."""
+    if not run.procs.master:
+        return
+    s, run_dir = run.state, run.cfg.log.out_dir
+    save_atomic(checkpoint_dict(run.raw_model, optimizer=run.optimizer.state_dict(), step=s.step,
+                                tokens_seen=s.tokens_seen, best_val_loss=s.best_val_loss, config=to_dict(run.cfg),
+                                loader=run.train_loader.state_dict(), rng=rng_state(), wandb_id=s.wandb_id),
+                step_path(run_dir, s.step))
+    keep_last(run_dir, run.cfg.train.keep_last)
+
+
+def log_step(run, loss, grad_norm, lr_scale, tokens_per_s, val_due):
+    """The metrics row of the step just taken (with the validation loss when one is due)."""
+    row = {"step": run.state.step, "loss": loss, "lr": run.cfg.train.lr * lr_scale, "grad_norm": grad_norm,
+           "tokens": run.state.tokens_seen, "tokens_per_s": tokens_per_s}
+    if run.peak_flops:
+        flops = run.raw_model.flops_per_token(run.cfg.model.block_size) * tokens_per_s
+        row["mfu"] = flops / (run.peak_flops * run.procs.world_size)
+    if val_due:
+        validate(run, row)
+    row["prior"] = rounded(run.raw_model.prior_summary())
+    run.metrics.record(row)
+    return row
+
+
+def show(bar, postfix, row):
+    # The last validation loss stays on the bar until the next one.
+    postfix.update({"loss": f"{row['loss']:.3f}", "lr": f"{row['lr']:.2e}", "tok/s": f"{row['tokens_per_s']:,.0f}"})
+    if "mfu" in row:
+        postfix["mfu"] = f"{row['mfu']:.1%}"
+    if "val_loss" in row:
+        postfix["val"] = f"{row['val_loss']:.3f}"
+    bar.set_postfix(postfix, refresh=False)
+
+
+def train_loop(run):
+    """`step` counts finished optimizer updates; a row for step s describes update s."""
+    t, log = run.cfg.train, run.cfg.log
+    if run.val_batches and run.state.step == 0:  # the untrained model's validation loss
+        row = {"step": 0, "tokens": 0, "prior": rounded(run.raw_model.prior_summary())}
+        validate(run, row)
+        run.metrics.record(row)
     train_time, interval_tokens, postfix = 0.0, 0, {}
-    for step in range(start_step + 1, t.max_steps + 1):
-        t0 = time.perf_counter()
-        lr_scale = lr_multiplier(step - 1, t)
-        for group in optimizer.param_groups:
-            group["lr"] = base_lr[group["name"]] * lr_scale
-        loss_sum = torch.zeros((), device=device)
-        batches = [next_batch(train_loader, cfg.data.loss_on, device) for _ in range(accum_steps)]
-        weights = loss_weights(batches, cfg.data.loss_on, device, ddp, world_size)
-        for micro_step, (batch, weight) in enumerate(zip(batches, weights)):
-            # Gradients are averaged across ranks only on the last micro-step; syncing on the
-            # others would send the same bytes accum_steps times for nothing.
-            sync = model.no_sync() if ddp and micro_step < accum_steps - 1 else nullcontext()
-            with sync:
-                with autocast:
-                    loss = loss_of(model, batch, t.doc_mask, cfg.data.loss_on)
-                # Summed gradients of weighted mean losses (1 / accum_steps each when every token
-                # counts): the mean over the whole step, the same as one big batch.
-                (loss * weight).backward()
-            loss_sum += loss.detach().float() * weight
-        if ddp:
-            dist.all_reduce(loss_sum)
-            loss_sum /= world_size
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf)
-        # One sync per step: it lets every rank agree to stop before a non-finite update is applied.
-        loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
-            bar.close()
-            newest = step_checkpoints(ckpt_dir)
-            if wandb_run:
-                wandb_run.finish(exit_code=1)
-            if ddp:
-                dist.barrier()
-                dist.destroy_process_group()
-            fail(f"non-finite loss or gradient at step {step} (loss {loss_value}, grad norm {grad_norm_value}); "
-                 f"stopped without applying it. The last good checkpoint is {newest[-1] if newest else '(none yet)'}; "
-                 "lower train.lr or raise train.warmup_steps and rerun with --resume", master)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens_seen += t.tokens_per_step
-        train_time += time.perf_counter() - t0
-        interval_tokens += t.tokens_per_step
-        bar.update(1)
+    with tqdm(total=t.max_steps, initial=run.state.step, unit="step", disable=not run.procs.master,
+              dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0) as bar:
+        for step in range(run.state.step + 1, t.max_steps + 1):
+            t0 = time.perf_counter()
+            loss, grad_norm, lr_scale = train_step(run, step)
+            train_time += time.perf_counter() - t0
+            interval_tokens += t.tokens_per_step
+            bar.update(1)
+            val_due = bool(run.val_batches) and (step % t.val_every == 0 or step == t.max_steps)
+            if step % log.log_every == 0 or step == t.max_steps or val_due:
+                show(bar, postfix, log_step(run, loss, grad_norm, lr_scale, interval_tokens / train_time, val_due))
+                train_time, interval_tokens = 0.0, 0
+            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.max_steps:
+                save_checkpoint(run)
 
-        val_due = val_batches and (step % t.val_every == 0 or step == t.max_steps)
-        if step % log.log_every == 0 or step == t.max_steps or val_due:
-            tokens_per_s = interval_tokens / train_time
-            row = {"step": step, "loss": loss_value, "lr": t.lr * lr_scale, "grad_norm": grad_norm_value,
-                   "tokens": tokens_seen, "tokens_per_s": tokens_per_s}
-            if peak:
-                row["mfu"] = flops_per_token * tokens_per_s / (peak * world_size)
-            if val_due:
-                validate(step, row)
-            row["prior"] = rounded(raw_model.prior_summary())
-            record(row)
-            postfix.update({"loss": f"{loss_value:.3f}", "lr": f"{row['lr']:.2e}", "tok/s": f"{tokens_per_s:,.0f}"})
-            if peak:
-                postfix["mfu"] = f"{row['mfu']:.1%}"
-            if val_due:
-                postfix["val"] = f"{row['val_loss']:.3f}"
-            bar.set_postfix(postfix, refresh=False)
-            train_time, interval_tokens = 0.0, 0
-        if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.max_steps:
-            save_checkpoint(step)
-    bar.close()
 
-    if master:
-        print(f"done: {t.max_steps:,} steps, {tokens_seen:,} tokens"
-              + (f", best val loss {best_val_loss:.4f}" if math.isfinite(best_val_loss) else "")
-              + f"; checkpoints in {ckpt_dir}")
-        metrics_file.close()
-        if wandb_run:
-            wandb_run.finish()
-    if ddp:
-        # Leave together: a rank that tears down gloo while rank 0 still writes the last
-        # checkpoint can hang at exit.
+def finish(run, exit_code=0):
+    if run.procs.master:
+        if exit_code == 0:
+            best = run.state.best_val_loss
+            print(f"done: {run.cfg.train.max_steps:,} steps, {run.state.tokens_seen:,} tokens"
+                  + (f", best val loss {best:.4f}" if math.isfinite(best) else "")
+                  + f"; checkpoints in {checkpoint_dir(run.cfg.log.out_dir)}")
+        run.metrics.close(exit_code)
+    if run.procs.ddp:
+        # Leave together: a rank that tears down gloo while rank 0 still writes the last checkpoint
+        # can hang at exit.
         dist.barrier()
         dist.destroy_process_group()
+
+
+def main(argv=None):
+    args, overrides = parse_args(argv)
+    procs = setup_processes()
+    # Every rank exits on a user error; only rank 0 says why.
+    with user_errors(speak=procs.master):
+        run = build_run(args, overrides, procs)
+        try:
+            train_loop(run)
+        except UserError:  # a non-finite step: every rank stops at the same step
+            finish(run, exit_code=1)
+            raise
+        finish(run)
 
 
 if __name__ == "__main__":

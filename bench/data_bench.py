@@ -27,7 +27,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prepare_fineweb  # noqa: E402
-from data import ShardLoader, get_tokenizer, write_shard, atomic_write  # noqa: E402
+from checkpoint import write_bytes  # noqa: E402
+from data import ShardLoader, get_tokenizer, write_shard  # noqa: E402
 
 
 def bench_prepare(corpus_path, workers, repeats, tmp):
@@ -94,7 +95,7 @@ def main():
         datasets.config.HF_DATASETS_CACHE = os.path.join(tmp, "hf_cache")  # its lock files go too
         corpus = os.path.join(tmp, "demo_corpus.jsonl")
         docs = prepare_fineweb.demo_documents(args.workers)
-        atomic_write(corpus, ["".join(json.dumps({"text": d}) + "\n" for d in docs * args.copies).encode()])
+        write_bytes(corpus, ["".join(json.dumps({"text": d}) + "\n" for d in docs * args.copies).encode()])
 
         workers = sorted({1, args.workers})
         load = os.getloadavg()

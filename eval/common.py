@@ -9,7 +9,6 @@ cannot fit stops the sweep with one clear line instead of taking the machine dow
 up to there is already on disk.
 """
 
-import argparse
 import functools
 import json
 import math
@@ -27,34 +26,19 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import checkpoint_path, model_from_checkpoint
+from checkpoint import find_checkpoint, write_text
+from cli import Parser, UserError, run_cli  # noqa: F401  (the evaluators' command lines)
+from model import model_from_checkpoint
 
 SCHEMA_VERSION = 1
 
 
-class EvalError(Exception):
-    """A mistake the user can fix; the command line turns it into one `error: ...` line."""
+class EvalError(UserError):
+    """A mistake the user can fix; run_cli turns it into one `error: ...` line."""
 
 
 class OutOfMemory(Exception):
     """A length that does not fit in the memory available; the sweep stops and keeps its results."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, but a bad argument is one `error: ...` line (the usage is in --help)."""
-
-    def error(self, message):
-        print(f"error: {self.prog}: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def run_cli(main, argv=None):
-    try:
-        code = main(argv)
-    except EvalError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 1
-    raise SystemExit(code or 0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -132,13 +116,10 @@ def autocast(device, dtype):
 
 
 def resolve_checkpoint(path):
-    """A checkpoint file, or the newest RUN/checkpoints/step_*.pt; a run with only best.pt uses that."""
+    """A checkpoint file, or a run directory's newest step checkpoint (best.pt when it has none)."""
     try:
-        return checkpoint_path(path)
+        return find_checkpoint(path)
     except FileNotFoundError as e:
-        best = os.path.join(path, "checkpoints", "best.pt")
-        if os.path.isdir(path) and os.path.isfile(best):
-            return best
         raise EvalError(str(e)) from None
 
 
@@ -445,13 +426,8 @@ def finish(results, json_path, folder, name, plot, table, verbose):
 
 
 def write_json(path, obj):
-    """Temp file and rename: an interrupted run leaves the previous complete file, never half of one."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, allow_nan=False, default=_jsonable)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Atomically (checkpoint.write_text): an interrupted run leaves the previous complete file."""
+    write_text(path, json.dumps(obj, indent=1, allow_nan=False, default=_jsonable) + "\n")
 
 
 def _jsonable(value):

@@ -1,6 +1,8 @@
 """prepare_fineweb.py: local corpora through `datasets` into shards, resume, bad input, demo corpus."""
 
+import contextlib
 import glob
+import io
 import json
 import os
 import subprocess
@@ -77,11 +79,15 @@ def snapshot(out_dir):
 
 
 def run_error(argv):
-    """main(argv) must exit with one line starting with 'error:'."""
-    with pytest.raises(SystemExit) as e:
+    """main(argv) must exit non-zero with one line on stderr starting with 'error:' (after the progress
+    bar, when it had started)."""
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(stderr):
         main(argv)
-    message = e.value.code
-    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    lines = stderr.getvalue().splitlines()
+    message = lines[-1] if lines else ""
+    assert e.value.code != 0 and message.startswith("error: "), stderr.getvalue()
+    assert [line for line in lines if line.startswith("error")] == [message], stderr.getvalue()
     return message
 
 

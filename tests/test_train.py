@@ -213,13 +213,13 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, synthetic
     proc = subprocess.run([sys.executable, "-c", KILLER, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr[-3000:]
     ckpt_dir = os.path.join(run, "checkpoints")
-    assert os.path.exists(os.path.join(ckpt_dir, "step_00000004.pt.tmp"))  # died mid-write
+    assert glob.glob(os.path.join(ckpt_dir, "step_00000004.pt.tmp-*"))  # died mid-write
     assert sorted(glob.glob(os.path.join(ckpt_dir, "step_*.pt"))) == [os.path.join(ckpt_dir, "step_00000002.pt")]
     assert newest(run)["step"] == 2
     assert isinstance(load_model(run), Transformer)
 
     train.main(args + ["--resume"])
-    assert newest(run)["step"] == 6 and not glob.glob(os.path.join(ckpt_dir, "*.tmp"))
+    assert newest(run)["step"] == 6 and not glob.glob(os.path.join(ckpt_dir, "*.tmp*"))
     assert [r["step"] for r in rows(run)] == list(range(1, 7))
     assert np.shape(rows(run)[-1]["prior"]["alibi_slope"]) == (1, 4)  # ALiBi's fixed slopes, shared by layers
 

@@ -1,0 +1,141 @@
+"""
+The run directory and its checkpoints, and the repository's one atomic file writer.
+
+    RUN/config.toml                        the resolved config (train.py)
+    RUN/metrics.jsonl                      one JSON object per logged step
+    RUN/checkpoints/step_XXXXXXXX.pt       the last train.keep_last step checkpoints, each enough to resume
+    RUN/checkpoints/best.pt                the weights with the lowest validation loss
+
+A checkpoint is a dict with "model_config" (ModelConfig as a dict) and "model" (the state dict); train.py
+adds optimizer, loader, RNG and train state next to them (checkpoint_dict builds all of them).
+
+Every file the repository writes for keeps (checkpoints, shards, manifests, metrics, eval results) goes
+through atomic_file: a temp file next to the target, fsync, rename, fsync of the directory. A crash at
+any moment leaves the previous file or the complete new one, never a torn one; the temp file of a killed
+writer never matches a checkpoint name and is removed by the next run.
+"""
+
+import dataclasses
+import glob
+import os
+from contextlib import contextmanager
+
+import torch
+
+CONFIG = "config.toml"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+BEST = "best.pt"
+
+
+def config_path(run_dir):
+    return os.path.join(run_dir, CONFIG)
+
+
+def metrics_path(run_dir):
+    return os.path.join(run_dir, METRICS)
+
+
+def checkpoint_dir(run_dir):
+    return os.path.join(run_dir, CHECKPOINTS)
+
+
+def step_path(run_dir, step):
+    # Zero-padded so that names sort by step.
+    return os.path.join(run_dir, CHECKPOINTS, f"step_{step:08d}.pt")
+
+
+def best_path(run_dir):
+    return os.path.join(run_dir, CHECKPOINTS, BEST)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Atomic writes
+
+
+@contextmanager
+def atomic_file(path, mode="wb"):
+    """A file object to write `path`'s new content into; it replaces `path` only once the block ends
+    without an exception (an exception leaves the old file and no temp file)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    # The pid keeps two processes that write the same file (e.g. every torchrun rank fetching the
+    # tokenizer) from writing into one temp file.
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    # The rename itself is only durable once the directory entry is on disk.
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_bytes(path, chunks):
+    """Write an iterable of bytes objects to `path` atomically."""
+    with atomic_file(path, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+
+
+def write_text(path, text):
+    with atomic_file(path, "w") as f:
+        f.write(text)
+
+
+def save_atomic(obj, path):
+    """torch.save(obj) to `path` atomically."""
+    with atomic_file(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def remove_temp_files(directory):
+    """Temp files of writes that were killed before their rename; nothing else ever reads them."""
+    for stale in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
+        os.remove(stale)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def checkpoint_dict(model, **state):
+    """The one checkpoint layout: the model's config and weights, plus whatever `state` the writer keeps
+    (train.py: optimizer, step, loader, RNG, ...; best.pt: step and val_loss)."""
+    return {"model_config": dataclasses.asdict(model.config), "model": model.state_dict(), **state}
+
+
+def step_checkpoints(run_dir):
+    """A run's step checkpoints, oldest first (temp files never match)."""
+    return sorted(glob.glob(os.path.join(glob.escape(checkpoint_dir(run_dir)), "step_*.pt")))
+
+
+def find_checkpoint(path):
+    """A checkpoint file as given, or a run directory's newest step checkpoint (its best.pt when it has no
+    step checkpoint). FileNotFoundError names what was looked for."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        steps = step_checkpoints(path)
+        if steps:
+            return steps[-1]
+        if os.path.isfile(best_path(path)):
+            return best_path(path)
+        raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(path)} (expected step_*.pt files)")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint file or run directory at {path}")
+    return path
+
+
+def keep_last(run_dir, k):
+    """Delete all but the newest k step checkpoints (best.pt is not one of them)."""
+    for old in step_checkpoints(run_dir)[:-k]:
+        os.remove(old)

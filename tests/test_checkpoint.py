@@ -1,0 +1,109 @@
+"""checkpoint.py: the atomic writer (old file kept on failure, no temp file left), checkpoint discovery
+(newest step by number, temp files ignored, best.pt as the fallback), keep-last-K, and that it is the
+repository's only writer that renames files into place."""
+
+import ast
+import dataclasses
+import glob
+import os
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint import (atomic_file, best_path, checkpoint_dict, find_checkpoint, keep_last, remove_temp_files,
+                        save_atomic, step_checkpoints, step_path, write_bytes, write_text)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def touch(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(os.path.basename(path))
+
+
+def test_atomic_writes_replace_the_file_whole(tmp_path):
+    path = str(tmp_path / "deep" / "er" / "file.txt")  # missing folders are made
+    write_text(path, "old")
+    write_bytes(path, [b"new ", b"content"])
+    assert open(path).read() == "new content"
+    save_atomic({"x": torch.arange(3)}, tmp_path / "obj.pt")  # a Path works too
+    assert torch.equal(torch.load(tmp_path / "obj.pt", weights_only=True)["x"], torch.arange(3))
+    assert sorted(os.listdir(tmp_path / "deep" / "er")) == ["file.txt"]
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    write_text(path, "old\n")
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        with atomic_file(path, "w") as f:
+            f.write("half of the new")
+            raise RuntimeError("disk on fire")
+    assert open(path).read() == "old\n"
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("cannot pickle this")
+    save_atomic({"step": 1}, str(tmp_path / "ckpt.pt"))
+    with pytest.raises(TypeError):
+        save_atomic({"step": 2, "bad": Unpicklable()}, str(tmp_path / "ckpt.pt"))
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "metrics.jsonl"]
+
+
+def test_discovery_takes_the_newest_step_and_ignores_temp_files(tmp_path):
+    run = str(tmp_path / "run")
+    for step in (2, 10, 9):
+        touch(step_path(run, step))
+    touch(step_path(run, 11) + ".tmp-1234")  # a save killed before its rename
+    touch(best_path(run))
+    assert os.path.basename(step_path(run, 10)) == "step_00000010.pt"
+    assert step_checkpoints(run) == [step_path(run, s) for s in (2, 9, 10)]  # by number, not by text
+    assert find_checkpoint(run) == step_path(run, 10)
+    assert find_checkpoint(best_path(run)) == best_path(run)  # a file is taken as it is
+
+    only_best = str(tmp_path / "only_best")
+    touch(best_path(only_best))
+    assert find_checkpoint(only_best) == best_path(only_best)
+    os.makedirs(tmp_path / "empty" / "checkpoints")
+    with pytest.raises(FileNotFoundError, match="no checkpoint in .*empty/checkpoints"):
+        find_checkpoint(str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="no checkpoint file or run directory at /no/such/run"):
+        find_checkpoint("/no/such/run")
+
+
+def test_keep_last_and_temp_file_cleanup(tmp_path):
+    run = str(tmp_path)
+    for step in range(1, 6):
+        touch(step_path(run, step))
+    touch(best_path(run))
+    touch(step_path(run, 6) + ".tmp-99")
+    keep_last(run, 2)
+    remove_temp_files(checkpoint.checkpoint_dir(run))
+    assert sorted(os.listdir(checkpoint.checkpoint_dir(run))) == ["best.pt", "step_00000004.pt", "step_00000005.pt"]
+
+
+def test_checkpoint_dict_holds_the_config_the_weights_and_the_state():
+    @dataclasses.dataclass
+    class Config:
+        width: int = 3
+
+    model = torch.nn.Linear(3, 2)
+    model.config = Config()
+    ckpt = checkpoint_dict(model, step=7, val_loss=1.5)
+    assert list(ckpt) == ["model_config", "model", "step", "val_loss"]
+    assert ckpt["model_config"] == {"width": 3} and torch.equal(ckpt["model"]["weight"], model.weight)
+
+
+def test_checkpoint_is_the_only_module_that_renames_files_into_place():
+    """Every other writer goes through checkpoint.atomic_file (one place that fsyncs the directory)."""
+    sources = [p for p in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)
+               if "/tests/" not in p and os.path.basename(p) != "checkpoint.py"]
+    assert len(sources) > 10
+    for path in sources:
+        calls = [node for node in ast.walk(ast.parse(open(path).read())) if isinstance(node, ast.Call)
+                 and isinstance(node.func, ast.Attribute) and node.func.attr in ("replace", "rename")
+                 and isinstance(node.func.value, ast.Name) and node.func.value.id == "os"]
+        assert not calls, f"{os.path.relpath(path, ROOT)}:{calls[0].lineno} renames a file itself"
