@@ -1,9 +1,11 @@
 """
-Synthetic passkey-retrieval documents for training, in the passkey evaluation's own words
-(PAPER.md §5): task description, filler, the information line with a random key at a random depth,
-the question and the answer. `prepare_fineweb.py --retrieval_fraction F` mixes them into any corpus
-(a fraction F of the tokens), so the same generator serves the CPU demo of the paper's headline
-(docs/repro.md) and a FineWeb run.
+Synthetic passkey-retrieval documents for training, in the paper's passkey wording (PAPER.md §5):
+task description, filler, the information line with a random key at a random depth, the question and
+the answer. The wording lives here, with the documents that train on it; `eval.passkey` builds its
+prompts from the same strings, so training never has to import the evaluators.
+`prepare_fineweb.py --retrieval_fraction F` mixes the documents into any corpus (a fraction F of the
+tokens), so the same generator serves the CPU demo of the paper's headline (docs/repro.md) and a
+FineWeb run.
 
 Filler is the passkey garbage sentences, real sentences from a text corpus, or both (`mixed`, one
 choice per document), so a model cannot solve the task by spotting the one sentence that is not
@@ -17,7 +19,13 @@ import re
 import torch
 
 from data import EOT
-from eval.passkey import GARBAGE, INFO, QUESTION, TASK
+
+# The paper's passkey texts, verbatim (PAPER.md §5)
+TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+        "I will quiz you about the important information there.")
+GARBAGE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+INFO = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key? The pass key is"
 
 FILLERS = ("garbage", "text", "mixed")
 GARBAGE_SENTENCES = [s.strip() + "." for s in GARBAGE.split(".") if s.strip()]

@@ -405,6 +405,83 @@ def validation_tokens(data_dir, max_tokens=None):
     return np.concatenate(pieces)
 
 
+DEFAULT_FACTORS = "0.5x,1x,2x,4x,8x,16x,32x,64x"  # 256 ... 32,768 for a 512 context: the paper's table
+
+
+def sweep_lengths(lengths, max_factor, block_size):
+    """A sweep's lengths in tokens: a list as given, else a --lengths string (with --max_factor's powers
+    of two), else DEFAULT_FACTORS when neither is given."""
+    if lengths is not None and not isinstance(lengths, str):
+        return lengths
+    spec = DEFAULT_FACTORS if lengths is None and not max_factor else lengths
+    return parse_lengths(spec, block_size or 1, max_factor)
+
+
+def add_sweep_args(parser, name_default, name_help):
+    """The command-line options of a length sweep (eval.passkey, eval.niah); `sweep_options` reads them."""
+    parser.add_argument("--lengths", default=None,
+                        help=f"comma-separated lengths in tokens (4096, 16K, 1M) or x training context (2x); "
+                             f"default {DEFAULT_FACTORS} unless --max_factor is given")
+    parser.add_argument("--max_factor", type=float, default=None,
+                        help="add the training context x 1, 2, 4, ... up to this factor (the paper: 500)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch_size", type=int, default=8, help="prompts per forward pass (shrunk to fit memory)")
+    parser.add_argument("--stop_after_zero", type=int, default=2,
+                        help="stop after this many lengths in a row at 0%% (0 = never)")
+    parser.add_argument("--name", default=name_default, help=name_help)
+    parser.add_argument("--no_progress", action="store_true")
+    add_model_args(parser)
+
+
+def sweep_options(args):
+    """The keyword arguments of evaluate_passkey / evaluate_niah that `add_sweep_args` parsed."""
+    return dict(lengths=args.lengths, max_factor=args.max_factor, seed=args.seed, batch_size=args.batch_size,
+                stop_after_zero=args.stop_after_zero, out=args.out, name=args.name, device=args.device,
+                dtype=args.dtype, attn_impl=args.attn_impl, progress=not args.no_progress)
+
+
+def sweep(schema, lengths, measure, *, info, settings, work_per_length, stop_after_zero, folder, name, plot, table,
+          progress=True, verbose=True):
+    """The length loop eval.passkey and eval.niah share, in the order of `lengths`. `measure(length, bar)`
+    evaluates one length (advancing the progress bar by `work_per_length`) and returns its rows for
+    results["results"] and the best score among them (None when nothing could be scored). After every
+    length <folder>/<name>.json is rewritten, so what was measured survives an interruption; a length that
+    does not fit in memory (OutOfMemory) stops the sweep and keeps the earlier lengths, as do
+    `stop_after_zero` lengths in a row whose best score is 0. Ends with `finish`: the final JSON, the plot
+    and the table. Returns the results: `schema`, the model's `info`, `settings`, the rows, and why the
+    sweep stopped early (`stopped`) or that it finished (`complete`)."""
+    results = {"schema": schema, "schema_version": SCHEMA_VERSION, "model": info, "settings": settings,
+               "results": [], "stopped": None, "complete": False}
+    json_path = os.path.join(folder, f"{name}.json") if folder else None
+    bar = progress_bar(len(lengths) * work_per_length, schema) if progress else None
+    zero_streak = 0
+    try:
+        for length in lengths:
+            if bar is not None:
+                bar.set_postfix(length=format_length(length))
+            try:
+                rows, best = measure(length, bar)
+            except OutOfMemory as e:  # rows of a half-measured length are dropped with it
+                results["stopped"] = {"length": length, "reason": str(e)}
+                print(f"{schema}: stopped: {e}; results so far are kept" + (f" in {json_path}" if json_path else ""),
+                      file=sys.stderr)
+                break
+            results["results"] += rows
+            if json_path:
+                write_json(json_path, results)
+            zero_streak = zero_streak + 1 if best == 0 else 0
+            stopped = zero_stop(zero_streak, stop_after_zero, lengths, length)
+            if stopped:
+                results["stopped"] = stopped
+                break
+        else:
+            results["complete"] = True
+    finally:
+        if bar is not None:
+            bar.close()
+    return finish(results, json_path, folder, name, plot, table, verbose)
+
+
 def zero_stop(zero_streak, stop_after_zero, lengths, length):
     """The `stopped` entry once `stop_after_zero` lengths in a row scored 0% (None to go on)."""
     if stop_after_zero and zero_streak >= stop_after_zero and length != lengths[-1]:
@@ -446,10 +523,6 @@ def read_json(path):
 def settings_block(device, dtype, attn_impl, **extra):
     return {**extra, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
             "attn_impl": attn_impl, "torch": torch.__version__}
-
-
-def nan_to_none(x):
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
 def draw_heatmap(ax, matrix, row_labels, col_labels, xlabel, ylabel, title):

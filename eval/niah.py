@@ -26,7 +26,6 @@ Outputs: niah.json, niah.png (length x task accuracy per haystack) and a table, 
 """
 
 import math
-import os
 import sys
 import time
 import uuid
@@ -34,11 +33,11 @@ import uuid
 import numpy as np
 
 from data import EOT
-from eval.common import (finish, zero_stop, SCHEMA_VERSION, EvalError, Haystack, OutOfMemory, Parser, Sample, add_model_args,
-                         autocast, draw_heatmap, encode_template, format_length, load_for_eval, model_device,
-                         output_dir, parse_lengths, pick_dtype, progress_bar, repeat_haystack, run_cli,
-                         score_length, settings_block, tokenizer, validation_tokens, write_json)
-from eval.passkey import DEFAULT_FACTORS, GARBAGE
+from eval.common import (EvalError, Haystack, Parser, Sample, add_sweep_args, autocast, draw_heatmap,
+                         encode_template, format_length, load_for_eval, model_device, output_dir, pick_dtype,
+                         repeat_haystack, run_cli, score_length, settings_block, sweep, sweep_lengths, sweep_options,
+                         tokenizer, validation_tokens)
+from retrieval import GARBAGE
 
 # (value kind, needles, of which distractors, keys asked for)
 TASKS = {
@@ -161,7 +160,7 @@ class NeedlePrompts:
         return Sample(tokens, [(offset + s, offset + e) for s, e in spans], meta)
 
 
-def evaluate_niah(source, lengths=None, max_factor=None, tasks=tuple(TASKS), haystacks=None, samples=10, seed=0,
+def evaluate_niah(source, *, lengths=None, max_factor=None, tasks=tuple(TASKS), haystacks=None, samples=10, seed=0,
                   data_dir=None, batch_size=8, stop_after_zero=2, out=None, name="niah", device="auto",
                   dtype="auto", attn_impl=None, progress=True, verbose=True):
     unknown = [t for t in tasks if t not in TASKS] + [h for h in (haystacks or ()) if h not in HAYSTACKS]
@@ -172,9 +171,7 @@ def evaluate_niah(source, lengths=None, max_factor=None, tasks=tuple(TASKS), hay
         raise EvalError("samples and batch_size must be at least 1, stop_after_zero at least 0")
     model, info = load_for_eval(source, device, attn_impl)
     block_size = info["config"]["block_size"] if info["config"] else None
-    if lengths is None or isinstance(lengths, str):
-        spec = lengths if lengths is not None else (None if max_factor else DEFAULT_FACTORS)
-        lengths = parse_lengths(spec, block_size or 1, max_factor)
+    lengths = sweep_lengths(lengths, max_factor, block_size)
     data_dir = data_dir or info.get("data_dir")
     stream = None
     if haystacks is None or "text" in haystacks:
@@ -188,50 +185,27 @@ def evaluate_niah(source, lengths=None, max_factor=None, tasks=tuple(TASKS), hay
     prompts = NeedlePrompts(stream)
     dev = model_device(model)
     amp_dtype = pick_dtype(dtype, dev)
+
+    def measure(length, bar):
+        cells = []
+        for hay in haystacks:
+            for task in tasks:
+                if bar is not None:
+                    bar.set_postfix(length=format_length(length), task=f"{hay}/{task}")
+                cell = evaluate_cell(model, prompts, task, hay, length, samples, seed, batch_size,
+                                     autocast(dev, amp_dtype), bar)
+                cells.append({**cell, "factor": length / block_size if block_size else None})
+        scores = [c["score"] for c in cells if c["score"] is not None]
+        return cells, max(scores) if scores else None
+
+    settings = settings_block(dev, amp_dtype, getattr(getattr(model, "config", None), "attn_impl", None),
+                              lengths=lengths, tasks=list(tasks), haystacks=haystacks, samples=samples, seed=seed,
+                              data_dir=data_dir if "text" in haystacks else None, batch_size=batch_size,
+                              stop_after_zero=stop_after_zero, block_size=block_size)
     folder = output_dir(source, out) if (out or isinstance(source, str)) else None
-    json_path = os.path.join(folder, f"{name}.json") if folder else None
-    results = {"schema": "niah", "schema_version": SCHEMA_VERSION, "model": info,
-               "settings": settings_block(dev, amp_dtype, getattr(getattr(model, "config", None), "attn_impl", None),
-                                          lengths=lengths, tasks=list(tasks), haystacks=haystacks, samples=samples,
-                                          seed=seed, data_dir=data_dir if "text" in haystacks else None,
-                                          batch_size=batch_size, stop_after_zero=stop_after_zero,
-                                          block_size=block_size),
-               "results": [], "stopped": None, "complete": False}
-    bar = progress_bar(len(lengths) * len(tasks) * len(haystacks) * samples, "niah") if progress else None
-    zero_streak = 0
-    try:
-        for length in lengths:
-            scores = []
-            try:
-                for hay in haystacks:
-                    for task in tasks:
-                        if bar is not None:
-                            bar.set_postfix(length=format_length(length), task=f"{hay}/{task}")
-                        cell = evaluate_cell(model, prompts, task, hay, length, samples, seed, batch_size,
-                                             autocast(dev, amp_dtype), bar)
-                        cell["factor"] = length / block_size if block_size else None
-                        results["results"].append(cell)
-                        if cell["score"] is not None:
-                            scores.append(cell["score"])
-            except OutOfMemory as e:
-                results["results"] = [r for r in results["results"] if r["length"] != length]
-                results["stopped"] = {"length": length, "reason": str(e)}
-                print(f"niah: stopped: {e}; results so far are kept" + (f" in {json_path}" if json_path else ""),
-                      file=sys.stderr)
-                break
-            if json_path:
-                write_json(json_path, results)
-            zero_streak = zero_streak + 1 if scores and max(scores) == 0 else 0
-            stopped = zero_stop(zero_streak, stop_after_zero, lengths, length)
-            if stopped:
-                results["stopped"] = stopped
-                break
-        else:
-            results["complete"] = True
-    finally:
-        if bar is not None:
-            bar.close()
-    return finish(results, json_path, folder, name, plot_niah, format_table, verbose)
+    return sweep("niah", lengths, measure, info=info, settings=settings,
+                 work_per_length=len(tasks) * len(haystacks) * samples, stop_after_zero=stop_after_zero,
+                 folder=folder, name=name, plot=plot_niah, table=format_table, progress=progress, verbose=verbose)
 
 
 def evaluate_cell(model, prompts, task, haystack, length, samples, seed, batch_size, amp, bar):
@@ -316,28 +290,18 @@ def plot_niah(results, path):
 def main(argv=None):
     ap = Parser(prog="eval.niah", description=__doc__.split("\n\n")[0].strip())
     ap.add_argument("source", help="run directory or checkpoint file")
-    ap.add_argument("--lengths", default=None, help=f"as eval.passkey (default {DEFAULT_FACTORS})")
-    ap.add_argument("--max_factor", type=float, default=None, help="add the training context x 1, 2, 4, ... up to this")
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated, from: %(default)s")
     ap.add_argument("--haystacks", default=None,
                     help="repeat, text or repeat,text (default: both when validation shards exist)")
     ap.add_argument("--data_dir", default=None, help="shards for the text haystack (default: the run's data_dir)")
     ap.add_argument("--samples", type=int, default=10,
                     help="prompts per length, task and haystack (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch_size", type=int, default=8)
-    ap.add_argument("--stop_after_zero", type=int, default=2,
-                    help="stop after this many lengths in a row at 0%% (0 = never)")
-    ap.add_argument("--name", default="niah", help="results file name (default %(default)s)")
-    ap.add_argument("--no_progress", action="store_true")
-    add_model_args(ap)
+    add_sweep_args(ap, "niah", "results file name (default %(default)s)")
     args = ap.parse_args(argv)
     split = lambda text: [t.strip() for t in text.split(",") if t.strip()]  # noqa: E731
     try:
-        evaluate_niah(args.source, args.lengths, args.max_factor, split(args.tasks),
-                      split(args.haystacks) if args.haystacks else None, args.samples, args.seed, args.data_dir,
-                      args.batch_size, args.stop_after_zero, args.out, args.name, args.device, args.dtype,
-                      args.attn_impl, progress=not args.no_progress)
+        evaluate_niah(args.source, tasks=split(args.tasks), haystacks=split(args.haystacks) if args.haystacks else None,
+                      samples=args.samples, data_dir=args.data_dir, **sweep_options(args))
     except KeyboardInterrupt:
         print("niah: interrupted; the lengths finished so far are saved", file=sys.stderr)
         return 130

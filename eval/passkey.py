@@ -20,27 +20,18 @@ so an interruption, or a length that does not fit in memory, keeps everything me
 """
 
 import math
-import os
 import sys
 import time
 
 import numpy as np
 
 from data import EOT
-from eval.common import (finish, zero_stop, SCHEMA_VERSION, EvalError, OutOfMemory, Parser, Sample, add_model_args, autocast,
-                         draw_heatmap, encode_template, format_length, load_for_eval, model_device, output_dir,
-                         parse_lengths, pick_dtype, progress_bar, repeat_haystack, run_cli, score_length,
-                         settings_block, tokenizer, write_json)
-
-# The paper's texts, verbatim (PAPER.md §5)
-TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-        "I will quiz you about the important information there.")
-GARBAGE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-INFO = "The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = "What is the pass key? The pass key is"
+from eval.common import (EvalError, Parser, Sample, add_sweep_args, autocast, draw_heatmap, encode_template,
+                         format_length, load_for_eval, model_device, output_dir, pick_dtype, repeat_haystack,
+                         run_cli, score_length, settings_block, sweep, sweep_lengths, sweep_options, tokenizer)
+from retrieval import GARBAGE, INFO, QUESTION, TASK
 
 DEPTH_MODES = ("equidistant", "beginning", "end", "random")
-DEFAULT_FACTORS = "0.5x,1x,2x,4x,8x,16x,32x,64x"  # 256 ... 32,768 for a 512 context: the paper's table
 
 
 class PasskeyPrompts:
@@ -112,7 +103,7 @@ def depth_bins(records, bins):
     return out
 
 
-def evaluate_passkey(source, lengths=None, max_factor=None, samples=20, depths="equidistant", bins=10, seed=0,
+def evaluate_passkey(source, *, lengths=None, max_factor=None, samples=20, depths="equidistant", bins=10, seed=0,
                      given_tokens=0, digits=5, batch_size=8, stop_after_zero=2, out=None, name=None, device="auto",
                      dtype="auto", attn_impl=None, progress=True, verbose=True):
     """Passkey accuracy per length and depth for a run dir, checkpoint file or model object. `lengths` is
@@ -128,8 +119,7 @@ def evaluate_passkey(source, lengths=None, max_factor=None, samples=20, depths="
     model, info = load_for_eval(source, device, attn_impl)
     block_size = info["config"]["block_size"] if info["config"] else None
     default = lengths is None and not max_factor
-    if lengths is None or isinstance(lengths, str):
-        lengths = parse_lengths(DEFAULT_FACTORS if default else lengths, block_size or 1, max_factor)
+    lengths = sweep_lengths(lengths, max_factor, block_size)
     prompts = PasskeyPrompts(digits, given_tokens)
     too_short = [n for n in lengths if n < prompts.min_length()]
     if too_short and default:  # a small model's 0.5x: skip what cannot be a prompt rather than fail
@@ -139,53 +129,28 @@ def evaluate_passkey(source, lengths=None, max_factor=None, samples=20, depths="
                         f"use at least {prompts.min_length()} tokens")
     dev = model_device(model)
     amp_dtype = pick_dtype(dtype, dev)
-    name = name or default_name(depths, given_tokens)
-    folder = output_dir(source, out) if (out or isinstance(source, str)) else None
-    json_path = os.path.join(folder, f"{name}.json") if folder else None
 
-    results = {"schema": "passkey", "schema_version": SCHEMA_VERSION, "model": info,
-               "settings": settings_block(dev, amp_dtype, getattr(getattr(model, "config", None), "attn_impl", None),
-                                          lengths=lengths, samples=samples, depth_mode=depths, depth_bins=bins,
-                                          seed=seed, digits=digits, given_tokens=given_tokens, batch_size=batch_size,
-                                          stop_after_zero=stop_after_zero, block_size=block_size),
-               "results": [], "stopped": None, "complete": False}
-    bar = progress_bar(len(lengths) * samples, "passkey") if progress else None
-    zero_streak = 0
-    try:
-        for length in lengths:
-            if bar is not None:
-                bar.set_postfix(length=format_length(length))
-            batch = prompts.samples(length, samples, depths, seed)
-            t0 = time.perf_counter()
-            try:
-                scored = score_length(model, batch, batch_size, autocast(dev, amp_dtype), bar)
-            except OutOfMemory as e:
-                results["stopped"] = {"length": length, "reason": str(e)}
-                print(f"passkey: stopped: {e}; results so far are kept" + (f" in {json_path}" if json_path else ""),
-                      file=sys.stderr)
-                break
-            records = []
-            for sample, [(correct, guess)] in zip(batch, scored):
-                records.append({**sample.meta, "correct": correct, "predicted": prompts.enc.decode(guess)})
-            correct = sum(r["correct"] for r in records)
-            results["results"].append({
-                "length": length, "factor": length / block_size if block_size else None,
-                "accuracy": correct / samples, "correct": correct, "samples": samples,
-                "seconds": round(time.perf_counter() - t0, 3), "by_depth": depth_bins(records, bins),
-                "records": records})
-            if json_path:
-                write_json(json_path, results)
-            zero_streak = zero_streak + 1 if correct == 0 else 0
-            stopped = zero_stop(zero_streak, stop_after_zero, lengths, length)
-            if stopped:
-                results["stopped"] = stopped
-                break
-        else:
-            results["complete"] = True
-    finally:
-        if bar is not None:
-            bar.close()
-    return finish(results, json_path, folder, name, plot_passkey, format_table, verbose)
+    def measure(length, bar):
+        batch = prompts.samples(length, samples, depths, seed)
+        t0 = time.perf_counter()
+        scored = score_length(model, batch, batch_size, autocast(dev, amp_dtype), bar)
+        records = [{**sample.meta, "correct": correct, "predicted": prompts.enc.decode(guess)}
+                   for sample, [(correct, guess)] in zip(batch, scored)]
+        correct = sum(r["correct"] for r in records)
+        row = {"length": length, "factor": length / block_size if block_size else None,
+               "accuracy": correct / samples, "correct": correct, "samples": samples,
+               "seconds": round(time.perf_counter() - t0, 3), "by_depth": depth_bins(records, bins),
+               "records": records}
+        return [row], row["accuracy"]
+
+    settings = settings_block(dev, amp_dtype, getattr(getattr(model, "config", None), "attn_impl", None),
+                              lengths=lengths, samples=samples, depth_mode=depths, depth_bins=bins, seed=seed,
+                              digits=digits, given_tokens=given_tokens, batch_size=batch_size,
+                              stop_after_zero=stop_after_zero, block_size=block_size)
+    folder = output_dir(source, out) if (out or isinstance(source, str)) else None
+    return sweep("passkey", lengths, measure, info=info, settings=settings, work_per_length=samples,
+                 stop_after_zero=stop_after_zero, folder=folder, name=name or default_name(depths, given_tokens),
+                 plot=plot_passkey, table=format_table, progress=progress, verbose=verbose)
 
 
 def default_name(depths, given_tokens):
@@ -240,11 +205,6 @@ def plot_passkey(results, path):
 def main(argv=None):
     ap = Parser(prog="eval.passkey", description=__doc__.split("\n\n")[0].strip())
     ap.add_argument("source", help="run directory or checkpoint file")
-    ap.add_argument("--lengths", default=None,
-                    help=f"comma-separated lengths in tokens (4096, 16K, 1M) or x training context (2x); "
-                         f"default {DEFAULT_FACTORS} unless --max_factor is given")
-    ap.add_argument("--max_factor", type=float, default=None,
-                    help="add the training context x 1, 2, 4, ... up to this factor (the paper: 500)")
     ap.add_argument("--samples", type=int, default=20, help="prompts per length (default %(default)s)")
     ap.add_argument("--depths", default="equidistant", choices=DEPTH_MODES,
                     help="where the key goes (default %(default)s)")
@@ -252,18 +212,11 @@ def main(argv=None):
     ap.add_argument("--given_tokens", type=int, default=0,
                     help="leading key tokens given and not scored; 1 = the paper's first-digit variant")
     ap.add_argument("--digits", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch_size", type=int, default=8, help="prompts per forward pass (shrunk to fit memory)")
-    ap.add_argument("--stop_after_zero", type=int, default=2,
-                    help="stop after this many lengths in a row at 0%% accuracy (0 = never)")
-    ap.add_argument("--name", default=None, help="results file name (default: passkey[_<depths>][_given<N>])")
-    ap.add_argument("--no_progress", action="store_true")
-    add_model_args(ap)
+    add_sweep_args(ap, None, "results file name (default: passkey[_<depths>][_given<N>])")
     args = ap.parse_args(argv)
     try:
-        evaluate_passkey(args.source, args.lengths, args.max_factor, args.samples, args.depths, args.depth_bins,
-                         args.seed, args.given_tokens, args.digits, args.batch_size, args.stop_after_zero,
-                         args.out, args.name, args.device, args.dtype, args.attn_impl, progress=not args.no_progress)
+        evaluate_passkey(args.source, samples=args.samples, depths=args.depths, bins=args.depth_bins,
+                         given_tokens=args.given_tokens, digits=args.digits, **sweep_options(args))
     except KeyboardInterrupt:
         print("passkey: interrupted; the lengths finished so far are saved", file=sys.stderr)
         return 130

@@ -94,7 +94,7 @@ def window_nll(model, batch, window, amp):
     return padded.view(x.shape[0], n_windows, window).sum(dim=-1).double().cpu()
 
 
-def evaluate_perplexity(source, length="64x", window=None, num_seqs=8, data_source="concat", data_dir=None,
+def evaluate_perplexity(source, *, length="64x", window=None, num_seqs=8, data_source="concat", data_dir=None,
                         batch_size=1, out=None, name="perplexity", device="auto", dtype="auto", attn_impl=None,
                         progress=True, verbose=True):
     """Per-window perplexity of one model (run dir, checkpoint or model object) over held-out sequences."""
@@ -231,9 +231,11 @@ def main(argv=None):
     runs = []
     try:
         for source in args.sources:
-            runs.append(evaluate_perplexity(source, args.length, args.window, args.num_seqs, args.source, args.data_dir,
-                                            args.batch_size, args.out, "perplexity", args.device, args.dtype,
-                                            args.attn_impl, progress=not args.no_progress))
+            runs.append(evaluate_perplexity(source, length=args.length, window=args.window, num_seqs=args.num_seqs,
+                                            data_source=args.source, data_dir=args.data_dir,
+                                            batch_size=args.batch_size, out=args.out, device=args.device,
+                                            dtype=args.dtype, attn_impl=args.attn_impl,
+                                            progress=not args.no_progress))
     except KeyboardInterrupt:
         print("perplexity: interrupted; the sequences finished so far are saved", file=sys.stderr)
         return 130

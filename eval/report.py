@@ -249,7 +249,7 @@ def plot_passkey_lines(runs, path):
     return True
 
 
-def write_report(sources, out="report.md", positions=None, title="Evaluation report", run_plots=True):
+def write_report(sources, *, out="report.md", positions=None, title="Evaluation report", run_plots=True):
     runs = [load_run(s) for s in sources]
     names = [r["name"] for r in runs]
     for i, r in enumerate(runs):  # two runs called "eval" or "best" must still be told apart
@@ -298,7 +298,9 @@ def main(argv=None):
         runs = [load_run(s) for s in args.sources]
         base = min((block_size(r) for r in runs if block_size(r)), default=512)
         positions = [parse_length(t, base) for t in args.ppl_at.split(",") if t.strip()]
-    print(f"wrote {write_report(args.sources, args.out, positions, args.title, not args.no_run_plots)}")
+    written = write_report(args.sources, out=args.out, positions=positions, title=args.title,
+                           run_plots=not args.no_run_plots)
+    print(f"wrote {written}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """eval/ and sample.py on CPU: exact prompts, a copying model that must score 100% and a random one that
 must not, stable JSON, valid PNGs, the memory guard, and every command on a tiny checkpoint made here."""
 
+import inspect
 import json
 import os
 import subprocess
@@ -190,8 +191,8 @@ MODEL_BLOCK = {"checkpoint", "name", "config", "num_params", "num_params_non_emb
 
 @pytest.mark.parametrize("given", [0, 1])
 def test_copying_model_scores_100_percent(given, tmp_path):
-    res = passkey.evaluate_passkey(CopyModel(), [100, 700, 3000], samples=10, given_tokens=given, out=str(tmp_path),
-                                   progress=False, verbose=False)
+    res = passkey.evaluate_passkey(CopyModel(), lengths=[100, 700, 3000], samples=10, given_tokens=given,
+                                   out=str(tmp_path), progress=False, verbose=False)
     assert [r["accuracy"] for r in res["results"]] == [1.0, 1.0, 1.0]
     assert res["complete"] and res["stopped"] is None
     # the JSON schema is the contract report.py and users' scripts read
@@ -208,7 +209,7 @@ def test_copying_model_scores_100_percent(given, tmp_path):
 
 @pytest.mark.parametrize("given", [0, 1])
 def test_random_model_scores_chance(given):
-    res = passkey.evaluate_passkey(tiny_model(), [128, 512], samples=16, given_tokens=given, stop_after_zero=0,
+    res = passkey.evaluate_passkey(tiny_model(), lengths=[128, 512], samples=16, given_tokens=given, stop_after_zero=0,
                                    progress=False, verbose=False)
     assert all(r["accuracy"] <= 1 / 16 for r in res["results"])  # chance of 2+ exact tokens is ~1e-9
 
@@ -239,8 +240,49 @@ def test_a_16k_token_passkey_prompt_runs_on_cpu():
     # BAM + SSMax: `auto` attention takes FlexAttention past 2K tokens; 1 layer of 2 heads keeps it quick
     model = tiny_model(n_layer=1, n_head=2, n_embd=16)
     assert common.forward_bytes(model, 1, 16384, 3) < 2**30
-    res = passkey.evaluate_passkey(model, [16384], samples=1, progress=False, verbose=False)
+    res = passkey.evaluate_passkey(model, lengths=[16384], samples=1, progress=False, verbose=False)
     assert res["results"][0]["length"] == 16384 and res["results"][0]["samples"] == 1
+
+
+def test_the_sweep_saves_every_length_and_stops_after_zeros_or_when_memory_runs_out(tmp_path, capsys):
+    def run(scores, stop_after_zero=2):
+        measured = []
+
+        def measure(length, bar):
+            if measured:  # the previous lengths are on disk before the next one starts
+                saved = json.loads((tmp_path / "sweep.json").read_text())
+                assert [r["length"] for r in saved["results"] if r["part"] == 1] == measured
+                assert len(saved["results"]) == 2 * len(measured) and not saved["complete"]
+            measured.append(length)
+            if scores[length] == "oom":
+                raise common.OutOfMemory(f"length {length} does not fit")
+            return [{"length": length, "part": 0}, {"length": length, "part": 1}], scores[length]
+
+        res = common.sweep("sweep", list(scores), measure, info={"name": "m"}, settings={"s": 1}, work_per_length=1,
+                           stop_after_zero=stop_after_zero, folder=str(tmp_path), name="sweep",
+                           plot=lambda r, path: open(path, "w").close(), table=lambda r: "", progress=False,
+                           verbose=False)
+        assert json.loads((tmp_path / "sweep.json").read_text()) == res and (tmp_path / "sweep.png").exists()
+        assert res["schema"] == "sweep" and res["model"] == {"name": "m"} and res["settings"] == {"s": 1}
+        return [r["length"] for r in res["results"] if r["part"] == 1], res["stopped"], res["complete"]
+
+    # a length where nothing could be scored (None) or something was (0.5) breaks the streak of zeros
+    assert run({1: 0, 2: None, 3: 0, 4: 0.5, 5: 0, 6: 0.0}) == ([1, 2, 3, 4, 5, 6], None, True)
+    lengths, stopped, complete = run({1: 0.5, 2: 0, 3: 0, 4: 1})
+    assert lengths == [1, 2, 3] and stopped["length"] == 4 and "2 lengths in a row" in stopped["reason"]
+    assert run({1: 0, 2: 0, 3: 0}, stop_after_zero=0) == ([1, 2, 3], None, True)
+    # the rows of the length that ran out of memory are dropped whole; the ones before it are kept
+    lengths, stopped, complete = run({1: 1, 2: "oom", 3: 1})
+    assert lengths == [1] and stopped == {"length": 2, "reason": "length 2 does not fit"} and not complete
+    assert "sweep: stopped: length 2 does not fit" in capsys.readouterr().err
+
+
+def test_evaluators_take_their_options_by_keyword_only():
+    for evaluate in (passkey.evaluate_passkey, niah.evaluate_niah, perplexity.evaluate_perplexity,
+                     report.write_report):
+        first, *options = inspect.signature(evaluate).parameters.values()
+        assert first.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, evaluate.__name__
+        assert options and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in options), evaluate.__name__
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -253,7 +295,8 @@ def test_a_length_that_does_not_fit_stops_cleanly_and_keeps_the_results(tmp_path
     fits = common.forward_bytes(model, 1, small, 3)
     assert common.forward_bytes(model, 1, big, 3) > 2 * fits
     monkeypatch.setattr(common, "available_bytes", lambda device: 1.5 * fits / common.SAFETY)
-    res = passkey.evaluate_passkey(model, [small, big], samples=2, out=str(tmp_path), progress=False, verbose=False)
+    res = passkey.evaluate_passkey(model, lengths=[small, big], samples=2, out=str(tmp_path), progress=False,
+                                   verbose=False)
     assert [r["length"] for r in res["results"]] == [small]
     assert res["stopped"]["length"] == big and "GiB" in res["stopped"]["reason"]
     assert "stopped" in capsys.readouterr().err
@@ -268,8 +311,8 @@ def test_out_of_memory_during_a_forward_keeps_the_results(tmp_path):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
             return super().forward(idx, **kw)
 
-    res = passkey.evaluate_passkey(RunsOutPastLength(), [200, 400, 800], samples=2, out=str(tmp_path), progress=False,
-                                   verbose=False)
+    res = passkey.evaluate_passkey(RunsOutPastLength(), lengths=[200, 400, 800], samples=2, out=str(tmp_path),
+                                   progress=False, verbose=False)
     assert [r["accuracy"] for r in res["results"]] == [1.0, 1.0]
     assert res["stopped"]["length"] == 800 and "out of memory" in res["stopped"]["reason"]
     assert json.loads((tmp_path / "passkey.json").read_text())["stopped"]["length"] == 800

@@ -1,15 +1,17 @@
 """retrieval.py: synthetic passkey documents, and their mixing into a corpus by prepare_fineweb.py."""
 
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from data import EOT, ShardLoader, get_tokenizer, read_shard, shard_paths
-from eval.passkey import INFO, QUESTION, TASK
 from prepare_fineweb import main as prepare_main
-from retrieval import RetrievalDocuments, mix, passkey_answer_targets
+from retrieval import INFO, QUESTION, TASK, RetrievalDocuments, mix, passkey_answer_targets
 
 REAL = ["Python is a programming language that lets you work quickly.",
         "The standard library contains built-in modules written in C.",
@@ -152,3 +154,13 @@ def test_prepare_rejects_bad_retrieval_options(tmp_path):
         prepare_main(["--source", "retrieval", "--max_tokens", "100", "--retrieval_min_length", "200",
                       "--out_dir", str(tmp_path / "c")])
     assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_training_does_not_import_the_evaluators():
+    # retrieval.py holds the passkey wording so that train.py (which imports it) never pulls in eval/
+    # and matplotlib; a fresh interpreter, since this test session has imported eval already.
+    check = ("import sys, train; loaded = [m for m in sys.modules if m == 'eval' or m.startswith('eval.') "
+             "or m.startswith('matplotlib')]; assert not loaded, loaded")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
