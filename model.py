@@ -12,10 +12,8 @@ same expression serves the FlexAttention `score_mod`, the dense bias of the `sdp
 materialised `eager` reference, so the three cannot drift apart.
 """
 
-import glob
 import math
-import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -830,9 +828,8 @@ class Transformer(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------
 # Checkpoints. checkpoint.py owns their layout, discovery and atomic writing; these are the model's
-# side of it. Imported here rather than at the top so that this section stays self-contained.
-
-from checkpoint import checkpoint_dict, find_checkpoint, save_atomic  # noqa: E402
+# side of it. It is imported where it is used, so that model.py alone (torch and the standard library)
+# is the whole architecture, e.g. inside an exported Hugging Face folder (export_hf.py).
 
 
 def model_from_checkpoint(ckpt, device="cpu", **overrides):
@@ -848,10 +845,14 @@ def model_from_checkpoint(ckpt, device="cpu", **overrides):
 
 def load_model(path, device="cpu", **overrides):
     """The model of a checkpoint file, or of a run directory's newest checkpoint."""
+    from checkpoint import find_checkpoint
+
     ckpt = torch.load(find_checkpoint(path), map_location="cpu", weights_only=True)
     return model_from_checkpoint(ckpt, device, **overrides)
 
 
 def save_model(model, path):
     """A minimal checkpoint (config + weights), e.g. for tests and exported models."""
+    from checkpoint import checkpoint_dict, save_atomic
+
     save_atomic(checkpoint_dict(model), path)

@@ -109,7 +109,7 @@ def longest_evaluated(folder):
     return max(lengths, default=None)
 
 
-def evaluate_priors(source, max_distance=None, metrics=None, out=None, verbose=True):
+def evaluate_priors(source, *, max_distance=None, metrics=None, out=None, verbose=True):
     model, info = load_for_eval(source, "cpu")
     cfg = model.config
     has_prior = len(model.priors) > 0
@@ -308,7 +308,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.metrics and not os.path.isfile(args.metrics):
         raise EvalError(f"--metrics {args.metrics} does not exist")
-    evaluate_priors(args.source, args.max_distance, args.metrics, args.out)
+    evaluate_priors(args.source, max_distance=args.max_distance, metrics=args.metrics, out=args.out)
     return 0
 
 

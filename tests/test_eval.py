@@ -279,7 +279,7 @@ def test_the_sweep_saves_every_length_and_stops_after_zeros_or_when_memory_runs_
 
 def test_evaluators_take_their_options_by_keyword_only():
     for evaluate in (passkey.evaluate_passkey, niah.evaluate_niah, perplexity.evaluate_perplexity,
-                     report.write_report):
+                     priors.evaluate_priors, report.write_report):
         first, *options = inspect.signature(evaluate).parameters.values()
         assert first.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, evaluate.__name__
         assert options and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in options), evaluate.__name__
