@@ -524,8 +524,12 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale):
     variant = (bias_fn, ssmax_scale is not None)
     if variant not in _FLEX_KERNELS:
         _FLEX_KERNELS[variant] = _make_flex_kernel(*variant)
+    T, padded = q.shape[2], ctx.block_mask.seq_lengths[0]
+    if padded > T:  # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
+        q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
+        log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one compiled kernel
-    return _FLEX_KERNELS[variant](q, k, v, ctx.block_mask, log_n, tensors, ssmax_scale)
+    return _FLEX_KERNELS[variant](q, k, v, ctx.block_mask, log_n, tensors, ssmax_scale)[:, :, :T]
 
 
 ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_fused}
@@ -550,15 +554,28 @@ def causal_block_mask(T, device, block=128):
                                     mask_mod=_causal, seq_lengths=(T, T))
 
 
+def flex_mask_length(T, device):
+    """The length FlexAttention runs at. torch 2.13's compiled CPU kernel returns wrong values, and not
+    the same ones twice, when the sequence ends inside one of its blocks on an AVX2 CPU (measured on this
+    project's CI machine: T = 8, 24, 40 and 120 wrong, multiples of 16 right). On CPU the sequence is
+    therefore padded to whole 128-token blocks; on GPU it runs as it is."""
+    return T if torch.device(device).type != "cpu" else -(-T // 128) * 128
+
+
 def make_block_mask(doc_ids, T, device):
+    """The BlockMask of a forward over T tokens, at flex_mask_length(T): padded positions are a document
+    of their own after the last one."""
+    T_mask = flex_mask_length(T, device)
     if doc_ids is None:
-        return causal_block_mask(T, device)
+        return causal_block_mask(T_mask, device)
+    if T_mask > T:
+        doc_ids = torch.cat([doc_ids, (doc_ids[:, -1:] + 1).expand(-1, T_mask - T)], dim=1)
 
     def doc_mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
     # Documents are a training-time feature, where T is the training context: the dense evaluation
     # inside create_block_mask is affordable there.
-    return create_block_mask(doc_mask_mod, doc_ids.shape[0], None, T, T, device=device)
+    return create_block_mask(doc_mask_mod, doc_ids.shape[0], None, T_mask, T_mask, device=device)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,6 +13,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "paper", "**", "*.toml"), recursive=True))
 
 
+EXTRA_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "extra", "*.toml")))
+
+
+def test_extra_configs_are_the_paper_settings_with_another_encoding():
+    """configs/extra: encodings beyond the paper's (from model.PRIORS), at the paper's 512 settings."""
+    from model import PRIORS
+
+    assert EXTRA_CONFIGS
+    for path in EXTRA_CONFIGS:
+        cfg = load_config(path)
+        assert cfg.model.pe in PRIORS, path
+        name = os.path.basename(path)
+        assert name == f"{cfg.model.pe}{'_ssmax' if cfg.model.ssmax else ''}_{cfg.model.block_size}.toml", path
+        assert (cfg.train.tokens_per_step, cfg.train.optimizer, cfg.model.n_layer) == (589_824, "radam", 12), path
+
+
 def write(tmp_path, text, name="run.toml"):
     path = tmp_path / name
     path.write_text(text)

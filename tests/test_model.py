@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from model import (PE_CHOICES, ModelConfig, Transformer, alibi_slopes, ggd_bias, load_model, rope_cos_sin,
+from model import (ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, ggd_bias, load_model, rope_cos_sin,
                    apply_rope, save_model)
 
 VOCAB = 97
@@ -108,6 +108,50 @@ def test_ggd_bias_is_the_papers_formula():
         t = lambda x: torch.tensor([x], dtype=torch.float64)
         got = ggd_bias(dist, 0, t(b), t(a), t(l))
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=0)
+
+
+def test_kerple_biases_are_the_papers_formulas():
+    """Against Chi et al. (KERPLE) written out independently in float64: log kernel -r1 ln(1 + r2 |d|),
+    power kernel -r1 |d| ** r2, with r1, r2 the prior's constrained (positive) values."""
+    torch.manual_seed(0)
+    cfg = tiny("kerple_log")
+    dist = torch.arange(-2000, 2000, 7, dtype=torch.float64)
+    for name, formula in (("kerple_log", lambda d, r1, r2: -r1 * torch.log(1 + r2 * d.abs())),
+                          ("kerple_power", lambda d, r1, r2: -r1 * d.abs() ** r2)):
+        prior = ENCODINGS[name](cfg).double()
+        r1, r2 = prior.tensors()
+        for head in range(cfg.n_head):
+            expected = formula(dist, r1[head].item(), r2[head].item())
+            torch.testing.assert_close(prior.bias_fn(dist, head, r1, r2), expected, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power"])
+def test_kerple_parameters_stay_in_their_bounds(name):
+    """r1, r2 > 0 for any raw value (and r2 <= 2 for the power kernel); init as the reference code:
+    r1 in (0, 2] / (0, 1], r2 in (0, 1] / (0, 2]; the gradient at distance 0 is finite."""
+    torch.manual_seed(0)
+    prior = ENCODINGS[name](tiny(name, n_head=64, n_embd=128))
+    r1, r2 = prior.tensors()
+    upper = {"kerple_log": (2.0, 1.0), "kerple_power": (1.0, 2.0)}[name]
+    assert 0.01 < r1.min() and r1.max() <= upper[0] + 1e-5 and 0.01 < r2.min() and r2.max() <= upper[1] + 1e-5
+    with torch.no_grad():
+        prior.raw_r1.copy_(torch.linspace(-60, 60, 64))
+        prior.raw_r2.copy_(torch.linspace(60, -60, 64))
+    r1, r2 = prior.tensors()
+    assert (r1 >= 0.01).all() and (r2 >= 0.01).all() and torch.isfinite(r1).all()
+    if name == "kerple_power":
+        assert (r2 <= 2.0).all()
+    bias = prior.bias_fn(torch.arange(0.0, 50.0)[None, :], torch.arange(64)[:, None], r1, r2)
+    bias.sum().backward()
+    assert torch.isfinite(prior.raw_r1.grad).all() and torch.isfinite(prior.raw_r2.grad).all()
+
+
+def test_every_prior_is_registered_once_and_builds_its_layers():
+    for name, enc in PRIORS.items():
+        model = Transformer(tiny(name, n_layer=3))
+        assert isinstance(model.priors[0], enc) and len(model.priors) in (1, 3), name
+        assert set(model.prior_summary()) - {"ssmax_scale"}, name  # something per head to log
+    assert set(PRIORS) <= set(PE_CHOICES) == set(ENCODINGS)
 
 
 def test_alibi_slopes():
