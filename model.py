@@ -14,6 +14,7 @@ materialised `eager` reference, so the three cannot drift apart.
 import glob
 import math
 import os
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -372,9 +373,31 @@ def causal_block_mask(T, device, block=128):
                                     mask_mod=_causal, seq_lengths=(T, T))
 
 
-def make_block_mask(doc_ids, T, device):
-    if doc_ids is None:
+# Causal masks kept by (length, device): evaluation calls the model again and again at one length, and a
+# long mask is (T / 128)^2 indices plus their transpose, rebuilt for nothing each time. A few entries only,
+# so a sweep over lengths does not keep every mask; inference-mode tensors are kept apart because autograd
+# refuses to save them for a later backward.
+_CAUSAL_MASKS = OrderedDict()
+CAUSAL_MASKS_KEPT = 4
+
+
+def cached_causal_block_mask(T, device):
+    if torch.compiler.is_compiling():  # inside a compiled graph the mask is part of the graph: no dict, no guards
         return causal_block_mask(T, device)
+    key = (T, torch.device(device), torch.is_inference_mode_enabled())
+    if key in _CAUSAL_MASKS:
+        _CAUSAL_MASKS.move_to_end(key)
+    else:
+        _CAUSAL_MASKS[key] = causal_block_mask(T, device)
+        while len(_CAUSAL_MASKS) > CAUSAL_MASKS_KEPT:
+            _CAUSAL_MASKS.popitem(last=False)
+    return _CAUSAL_MASKS[key]
+
+
+def make_block_mask(doc_ids, T, device):
+    """The BlockMask of one forward pass, built once in Transformer._context and shared by every layer."""
+    if doc_ids is None:
+        return cached_causal_block_mask(T, device)
 
     def doc_mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
