@@ -75,7 +75,8 @@ from train import PEAK_BF16_TFLOPS  # noqa: E402
 #   attention    a flex kernel per (encoding, T) with backward, ~4 s each, 9 of them; timing is milliseconds.
 SECTIONS = {"graphs": 20, "correctness": 140, "training": 170, "long_context": 50, "attention": 50}
 
-BASE_CONFIG = "configs/paper/bam_ssmax_512.toml"  # the 121M model and the paper's training settings
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE_CONFIG = os.path.join(ROOT, "configs/paper/bam_ssmax_512.toml")  # the 121M model, the paper's training
 
 # Tolerances of the correctness section, as a normwise relative error: max |got - ref| / max |ref| per tensor.
 # fp32 (TF32 off): both paths round every product at 2^-24 and differ only in the order of sums (flex's
@@ -355,10 +356,9 @@ def compare(got, ref, eager_low=None):
 
 
 def check_correctness(s, report):
-    highest = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")  # the fp32 reference and the fp32 flex kernel without TF32
-    if s.cuda:
-        torch.backends.cuda.matmul.allow_tf32 = False
+    precision = torch.get_float32_matmul_precision()
+    # The fp32 reference and the fp32 flex kernel without TF32 (inductor's flex template follows this setting).
+    torch.set_float32_matmul_precision("highest")
     try:
         dtypes = [torch.float32] + ([s.bf16] if s.bf16 else [])
         # The training configuration first: under a tight budget it is the last to be skipped.
@@ -407,9 +407,7 @@ def check_correctness(s, report):
             report.run(f"torch.compile(model) {'flex' if s.cuda else 'sdpa'} bam+ssmax docs {str(dtype)[6:]}",
                        compiled_case, expected_s=40)
     finally:
-        torch.set_float32_matmul_precision(highest)
-        if s.cuda:
-            torch.backends.cuda.matmul.allow_tf32 = highest != "highest"
+        torch.set_float32_matmul_precision(precision)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -511,6 +509,7 @@ def check_training(s, report):
         if state and s.cuda:  # set_sync_debug_mode is CUDA's
             report.run(f"no device sync in fwd+bwd: {name}", lambda state=state: no_sync(s, state), expected_s=2)
         state.clear()
+        torch._dynamo.reset()  # dynamo's cache would keep this variant's model (and its memory) alive
 
     # Targets are the GPU's: on CPU they are shown with their numbers but not judged.
     if "rope" in results and "bam+ssmax" in results:
