@@ -13,6 +13,7 @@ materialised `eager` reference, so the three cannot drift apart.
 """
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 
 import torch
@@ -554,6 +555,27 @@ def causal_block_mask(T, device, block=128):
                                     mask_mod=_causal, seq_lengths=(T, T))
 
 
+# Causal masks kept by (length, device): evaluation calls the model again and again at one length, and a
+# long mask is (T / 128)^2 indices plus their transpose, rebuilt for nothing each time. A few entries only,
+# so a sweep over lengths does not keep every mask; inference-mode tensors are kept apart because autograd
+# refuses to save them for a later backward.
+_CAUSAL_MASKS = OrderedDict()
+CAUSAL_MASKS_KEPT = 4
+
+
+def cached_causal_block_mask(T, device):
+    if torch.compiler.is_compiling():  # inside a compiled graph the mask is part of the graph: no dict, no guards
+        return causal_block_mask(T, device)
+    key = (T, torch.device(device), torch.is_inference_mode_enabled())
+    if key in _CAUSAL_MASKS:
+        _CAUSAL_MASKS.move_to_end(key)
+    else:
+        _CAUSAL_MASKS[key] = causal_block_mask(T, device)
+        while len(_CAUSAL_MASKS) > CAUSAL_MASKS_KEPT:
+            _CAUSAL_MASKS.popitem(last=False)
+    return _CAUSAL_MASKS[key]
+
+
 def flex_mask_length(T, device):
     """The length FlexAttention runs at. torch 2.13's compiled CPU kernel returns wrong values, and not
     the same ones twice, when the sequence ends inside one of its blocks on an AVX2 CPU (measured on this
@@ -563,11 +585,11 @@ def flex_mask_length(T, device):
 
 
 def make_block_mask(doc_ids, T, device):
-    """The BlockMask of a forward over T tokens, at flex_mask_length(T): padded positions are a document
-    of their own after the last one."""
+    """The BlockMask of one forward pass over T tokens, built once in Transformer._context and shared by
+    every layer, at flex_mask_length(T): padded positions are a document of their own after the last one."""
     T_mask = flex_mask_length(T, device)
     if doc_ids is None:
-        return causal_block_mask(T_mask, device)
+        return cached_causal_block_mask(T_mask, device)
     if T_mask > T:
         doc_ids = torch.cat([doc_ids, (doc_ids[:, -1:] + 1).expand(-1, T_mask - T)], dim=1)
 

@@ -35,9 +35,9 @@ VARIANTS = ["nope"] + [name for name, enc in ENCODINGS.items() if enc.rotation i
 COMPILED_SDPA = torch.compile(ATTENTION["sdpa"])
 
 
-def setup(encoding, T, device, dtype, requires_grad):
+def setup(encoding, T, device, dtype, requires_grad, batch=1):
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, H, T, HD, device=device, dtype=dtype, requires_grad=requires_grad)
+    q, k, v = (torch.randn(batch, H, T, HD, device=device, dtype=dtype, requires_grad=requires_grad)
                for _ in range(3))
     pos = torch.arange(T, device=device)
     name, ssmax = encoding.removesuffix("+ssmax"), encoding.endswith("+ssmax")
@@ -50,8 +50,8 @@ def setup(encoding, T, device, dtype, requires_grad):
     return q, k, v, pos, log_n, prior, scale, rope
 
 
-def attention_call(encoding, impl, T, device, dtype, backward):
-    q, k, v, pos, log_n, prior, scale, rope = setup(encoding, T, device, dtype, backward)
+def attention_call(encoding, impl, T, device, dtype, backward, batch=1):
+    q, k, v, pos, log_n, prior, scale, rope = setup(encoding, T, device, dtype, backward, batch)
     block_mask = make_block_mask(None, T, device) if impl == "flex" else None
     attend = ATTENTION[impl] if impl != "sdpa+compile" else COMPILED_SDPA
     ctx = AttnContext(impl.split("+")[0], pos, pos, None, log_n, rope, block_mask)
