@@ -108,11 +108,6 @@ def hf_tokenizer(enc):
 
 def export(source, out_dir, overwrite=False):
     """Write the folder; returns the checkpoint path it came from."""
-    from transformers import GenerationConfig
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
-    from data import EOT, get_tokenizer
-
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not overwrite:
         raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
@@ -120,6 +115,14 @@ def export(source, out_dir, overwrite=False):
         raise ExportError(f"{out_dir} exists and is not a folder")
     check_self_contained(MODEL_SOURCE)
     cfg, state, path = load_checkpoint(source)
+    try:  # only now: a wrong argument is answered without the seconds this import takes
+        from transformers import GenerationConfig
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    except ImportError:
+        raise ExportError("export_hf.py needs transformers: pip install -r requirements.txt") from None
+
+    from data import EOT, get_tokenizer
+
     try:
         enc = get_tokenizer()
     except RuntimeError as e:
@@ -166,10 +169,6 @@ def main(argv=None):
     ap.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (created)")
     ap.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     args = ap.parse_args(argv)
-    try:
-        import transformers  # noqa: F401  (a clear line instead of an ImportError deep inside)
-    except ImportError:
-        sys.exit("error: export_hf.py needs transformers: pip install -r requirements.txt")
     try:
         path = export(args.source, args.out_dir, args.overwrite)
     except ExportError as e:

@@ -23,7 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .model import ModelConfig, Transformer
 
-# transformers renamed `past_key_values` to `cache` (5.2x); the output takes whichever this version has
+# newer transformers renamed `past_key_values` to `cache`; the output takes the name this version has
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
@@ -39,15 +39,14 @@ class BAMConfig(PretrainedConfig):
     def __init__(self, bam_model=None, **kwargs):
         cfg = _model_config(bam_model)
         self.bam_model = asdict(cfg)
-        # The library's standard names, for its utilities (cache sizing, pipelines, lm-eval's max length);
-        # model.py itself reads only bam_model. The training context is no limit at inference: it is
-        # reported as max_position_embeddings because that is what tools expect to read.
+        # The library's standard names, for its utilities (cache sizing, pipelines); model.py itself reads
+        # only bam_model. No max_position_embeddings: the training context (block_size) is no limit at
+        # inference, and tools would read one as the longest input the model accepts.
         self.vocab_size = cfg.vocab_size
         self.hidden_size = cfg.n_embd
         self.num_hidden_layers = cfg.n_layer
         self.num_attention_heads = cfg.n_head
         self.num_key_value_heads = cfg.kv_heads
-        self.max_position_embeddings = cfg.block_size
         kwargs["tie_word_embeddings"] = False  # model.py's LM head is its own matrix (as in the paper)
         kwargs.setdefault("use_cache", True)
         kwargs.setdefault("eos_token_id", 50256)
@@ -139,7 +138,7 @@ class BAMForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("BAMForCausalLM needs input_ids (inputs_embeds are not supported)")
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("BAMForCausalLM does not take inputs_embeds; pass input_ids")
-        cache = cache if cache is not None else past_key_values  # the name before transformers 5.2x
+        cache = cache if cache is not None else past_key_values  # the older name
         use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
