@@ -125,15 +125,36 @@ def test_task_accuracy_equals_the_one_computed_from_the_models_loglikelihoods(ta
     assert "## Downstream tasks" in text and f"{100 * correct_norm / len(docs):.1f}" in text
 
 
-def test_offline_hub_task_and_unknown_task_are_one_line(task, tmp_path):
+def test_offline_hub_task_is_one_line(task, tmp_path):
+    """A task whose data are on the Hub (ARC-Easy's own dataset), with the Hub unreachable: one line."""
     root, _, _ = task
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "hub_arc.yaml").write_text(
+        "task: hub_arc\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\noutput_type: multiple_choice\n"
+        "test_split: test\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices.text}}'\ndoc_to_target: 0\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    for tasks, expected in (("arc_easy", "cannot download the data of arc_easy"),
-                            ("no_such_task", "unknown lm-eval task(s): no_such_task")):
-        done = subprocess.run([sys.executable, "-m", "eval.downstream", str(root / "model.pt"), "--tasks", tasks,
-                               "--out", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 1, done.stderr[-2000:]
-        last = done.stderr.strip().splitlines()[-1]
-        assert last.startswith("error: ") and expected in last, done.stderr[-2000:]
-        assert not (tmp_path / "out" / "downstream.json").exists()
+    done = subprocess.run([sys.executable, "-m", "eval.downstream", str(root / "model.pt"), "--tasks", "hub_arc",
+                           "--include_path", str(tmp_path / "tasks"), "--out", str(tmp_path / "out")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot download the data of hub_arc"), done.stderr[-2000:]
+    assert not (tmp_path / "out" / "downstream.json").exists()
+
+
+def test_bad_arguments_are_errors(task, monkeypatch):
+    root, _, model = task
+    import lm_eval.tasks
+
+    class NoTasks:  # lm-eval's index without its ~15K built-in tasks, which take half a minute to scan
+        def __init__(self, **kwargs):
+            self.all_tasks, self.all_groups = ["hellaswag"], []
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", NoTasks)
+    with pytest.raises(downstream.EvalError, match=r"unknown lm-eval task\(s\): no_such_task"):
+        downstream.evaluate_downstream(model, "hellaswag,no_such_task", out=str(root / "unused"), verbose=False)
+    for kwargs, message in ((dict(tasks=" , "), "no tasks given"), (dict(tasks="x", batch_size=0), "--batch_size"),
+                            (dict(tasks="x", limit=-1), "--limit"), (dict(tasks="x", include_path="/nonexistent"),
+                                                                     "--include_path")):
+        with pytest.raises(downstream.EvalError, match=message):
+            downstream.evaluate_downstream(model, **kwargs)
