@@ -111,6 +111,25 @@ def test_the_cache_and_right_padding_give_the_full_forward_logits(exported):
         torch.testing.assert_close(loss, want)
 
 
+def test_lm_eval_hf_model_on_the_folder_scores_as_eval_downstream(exported):
+    """lm-eval's own `hf` model loading the exported folder, and eval.downstream's ProjectLM on the project's
+    model: two independent paths from text to log-likelihood that must agree."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from eval import downstream
+    from eval.common import autocast
+
+    model, out = exported["bam_ssmax"]
+    pairs = [("The quick brown fox", " jumps"), ("Hello there, my", " dear friend of old"), ("", "Hello world"),
+             ("Question: what is 2 + 2?\nAnswer:", " 4")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    hf_lm = HFLM(pretrained=str(out), trust_remote_code=True, batch_size=2, device="cpu")
+    ours = downstream.make_project_lm(model, get_tokenizer(), 64, 2, autocast(torch.device("cpu"), torch.float32))
+    for (a, greedy_a), (b, greedy_b) in zip(hf_lm.loglikelihood(requests), ours.loglikelihood(requests)):
+        assert a == pytest.approx(b, rel=1e-5) and greedy_a == greedy_b
+
+
 def test_tokenizer_gives_the_project_ids(exported):
     _, out = exported["bam"]
     enc = get_tokenizer()
@@ -149,23 +168,24 @@ def test_folder_loads_without_the_repository(exported, tmp_path):
     assert f"ids [15496, 995, {EOT}]" in done.stdout
 
 
-def run_export(*args):
-    return subprocess.run([sys.executable, os.path.join(REPO, "export_hf.py"), *map(str, args)], capture_output=True,
-                          text=True, cwd=REPO, timeout=300)
+def export_error(*args):
+    """The command line (main) must exit with one line starting with 'error:'."""
+    with pytest.raises(SystemExit) as e:
+        export_hf.main([str(a) for a in args])
+    message = e.value.code
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    return message
 
 
 def test_bad_inputs_are_one_clear_line_and_keep_existing_output(tmp_path, exported):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    done = run_export(tmp_path / "run", tmp_path / "out")
-    assert done.returncode != 0 and done.stderr.strip().startswith("error:") and "no checkpoint" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
-
+    assert "no checkpoint" in export_error(tmp_path / "run", tmp_path / "out")
+    assert "no checkpoint file or run directory" in export_error(tmp_path / "nothing", tmp_path / "out")
     model = tiny_model()
     ckpt = {"model_config": {**vars(model.config), "pe": "fourier"}, "model": model.state_dict()}
     torch.save(ckpt, tmp_path / "foreign.pt")
-    done = run_export(tmp_path / "foreign.pt", tmp_path / "out")
-    assert done.returncode != 0 and "unknown pe 'fourier'" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert "unknown pe 'fourier'" in export_error(tmp_path / "foreign.pt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
     _, out = exported["rope"]
     before = sorted(os.listdir(out))
