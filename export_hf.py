@@ -109,10 +109,15 @@ def hf_tokenizer(enc):
 def export(source, out_dir, overwrite=False):
     """Write the folder; returns the checkpoint path it came from."""
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not overwrite:
-        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ExportError(f"{out_dir} exists and is not a folder")
+    if os.path.exists(out_dir):
+        if not overwrite:
+            raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
+        if not os.path.isdir(out_dir):
+            raise ExportError(f"{out_dir} exists and is not a folder")
+        if os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "modeling_bam.py")):
+            # --overwrite deletes the folder: never one that is not an earlier export
+            raise ExportError(f"{out_dir} is not an exported model folder (no modeling_bam.py); --overwrite "
+                              f"replaces only those, choose another OUT_DIR")
     check_self_contained(MODEL_SOURCE)
     cfg, state, path = load_checkpoint(source)
     try:  # only now: a wrong argument is answered without the seconds this import takes
@@ -149,9 +154,13 @@ def export(source, out_dir, overwrite=False):
         model.generation_config = GenerationConfig(eos_token_id=EOT, bos_token_id=EOT, pad_token_id=EOT)
         model.save_pretrained(tmp)
         hf_tokenizer(enc).save_pretrained(tmp)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        if os.path.exists(out_dir):  # the old export moves aside first, so one complete folder always exists
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.replace(out_dir, os.path.join(old, "export"))
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)

@@ -193,6 +193,20 @@ def test_bad_inputs_are_one_clear_line_and_keep_existing_output(tmp_path, export
         export_hf.export(str(tmp_path / "foreign.pt"), str(out))
     assert sorted(os.listdir(out)) == before
     assert not [p for p in os.listdir(out.parent) if p.startswith(".")]  # no temporary folder left behind
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    assert "not an exported model folder" in export_error(tmp_path / "foreign.pt", precious, "--overwrite")
+    assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_overwrite_replaces_an_earlier_export(tmp_path):
+    first, out = export_case(tmp_path, "again", pe="alibi", ssmax=True)
+    save_model(tiny_model(seed=5, pe="bam"), str(tmp_path / "second.pt"))
+    export_hf.main([str(tmp_path / "second.pt"), str(out), "--overwrite"])
+    hf_model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert hf_model.config.bam_model["pe"] == "bam"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "again.pt", "second.pt"]
 
 
 def test_model_py_must_be_self_contained(tmp_path):
