@@ -18,6 +18,8 @@ writer never matches a checkpoint name and is removed by the next run.
 import dataclasses
 import glob
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 
 import torch
@@ -78,6 +80,25 @@ def atomic_file(path, mode="wb"):
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def replace_dir(finished, path):
+    """Put the complete folder `finished` (written beside `path`, same filesystem) at `path`: an old `path`
+    is moved aside first and removed after, so a whole folder is there at every moment; the parent
+    directory is fsynced like a file's."""
+    parent = os.path.dirname(os.path.abspath(path))
+    aside = None
+    if os.path.exists(path):
+        aside = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
+        os.replace(path, os.path.join(aside, "old"))
+    os.replace(finished, path)
+    dir_fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_bytes(path, chunks):

@@ -2,12 +2,16 @@
 
     python prepare_fineweb.py --source fineweb --out_dir data/fineweb10B            # sample-10BT
     python prepare_fineweb.py --source fineweb-edu --sample sample-100BT --out_dir data/edu100B
+    python prepare_fineweb.py --source hub --dataset wikimedia/wikipedia --config 20231101.en --out_dir data/wiki
     python prepare_fineweb.py --source local --input 'corpus/*.jsonl' --out_dir data/mine
     python prepare_fineweb.py --source demo --out_dir data/demo                     # offline
     python prepare_fineweb.py --source demo --retrieval_fraction 0.5 --out_dir data/demo_passkey
 
 Sources: FineWeb / FineWeb-Edu samples streamed from the Hugging Face Hub with `datasets` (nothing
-is downloaded in full first); local parquet / jsonl / json files (a "text" field per record) and
+is downloaded in full first); any other text dataset streamed the same way (`--source hub` with
+--dataset, --config, --split and --text_field: e.g. Wikipedia, the paper's second perplexity corpus;
+--dataset may also be a local folder of data files, which `datasets` reads through the same call);
+local parquet / jsonl / json files (a "text" field per record) and
 txt files (one document per file), read through the same `datasets` streaming path; and `demo`, a
 real English corpus that needs no network: the documentation that ships inside Python's standard
 library (the language reference topics of `pydoc_data`, every stdlib module's docstrings with the
@@ -49,7 +53,7 @@ from data import EOT, ShardError, get_tokenizer, shard_num_tokens, write_shard
 
 HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 FINEWEB_SAMPLES = ("sample-10BT", "sample-100BT", "sample-350BT")
-SOURCES = ("fineweb", "fineweb-edu", "demo", "local", "retrieval")
+SOURCES = ("fineweb", "fineweb-edu", "hub", "demo", "local", "retrieval")
 DEFAULT_SHARD_SIZE = 100_000_000  # llm.c's shard size: 200 MB of uint16 per shard
 # The demo corpus is ~1M tokens; 50k-token shards give one validation shard of ~5% of it and
 # ~20 training shards, so the demo also exercises the loader's crossing of shard boundaries.
@@ -69,15 +73,27 @@ class PrepareError(UserError):
 # ----------------------------------------------------------------------------------------------
 # Sources: each returns an iterable of document texts, always in the same order.
 
-def hub_documents(source: str, sample: str):
-    """A FineWeb(-Edu) sample streamed from the Hub (this is the only code that needs the Hub)."""
+def hub_documents(dataset: str, config=None, split: str = "train", text_field: str = "text"):
+    """The `text_field` of every record of a dataset streamed from the Hub (FineWeb's samples and any other
+    text dataset alike; this is the only code that needs the Hub). `dataset` may also be a local folder of
+    data files: `datasets` then reads it through this same call, which is how the tests run it offline."""
     import datasets
+    where = f"{dataset}" + (f" ({config})" if config else "")
     try:
-        ds = datasets.load_dataset(HUB_DATASETS[source], name=sample, split="train", streaming=True)
+        ds = datasets.load_dataset(dataset, name=config, split=split, streaming=True)
     except (OSError, ConnectionError) as e:  # `datasets` retries for ~30 s before it gives up
-        raise PrepareError(f"cannot stream {HUB_DATASETS[source]} {sample} from the Hugging Face Hub "
+        raise PrepareError(f"cannot stream {where} from the Hugging Face Hub "
                            f"({str(e).splitlines()[0]}); offline, use --source demo or --source local")
-    return (row["text"] for row in ds)
+    except ValueError as e:  # an unknown split or config: `datasets` names the ones that exist
+        raise PrepareError(f"{where}: {str(e).splitlines()[0]}")
+
+    def texts():  # the dataset is opened above, so a wrong name fails before anything is written
+        for row in ds:
+            if text_field not in row:
+                raise PrepareError(f"records of {where} have no {text_field!r} field (fields: {', '.join(row)}); "
+                                   f"choose one with --text_field")
+            yield row[text_field]
+    return texts()
 
 
 def resolve_inputs(patterns) -> list:
@@ -423,6 +439,12 @@ def parse_args(argv=None):
                         help="FineWeb / FineWeb-Edu from the Hub, the offline demo corpus, or --input files")
     parser.add_argument("--sample", default=None,
                         help=f"FineWeb sample: {', '.join(FINEWEB_SAMPLES)} (default {FINEWEB_SAMPLES[0]})")
+    hub = parser.add_argument_group("any text dataset on the Hub (--source hub)")
+    hub.add_argument("--dataset", default=None,
+                     help="dataset name on the Hub, e.g. wikimedia/wikipedia (or a local folder of data files)")
+    hub.add_argument("--config", default=None, help="dataset config (subset), e.g. 20231101.en")
+    hub.add_argument("--split", default=None, help="split to read (default train)")
+    hub.add_argument("--text_field", default=None, help="field that holds each document's text (default text)")
     parser.add_argument("--input", nargs="+", default=None, metavar="GLOB",
                         help="local files for --source local: parquet, jsonl/json ('text' field), txt")
     parser.add_argument("--out_dir", required=True, help="directory for the shards and manifest.json")
@@ -466,6 +488,13 @@ def parse_args(argv=None):
                          f"{', '.join(FINEWEB_SAMPLES)}")
     elif args.sample is not None:
         parser.error("--sample applies only to --source fineweb / fineweb-edu")
+    hub_options = ("dataset", "config", "split", "text_field")
+    if args.source == "hub":
+        if not args.dataset:
+            parser.error("--source hub needs --dataset (a dataset name on the Hub, e.g. wikimedia/wikipedia)")
+        args.split, args.text_field = args.split or "train", args.text_field or "text"
+    elif any(getattr(args, name) is not None for name in hub_options):
+        parser.error("--dataset, --config, --split and --text_field apply only to --source hub")
     if (args.source == "local") != (args.input is not None):
         parser.error("--input is required with --source local and allowed only there")
     for name in ("shard_size", "max_tokens", "workers"):
@@ -476,7 +505,12 @@ def parse_args(argv=None):
         # the context length stay aligned with training rows from one shard into the next.
         args.shard_size = {"demo": DEMO_SHARD_SIZE, "retrieval": RETRIEVAL_SHARD_SIZE}.get(args.source,
                                                                                           DEFAULT_SHARD_SIZE)
-    args.prefix = args.prefix or ("fineweb" if args.source in HUB_DATASETS else args.source)
+    if args.source == "hub":  # wikimedia/wikipedia -> wikipedia_val_000000.bin
+        default_prefix = "".join(c if c.isalnum() or c in "-_." else "_"
+                                 for c in os.path.basename(os.path.normpath(args.dataset))) or "hub"
+    else:
+        default_prefix = "fineweb" if args.source in HUB_DATASETS else args.source
+    args.prefix = args.prefix or default_prefix
     if not args.prefix.replace("-", "").replace("_", "").replace(".", "").isalnum():
         parser.error(f"--prefix {args.prefix!r}: use letters, digits, '-', '_' or '.'")
     if args.retrieval_min_length == args.retrieval_length and args.retrieval_fraction == 1 \
@@ -507,6 +541,9 @@ def main(argv=None):
     try:
         if args.source in HUB_DATASETS:
             source = {"kind": args.source, "dataset": HUB_DATASETS[args.source], "sample": args.sample}
+        elif args.source == "hub":
+            source = {"kind": "hub", "dataset": args.dataset, "config": args.config, "split": args.split,
+                      "text_field": args.text_field}
         elif args.source == "local":
             files = resolve_inputs(args.input)
             source = {"kind": "local", "files": [[f, os.path.getsize(f)] for f in files]}
@@ -529,7 +566,9 @@ def main(argv=None):
         except RuntimeError as e:
             raise PrepareError(e)
         if args.source in HUB_DATASETS:
-            documents = hub_documents(args.source, args.sample)
+            documents = hub_documents(HUB_DATASETS[args.source], args.sample)
+        elif args.source == "hub":
+            documents = hub_documents(args.dataset, args.config, args.split, args.text_field)
         elif args.source == "local":
             documents = local_documents(files)
         elif args.source == "retrieval":

@@ -54,6 +54,7 @@ import model as model_module  # noqa: E402
 from bench.attention import attention_call  # noqa: E402
 from bench.attention import measure as measure_attention  # noqa: E402
 from bench.peak_memory import PeakMemory  # noqa: E402
+from checkpoint import write_text  # noqa: E402
 from config import load_config  # noqa: E402
 from data import EOT  # noqa: E402
 from eval.common import Sample, predict_spans  # noqa: E402
@@ -160,8 +161,8 @@ class Report:
         failed = [c["name"] for c in self.cases if c["status"] == "fail"]
         obj = {"env": self.env, "elapsed_s": round(now() - self.start, 1), "sections": self.sections,
                "failed": failed, "cases": self.cases, "targets": self.targets}
-        _write_atomic(os.path.join(self.out_dir, "gpu_check.json"), json.dumps(obj, indent=1, default=str))
-        _write_atomic(os.path.join(self.out_dir, "gpu_check.md"), self.markdown(obj))
+        write_text(os.path.join(self.out_dir, "gpu_check.json"), json.dumps(obj, indent=1, default=str))
+        write_text(os.path.join(self.out_dir, "gpu_check.md"), self.markdown(obj))
 
     def markdown(self, obj):
         env = obj["env"]
@@ -199,11 +200,6 @@ def _fmt(v):
     return str(v).replace("|", "/").replace("\n", " ")
 
 
-def _write_atomic(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@ One markdown report comparing runs, from the results their evaluators saved (not
 
     python -m eval.report runs/bam_ssmax_512 runs/rope_512 runs/alibi_512 --out report.md
 
-Reads RUN/eval/*.json of each run (passkey*.json, niah.json, perplexity.json, priors.json), RUN/metrics.jsonl
-for the tokens trained, and writes: the runs (encoding, size, parameters, tokens), passkey accuracy by
-length, NIAH scores by length and by task, perplexity at chosen positions, the prior shape groups, and every
+Reads RUN/eval/*.json of each run (passkey*.json, niah.json, perplexity.json, priors.json, downstream.json),
+RUN/metrics.jsonl for the tokens trained, and writes: the runs (encoding, size, parameters, tokens), passkey
+accuracy by length, NIAH scores by length and by task, perplexity at chosen positions, downstream task scores
+(lm-evaluation-harness), the prior shape groups, and every
 run's plots side by side (relative links, so the report can be moved together with the run folders).
 Two summary plots are drawn next to the report: <name>_passkey.png and <name>_perplexity.png.
 An evaluation a run does not have is shown as "—".
@@ -20,7 +21,7 @@ from eval.common import SCHEMA_VERSION, EvalError, Parser, format_length, output
 from eval.perplexity import perplexity_at, plot_perplexity
 
 DASH = "—"
-KNOWN = ("passkey", "niah", "perplexity", "priors")
+KNOWN = ("passkey", "niah", "perplexity", "priors", "downstream")
 
 
 def eval_folder(path):
@@ -44,7 +45,8 @@ def run_dir_of(path):
 def load_run(path):
     folder = eval_folder(path)
     run = {"path": path, "folder": folder, "name": os.path.basename(os.path.normpath(path)), "passkey": {},
-           "niah": None, "perplexity": None, "priors": None, "model": None, "tokens": None, "step": None}
+           "niah": None, "perplexity": None, "priors": None, "downstream": None, "model": None, "tokens": None,
+           "step": None}
     for file in sorted(glob.glob(os.path.join(folder, "*.json"))):
         try:
             results = read_json(file)
@@ -178,6 +180,29 @@ def perplexity_section(runs, positions):
     return lines + table(["position"] + [r["name"] for r in runs], rows)
 
 
+def downstream_section(runs):
+    lines = ["## Downstream tasks", ""]
+    present = [r for r in runs if r["downstream"]]
+    if not present:
+        return lines + [f"{DASH} (no run has downstream results: `python -m eval.downstream RUN`)"]
+    cells = sorted({(x["task"], x["metric"]) for r in present for x in r["downstream"]["results"]})
+    by_run = [{(x["task"], x["metric"]): x for x in r["downstream"]["results"]} if r["downstream"] else {}
+              for r in runs]
+
+    def cell(row):
+        if row is None or row["value"] is None:
+            return DASH
+        if "perplexity" in row["metric"]:
+            return f"{row['value']:.2f}"
+        return f"{100 * row['value']:.1f}" + (f" ± {100 * row['stderr']:.1f}" if row.get("stderr") else "")
+
+    shots = sorted({str(x.get("num_fewshot")) for r in present for x in r["downstream"]["results"]})
+    lines += [f"lm-evaluation-harness scores (accuracy in %, ± its standard error; perplexities as they are); "
+              f"few-shot examples: {', '.join(shots)}.", ""]
+    rows = [[f"{task} ({metric})"] + [cell(scores.get((task, metric))) for scores in by_run] for task, metric in cells]
+    return lines + table(["task (metric)"] + [r["name"] for r in runs], rows)
+
+
 def priors_section(runs):
     lines = ["## Learned priors", ""]
     rows = []
@@ -201,7 +226,7 @@ def plots_section(runs, out_dir, extra, run_plots=True):
 
     kinds = [("passkey", lambda r: r["passkey"].get("passkey", next(iter(r["passkey"].values()), None))),
              ("needle in a haystack", lambda r: r["niah"]), ("perplexity", lambda r: r["perplexity"]),
-             ("prior per head", lambda r: r["priors"]),
+             ("downstream tasks", lambda r: r["downstream"]), ("prior per head", lambda r: r["priors"]),
              ("prior shapes", lambda r: r["priors"] and {"_png": os.path.join(r["folder"], "priors_shapes.png")}),
              ("priors during training",
               lambda r: r["priors"] and {"_png": os.path.join(r["folder"], "priors_training.png")})]
@@ -274,7 +299,7 @@ def write_report(sources, *, out="report.md", positions=None, title="Evaluation 
     lines = [f"# {title}", "", f"Runs: {listed}. Built by `python -m eval.report` from the "
              f"saved results (`RUN/eval/*.json`); rerun an evaluator to refresh its numbers.", ""]
     for section in (runs_section(runs), passkey_section(runs), niah_section(runs), perplexity_section(runs, positions),
-                    priors_section(runs), plots_section(runs, out_dir, extra, run_plots)):
+                    downstream_section(runs), priors_section(runs), plots_section(runs, out_dir, extra, run_plots)):
         lines += section + [""]
     with open(out, "w") as f:
         f.write("\n".join(lines))

@@ -425,7 +425,7 @@ def test_load_model_from_file_and_run_dir(tmp_path):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(pe="xpos"), "allowed: nope, rope, alibi, sinusoidal, bam"),
+    (dict(pe="xpos"), "allowed: " + ", ".join(PE_CHOICES)),
     (dict(attn_impl="flash"), "allowed: auto, flex, sdpa, eager"),
     (dict(n_head=5), "must divide n_embd"),
     (dict(n_kv_head=3), "must divide n_head"),

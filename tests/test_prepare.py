@@ -205,14 +205,44 @@ def test_resume_after_kill_9_gives_the_same_shards(tmp_path):
     assert not glob.glob(str(killed / "*tmp*"))
 
 
-def test_hub_source_streams_the_named_sample(monkeypatch):
+def test_hub_source_streams_the_named_sample(monkeypatch, tmp_path):
     import datasets
     calls = []
     monkeypatch.setattr(datasets, "load_dataset",
                         lambda *a, **k: calls.append((a, k)) or iter([{"text": "a"}, {"text": "b"}]))
-    assert list(prepare_fineweb.hub_documents("fineweb-edu", "sample-100BT")) == ["a", "b"]
+    main(["--source", "fineweb-edu", "--sample", "sample-100BT", "--out_dir", str(tmp_path / "edu"), "--workers", "1"])
     assert calls == [(("HuggingFaceFW/fineweb-edu",),
                       {"name": "sample-100BT", "split": "train", "streaming": True})]
+    assert read_shard(glob.glob(str(tmp_path / "edu" / "fineweb_val_*.bin"))[0]).tolist() == \
+        expected_stream(["a", "b"]).tolist()
+
+
+def test_any_hub_dataset_streams_through_the_same_call(tmp_path):
+    """--source hub with a local folder as the dataset: `datasets.load_dataset(folder, split=...)` is the very
+    call that streams wikimedia/wikipedia from the Hub; the split and the text field are the user's."""
+    folder = tmp_path / "wiki"
+    folder.mkdir()
+    for split, docs in (("train", DOCS[:30]), ("test", DOCS[30:])):
+        with open(folder / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"title": str(i), "body": d}) + "\n" for i, d in enumerate(docs))
+    out = tmp_path / "out"
+    main(["--source", "hub", "--dataset", str(folder), "--split", "test", "--text_field", "body", "--out_dir",
+          str(out), "--shard_size", "2000", "--workers", "1"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"] == {"kind": "hub", "dataset": str(folder), "config": None, "split": "test",
+                                  "text_field": "body"}
+    stream = np.concatenate([read_shard(f) for f in shard_files(out)])
+    assert stream.tolist() == expected_stream(DOCS[30:]).tolist()
+    assert os.path.basename(shard_files(out)[0]) == "wiki_val_000000.bin"
+
+    assert "no 'text' field (fields: title, body); choose one with --text_field" in run_error(
+        ["--source", "hub", "--dataset", str(folder), "--out_dir", str(tmp_path / "o2"), "--workers", "1"])
+    assert "validation" in run_error(["--source", "hub", "--dataset", str(folder), "--split", "validation",
+                                      "--out_dir", str(tmp_path / "o3"), "--workers", "1"])
+    assert "needs --dataset" in run_error(["--source", "hub", "--out_dir", str(tmp_path / "o4")])
+    assert "only to --source hub" in run_error(["--source", "demo", "--text_field", "x", "--out_dir",
+                                                str(tmp_path / "o5")])
+    assert not any(os.path.exists(tmp_path / o) for o in ("o3", "o4", "o5"))
 
 
 def test_hub_errors_are_one_line_and_out_dir_is_checked_first(tmp_path, monkeypatch):

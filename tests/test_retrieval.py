@@ -145,14 +145,21 @@ def test_prepare_writes_a_passkey_corpus(tmp_path):
     assert int(np.sum(tokens == EOT)) == len(docs) + 1
 
 
-def test_prepare_rejects_bad_retrieval_options(tmp_path):
-    with pytest.raises(SystemExit, match="give --max_tokens"):
-        prepare_main(["--source", "retrieval", "--out_dir", str(tmp_path / "a")])
-    with pytest.raises(SystemExit, match=r"must be in \[0, 1\]"):
-        prepare_main(["--source", "demo", "--retrieval_fraction", "1.5", "--out_dir", str(tmp_path / "b")])
-    with pytest.raises(SystemExit, match="--retrieval_min_length must be in"):
-        prepare_main(["--source", "retrieval", "--max_tokens", "100", "--retrieval_min_length", "200",
-                      "--out_dir", str(tmp_path / "c")])
+def test_prepare_rejects_bad_retrieval_options(tmp_path, capsys):
+    def error_of(args):
+        with pytest.raises(SystemExit) as exit_info:
+            prepare_main(args)
+        assert exit_info.value.code != 0
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines[-1].startswith("error: ")
+        return lines[-1]
+
+    assert "give --max_tokens" in error_of(["--source", "retrieval", "--out_dir", str(tmp_path / "a")])
+    assert "must be in [0, 1]" in error_of(["--source", "demo", "--retrieval_fraction", "1.5",
+                                            "--out_dir", str(tmp_path / "b")])
+    assert "--retrieval_min_length must be in" in error_of(["--source", "retrieval", "--max_tokens", "100",
+                                                            "--retrieval_min_length", "200",
+                                                            "--out_dir", str(tmp_path / "c")])
     assert not any((tmp_path / d).exists() for d in "abc")
 
 

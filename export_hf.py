@@ -1,0 +1,179 @@
+"""
+Export a checkpoint as a Hugging Face `transformers` folder that loads without this repository:
+
+    python export_hf.py runs/bam_ssmax_512 hf/bam_ssmax_512        # newest checkpoint of a run
+    python export_hf.py runs/bam_ssmax_512/checkpoints/best.pt hf/bam_ssmax_512_best
+
+The folder holds config.json (with `auto_map`), model.safetensors, generation_config.json, the tokenizer
+(tokenizer.json and tokenizer_config.json, built from the project's GPT-2 ranks), and two Python files:
+model.py, copied verbatim from this repository, and modeling_bam.py, the small wrapper that makes it a
+PreTrainedModel. Because the exported code *is* model.py, every encoding, Scalable-Softmax and every
+config field behave exactly as in training and evaluation here; nothing is re-implemented.
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained("hf/bam_ssmax_512", trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained("hf/bam_ssmax_512")
+
+OUT_DIR is written in a temporary folder next to it and renamed at the end, so an interrupted export never
+leaves half a folder, and an existing OUT_DIR is replaced only with --overwrite.
+"""
+
+import argparse
+import ast
+import functools
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+
+import torch
+
+from checkpoint import replace_dir
+from cli import Parser, UserError, run_cli
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_SOURCE = os.path.join(HERE, "model.py")
+WRAPPER_SOURCE = os.path.join(HERE, "modeling_bam.py")
+EOT_TOKEN = "<|endoftext|>"
+
+
+class ExportError(UserError):
+    """A mistake the user can fix; main() prints it as one `error: ...` line."""
+
+
+def check_self_contained(path):
+    """model.py travels alone: at module level it may import only torch and the standard library, or the
+    exported folder would need this repository after all. (Its checkpoint helpers import checkpoint.py
+    inside the functions, which the exported model never calls.)"""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    foreign = set()
+    for node in tree.body:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or "."] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        for name in names:
+            top = name.split(".")[0]
+            if top != "torch" and top not in sys.stdlib_module_names:
+                foreign.add(top)
+    if foreign:
+        raise ExportError(f"{path} imports {', '.join(sorted(foreign))}; an exported model.py may import only "
+                          f"torch and the standard library at module level")
+
+
+def load_checkpoint(source):
+    """(ModelConfig, state dict, checkpoint path) of a run directory or checkpoint file."""
+    from eval.common import EvalError, resolve_checkpoint
+    from model import ModelConfig
+
+    if not os.path.exists(source):
+        raise ExportError(f"no checkpoint file or run directory at {source}")
+    try:
+        path = resolve_checkpoint(source)
+    except EvalError as e:
+        raise ExportError(str(e)) from None
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        saved = ckpt["model_config"]
+        state = ckpt["model"]
+    except Exception as e:  # a torn or foreign file: say which, not a traceback
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ExportError(f"cannot read the checkpoint {path}: {reason}") from None
+    known = {f for f in ModelConfig.__dataclass_fields__}
+    unknown = sorted(set(saved) - known)
+    if unknown:  # a checkpoint from a newer model.py: exporting would silently drop these settings
+        raise ExportError(f"{path} has model settings this model.py does not know: {', '.join(unknown)}")
+    try:
+        cfg = ModelConfig(**saved)
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"{path}: {e}") from None
+    return cfg, state, path
+
+
+@functools.lru_cache(maxsize=None)  # converting the 50K ranks takes seconds; one conversion per process
+def hf_tokenizer(enc):
+    """A `transformers` fast tokenizer with exactly the ids of tiktoken's GPT-2 Encoding `enc`: the same
+    byte-level BPE ranks (merges recovered from the ranks by transformers' own TikTokenConverter), the same
+    pre-tokenisation regex, and <|endoftext|> as the one special token (end of text, and padding)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class RanksConverter(TikTokenConverter):
+        def load_tiktoken_bpe(self, ranks):  # the ranks in memory, however data.py obtained them
+            return ranks
+
+    converter = RanksConverter(vocab_file=enc._mergeable_ranks, pattern=enc._pat_str,
+                               extra_special_tokens=enc._special_tokens)
+    return PreTrainedTokenizerFast(tokenizer_object=converter.converted(), eos_token=EOT_TOKEN,
+                                   bos_token=EOT_TOKEN, unk_token=EOT_TOKEN, pad_token=EOT_TOKEN,
+                                   add_bos_token=False, add_eos_token=False,
+                                   model_max_length=int(1e30), clean_up_tokenization_spaces=False)
+
+
+def export(source, out_dir, overwrite=False):
+    """Write the folder; returns the checkpoint path it came from."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir):
+        if not overwrite:
+            raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
+        if not os.path.isdir(out_dir):
+            raise ExportError(f"{out_dir} exists and is not a folder")
+        if os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "modeling_bam.py")):
+            # --overwrite deletes the folder: never one that is not an earlier export
+            raise ExportError(f"{out_dir} is not an exported model folder (no modeling_bam.py); --overwrite "
+                              f"replaces only those, choose another OUT_DIR")
+    check_self_contained(MODEL_SOURCE)
+    cfg, state, path = load_checkpoint(source)
+    try:  # only now: a wrong argument is answered without the seconds this import takes
+        from transformers import GenerationConfig
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    except ImportError:
+        raise ExportError("export_hf.py needs transformers: pip install -r requirements.txt") from None
+
+    from data import EOT, get_tokenizer
+
+    try:
+        enc = get_tokenizer()
+    except RuntimeError as e:
+        raise ExportError(str(e)) from None
+    if cfg.vocab_size < enc.n_vocab:
+        raise ExportError(f"the model has {cfg.vocab_size} tokens, fewer than the GPT-2 tokenizer's {enc.n_vocab}")
+
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        shutil.copy(MODEL_SOURCE, os.path.join(tmp, "model.py"))
+        shutil.copy(WRAPPER_SOURCE, os.path.join(tmp, "modeling_bam.py"))
+        # The classes come from the copies, through the library's remote-code loader: the same code that
+        # users will run builds and saves the model here.
+        config_cls = get_class_from_dynamic_module("modeling_bam.BAMConfig", tmp)
+        model_cls = get_class_from_dynamic_module("modeling_bam.BAMForCausalLM", tmp)
+        config = config_cls(bam_model=asdict(cfg), eos_token_id=EOT, bos_token_id=EOT, pad_token_id=EOT)
+        model = model_cls(config)
+        missing, unexpected = model.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ExportError(f"{path} does not match its own config: missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]}")
+        model.generation_config = GenerationConfig(eos_token_id=EOT, bos_token_id=EOT, pad_token_id=EOT)
+        model.save_pretrained(tmp)
+        hf_tokenizer(enc).save_pretrained(tmp)
+        replace_dir(tmp, out_dir)  # an old export moves aside first, so one complete folder always exists
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def main(argv=None):
+    ap = Parser(prog="export_hf.py", description=__doc__.split("\n\n")[0].strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="run directory (newest checkpoint) or checkpoint file")
+    ap.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (created)")
+    ap.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    args = ap.parse_args(argv)
+    path = export(args.source, args.out_dir, args.overwrite)
+    print(f"exported {path} to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
