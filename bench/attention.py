@@ -100,6 +100,8 @@ def main():
     ap.add_argument("--windows", default="128,512,2048", help="comma-separated W for part 3 (default: %(default)s)")
     args = ap.parse_args()
     encodings = args.encodings.split(",")
+    if any(not w.strip().isdigit() or int(w) < 1 for w in args.windows.split(",") if w):
+        ap.error(f"--windows takes positive integers, got {args.windows!r}")
     unknown = [e for e in encodings if e not in VARIANTS]
     if unknown:
         ap.error(f"unknown encoding(s) {', '.join(unknown)}; allowed: {', '.join(VARIANTS)}")
@@ -112,9 +114,10 @@ def main():
     if args.lengths is not None:
         lengths = [int(t) for t in args.lengths.split(",") if t]
     impls = ["sdpa", "sdpa+compile", "flex", "eager"]
-    print("## forward + backward (flex forward only on CPU): time and peak memory, ratios vs nope/sdpa\n")
-    print("| T | encoding | impl | pass | ms | x nope | peak MiB | x nope |")
-    print("|---|---|---|---|---|---|---|---|")
+    if lengths:
+        print("## forward + backward (flex forward only on CPU): time and peak memory, ratios vs nope/sdpa\n")
+        print("| T | encoding | impl | pass | ms | x nope | peak MiB | x nope |")
+        print("|---|---|---|---|---|---|---|---|")
     for T in lengths:
         base = None
         for encoding in encodings:
@@ -133,10 +136,11 @@ def main():
     long_lengths = [4096, 8192, 16384] if args.quick else [4096, 8192, 16384, 32768, 65536]
     if args.long_lengths is not None:
         long_lengths = [int(t) for t in args.long_lengths.split(",") if t]
-    print("\n## forward only, long context: peak memory must grow linearly with T\n")
-    print("| T | encoding | impl | ms | peak MiB | x previous T |")
-    print("|---|---|---|---|---|---|")
-    for encoding, impl in [("nope", "sdpa"), ("bam+ssmax", "flex")]:
+    if long_lengths:
+        print("\n## forward only, long context: peak memory must grow linearly with T\n")
+        print("| T | encoding | impl | ms | peak MiB | x previous T |")
+        print("|---|---|---|---|---|---|")
+    for encoding, impl in [("nope", "sdpa"), ("bam+ssmax", "flex")] if long_lengths else []:
         prev = None
         for T in long_lengths:
             with torch.no_grad():
@@ -153,6 +157,8 @@ def window_part(args, device, dtype):
     if args.window_lengths is not None:
         lengths = [int(t) for t in args.window_lengths.split(",") if t]
     windows = [int(w) for w in args.windows.split(",") if w]
+    if not lengths:
+        return
     print("\n## forward only, sliding window vs full causal on flex (bam+ssmax)\n")
     print("| T | window | ms | x full causal | peak MiB | x full causal |")
     print("|---|---|---|---|---|---|")
