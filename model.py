@@ -23,6 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")
 BAM_INITS = ("alibi", "uniform", "constant", "sampled", "linear")
+ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
 
 # The paper's model sizes (PAPER.md §4), named by their parameter count with the paper's 32,768-token
 # vocabulary; with GPT-2's 50,257 tokens the counts are higher (`Transformer.num_params` says by how much).
@@ -49,6 +50,16 @@ class ModelConfig:
     init_std: float = 0.02
     pe: str = "bam"  # a name in ENCODINGS: nope | rope | sinusoidal | alibi | bam | kerple_log | kerple_power
     rope_theta: float = 500_000.0  # the paper's RoPE baseline
+    # RoPE context extension, applied at evaluation (docs/evaluation.md): none | linear (position
+    # interpolation) | ntk | dynamic_ntk | yarn, with the scale s = rope_factor
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_context: int = 0  # the context the RoPE model was trained at; 0 means block_size
+    yarn_beta_fast: float = 32.0  # YaRN's ramp bounds, in rotations per original context (Peng et al. 2023)
+    yarn_beta_slow: float = 1.0
+    # Sliding-window attention: query i sees key j only if 0 <= i - j < attn_window (and the same
+    # document); 0 is off. RoPE-local (PAPER.md §4) is pe = "rope" with attn_window = block_size.
+    attn_window: int = 0
     sinusoidal_base: float = 10_000.0
     ssmax: bool = False  # Scalable-Softmax (Nakanishi 2025), PAPER.md §3
     attn_impl: str = "auto"  # auto | flex | sdpa | eager
@@ -82,10 +93,37 @@ class ModelConfig:
             bad(f"{self.pe} needs an even {even}, got {even}={getattr(self, even)}")
         if self.n_kv_head < 0 or (self.n_kv_head and self.n_head % self.n_kv_head):
             bad(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (or be 0 for n_head)")
+        if self.attn_window < 0:
+            bad(f"attn_window must be >= 0 (0 = no window), got {self.attn_window}")
+        self._check_rope_scaling(bad)
+
+    def _check_rope_scaling(self, bad):
+        if self.rope_scaling not in ROPE_SCALINGS:
+            bad(f"unknown rope_scaling {self.rope_scaling!r}; allowed: {', '.join(ROPE_SCALINGS)}")
+        if not self.rope_factor >= 1.0:  # also catches NaN
+            bad(f"rope_factor must be >= 1 (the context scale s), got {self.rope_factor}")
+        if self.rope_original_context < 0:
+            bad(f"rope_original_context must be >= 0 (0 = block_size), got {self.rope_original_context}")
+        if not 0 < self.yarn_beta_slow < self.yarn_beta_fast:
+            bad(f"YaRN needs 0 < yarn_beta_slow < yarn_beta_fast, got {self.yarn_beta_slow} and "
+                f"{self.yarn_beta_fast}")
+        if self.rope_scaling == "none" and self.rope_factor != 1.0:
+            bad(f"rope_factor={self.rope_factor} has no effect with rope_scaling='none'; choose one of "
+                f"{', '.join(ROPE_SCALINGS[1:])}")
+        if self.rope_scaling != "none" and ENCODINGS[self.pe].rotation is Encoding.rotation:
+            bad(f"rope_scaling needs a rotary encoding (pe = 'rope'), got pe={self.pe!r}")
+        if self.rope_scaling in ("ntk", "dynamic_ntk") and self.head_dim <= 2:
+            bad(f"rope_scaling={self.rope_scaling!r} needs head_dim > 2 (its exponent is d / (d - 2)), "
+                f"got {self.head_dim}")
 
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
+
+    @property
+    def rope_context(self):
+        """The context RoPE was trained at, which the scalings stretch from."""
+        return self.rope_original_context or self.block_size
 
     @property
     def kv_heads(self):
@@ -120,8 +158,9 @@ class Encoding:
         return []
 
     @staticmethod
-    def rotation(positions, cfg):
-        """(cos, sin) that rotate q and k at these positions, or None."""
+    def rotation(positions, cfg, length=None):
+        """(cos, sin) that rotate q and k at these positions, or None; `length` is how many positions
+        the forward reaches (for a rotation that depends on it; default: the last position + 1)."""
         return None
 
     @staticmethod
@@ -134,15 +173,67 @@ class NoPE(Encoding):
     """No positional signal but the causal mask: a uniform prior over positions (PAPER.md §1)."""
 
 
+def inverse_frequencies(dim, base, device=None):
+    """theta^(-2i/d) for the d/2 rotation pairs, in float64."""
+    return base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
+
+
 def _angles(positions, dim, base):
     # float64: at 500K positions fp32 angles would be off by ~0.03 rad before the cosine.
-    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
-    return positions.to(torch.float64)[..., None] * inv_freq
+    return positions.to(torch.float64)[..., None] * inverse_frequencies(dim, base, positions.device)
 
 
 def rope_cos_sin(positions, head_dim, theta):
     angles = _angles(positions, head_dim, theta)
     return angles.cos().float(), angles.sin().float()
+
+
+def yarn_ramp(cfg):
+    """YaRN's blend per rotation pair (Peng et al. 2023, "NTK-by-parts"): 0 keeps the pair's frequency
+    (it turns more than beta_fast times over the original context L0, so it has seen every angle),
+    1 divides it by s as position interpolation does (fewer than beta_slow turns), linear in between.
+    As in the reference code (jquesnelle/yarn) and transformers, the ramp is linear in the pair index
+    between the two crossing points rounded outward, not linear in the turn count r as the paper's
+    equation writes it; this keeps our YaRN numbers comparable with published YaRN models. Pair i
+    turns r = L0 / (2 pi theta^(2i/d)) times, so the crossing of r is at i = d ln(L0 / (2 pi r)) / (2 ln theta)."""
+    d, theta, L0 = cfg.head_dim, cfg.rope_theta, cfg.rope_context
+
+    def pair_index(turns):
+        return d * math.log(L0 / (2 * math.pi * turns)) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_index(cfg.yarn_beta_fast)), 0)
+    high = min(math.ceil(pair_index(cfg.yarn_beta_slow)), d - 1)  # d - 1 (not d/2 - 1) as the reference
+    span = max(high - low, 1e-3)  # the reference's guard against a zero-width ramp
+    return ((torch.arange(d // 2, dtype=torch.float64) - low) / span).clamp(0.0, 1.0)
+
+
+def rope_frequencies(cfg, length):
+    """RoPE's inverse frequencies (float64, head_dim / 2) under cfg.rope_scaling with s = rope_factor
+    and L0 = cfg.rope_context, and the factor YaRN puts on cos and sin (1 otherwise). `length` is how
+    many positions the current forward reaches (its last query + 1); only dynamic NTK reads it.
+
+      linear       position interpolation (Chen et al. 2023): every frequency / s
+      ntk          NTK-aware (bloc97 2023): base theta * s^(d / (d - 2)), d = head_dim, which stretches
+                   the lowest frequency by exactly s and leaves the highest alone
+      dynamic_ntk  NTK-aware with the scale growing with the length, as transformers and Code Llama:
+                   base theta * (s L / L0 - (s - 1))^(d / (d - 2)) once L > L0, theta up to L0
+      yarn         YaRN (Peng et al. 2023): frequencies blended by yarn_ramp, temperature below"""
+    d, theta, s, L0 = cfg.head_dim, cfg.rope_theta, cfg.rope_factor, cfg.rope_context
+    kind = cfg.rope_scaling
+    if kind == "ntk":
+        theta = theta * s ** (d / (d - 2))
+    elif kind == "dynamic_ntk" and length > L0:
+        theta = theta * (s * length / L0 - (s - 1)) ** (d / (d - 2))
+    inv_freq = inverse_frequencies(d, theta)
+    if kind == "linear":
+        return inv_freq / s, 1.0
+    if kind == "yarn":
+        ramp = yarn_ramp(cfg)
+        # The paper's attention temperature: softmax(q.k / (t sqrt(d))) with sqrt(1/t) = 0.1 ln s + 1.
+        # As the paper's code (and transformers) do, sqrt(1/t) multiplies cos and sin, so q and k each
+        # carry one factor and the logit gets 1/t = (0.1 ln s + 1)^2 on every path, cached keys included.
+        return inv_freq * (1 - ramp) + inv_freq / s * ramp, 0.1 * math.log(s) + 1.0
+    return inv_freq, 1.0
 
 
 def apply_rope(x, cos, sin):
@@ -165,8 +256,11 @@ class RoPE(Encoding):
     even_width = "head_dim"
 
     @staticmethod
-    def rotation(positions, cfg):
-        return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+    def rotation(positions, cfg, length=None):
+        length = int(positions[-1]) + 1 if length is None else length
+        inv_freq, factor = rope_frequencies(cfg, length)
+        angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+        return (factor * angles.cos()).float(), (factor * angles.sin()).float()
 
 
 class Sinusoidal(Encoding):
@@ -431,11 +525,15 @@ class AttnContext:
     log_n: torch.Tensor | None  # (B or 1, Tq) log of how many keys each query sees (SSMax)
     rope: tuple | None  # (cos, sin) of the queries' positions
     block_mask: BlockMask | None  # flex only
+    window: int = 0  # attn_window: key j is visible to query i only if i - j < window (0: no limit)
 
 
 def _allowed(ctx):
-    """Dense causal (+ document) mask, (B or 1, 1, Tq, Tk) bool."""
-    allowed = ctx.k_pos[None, :] <= ctx.q_pos[:, None]
+    """Dense causal (+ window) (+ document) mask, (B or 1, 1, Tq, Tk) bool."""
+    distance = ctx.q_pos[:, None] - ctx.k_pos[None, :]
+    allowed = distance >= 0
+    if ctx.window:
+        allowed = allowed & (distance < ctx.window)
     if ctx.doc_ids is not None:
         allowed = allowed & (ctx.doc_ids[:, :, None] == ctx.doc_ids[:, None, :])
     else:
@@ -470,7 +568,8 @@ def sdpa_attention(q, k, v, ctx, prior, ssmax_scale):
     depends on i - j only, so it is evaluated once per distance (H x (Tq + Tk - 1) values, not
     H x Tq x Tk) and spread over the grid by indexing, whose backward is a scatter-add."""
     gqa = k.shape[1] != q.shape[1]
-    if prior is None and ssmax_scale is None and ctx.doc_ids is None and ctx.q_pos.shape == ctx.k_pos.shape:
+    plain_causal = ctx.doc_ids is None and not ctx.window and ctx.q_pos.shape == ctx.k_pos.shape
+    if prior is None and ssmax_scale is None and plain_causal:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     H, Tq, Tk = q.shape[1], ctx.q_pos.shape[0], ctx.k_pos.shape[0]
     head = _head_index(H, q.device)
@@ -584,17 +683,47 @@ def flex_mask_length(T, device):
     return T if torch.device(device).type != "cpu" else -(-T // 128) * 128
 
 
-def make_block_mask(doc_ids, T, device):
-    """The BlockMask of one forward pass over T tokens, built once in Transformer._context and shared by
-    every layer, at flex_mask_length(T): padded positions are a document of their own after the last one."""
+def _sliding_window(window):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    return mask_mod
+
+
+def window_block_mask(T, window, device, block=128):
+    """The causal sliding-window BlockMask written down directly, block-banded: query block i sees the
+    key blocks whose every pair has 0 <= q - k < window in full, and through the mask the diagonal block
+    and the blocks the band's lower edge cuts; the rest is skipped, so the cost grows as T x window.
+    For blocks of B rows, every pair of query block i and key block c < i is inside the window iff
+    (i - c + 1) B <= window, and some pair is iff (i - c - 1) B + 1 < window."""
+    n = -(-T // block)
+    rows = torch.arange(n, device=device, dtype=torch.int64)[:, None]
+    cols = torch.arange(n, device=device, dtype=torch.int64)[None, :]
+    full = (cols < rows) & ((rows - cols + 1) * block <= window)
+    partial = (cols <= rows) & ((rows - cols - 1) * block + 1 < window) & ~full
+    # The index tensors are n x n like causal_block_mask's (BlockMask's transpose for the backward pass
+    # reads their width as the number of key blocks); only the first `count` entries of a row are used.
+    def ordered(blocks):
+        count = blocks.sum(dim=1).to(torch.int32)
+        index = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)  # hits first
+        return count.view(1, 1, n), index.view(1, 1, n, n)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block,
+                                    mask_mod=_sliding_window(window), seq_lengths=(T, T))
+
+
+def make_block_mask(doc_ids, T, device, window=0):
+    """The BlockMask of one forward pass over T tokens (causal, within documents, within the window if
+    any), built once in Transformer._context and shared by every layer, at flex_mask_length(T): padded
+    positions are a document of their own after the last one."""
     T_mask = flex_mask_length(T, device)
     if doc_ids is None:
-        return cached_causal_block_mask(T_mask, device)
+        return window_block_mask(T_mask, window, device) if window else cached_causal_block_mask(T_mask, device)
     if T_mask > T:
         doc_ids = torch.cat([doc_ids, (doc_ids[:, -1:] + 1).expand(-1, T_mask - T)], dim=1)
 
     def doc_mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+        inside = (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+        return inside & (q_idx - kv_idx < window) if window else inside
     # Documents are a training-time feature, where T is the training context: the dense evaluation
     # inside create_block_mask is affordable there.
     return create_block_mask(doc_mask_mod, doc_ids.shape[0], None, T_mask, T_mask, device=device)
@@ -611,19 +740,38 @@ def check_doc_ids(doc_ids):
 
 
 class KVCache:
-    """Preallocated keys and values (after RoPE) of every layer, for generation."""
+    """Keys and values (after RoPE) of every layer, for generation: preallocated for the whole sequence,
+    or, with a sliding window, only the last window - 1 positions, which are all a later query can see."""
 
     def __init__(self, cfg, batch_size, max_len, device, dtype):
-        shape = (batch_size, cfg.kv_heads, max_len, cfg.head_dim)
+        self.window = cfg.attn_window
+        shape = (batch_size, cfg.kv_heads, 0 if self.window else max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.max_len = max_len
+        self.next_position = 0  # a windowed cache holds no earlier positions to go back to
+
+    def first_key(self, start):
+        """Position of the first key that queries from position `start` on attend over."""
+        return max(0, start - (self.window - 1)) if self.window else 0
 
     def update(self, layer, start, k, v):
+        """Store the keys and values of positions start, start + 1, ...; return those of positions
+        first_key(start) ... the last one stored, which the current queries attend over."""
         end = start + k.shape[2]
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        if not self.window:
+            self.k[layer][:, :, start:end] = k
+            self.v[layer][:, :, start:end] = v
+            return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        if start != self.next_position and layer == 0:
+            raise ValueError(f"a windowed KV cache continues where it stopped: position {start} was not next "
+                             f"({self.next_position} was)")
+        if layer == len(self.k) - 1:
+            self.next_position = end
+        k, v = torch.cat((self.k[layer], k), dim=2), torch.cat((self.v[layer], v), dim=2)
+        self.k[layer], self.v[layer] = k[:, :, k.shape[2] - (end - self.first_key(end)):], \
+            v[:, :, v.shape[2] - (end - self.first_key(end)):]
+        return k, v
 
 
 class Attention(nn.Module):
@@ -717,7 +865,7 @@ class Transformer(nn.Module):
                              "'sdpa', 'eager' or 'auto', or run inference under torch.no_grad()")
         if impl != "auto":
             return impl
-        positional = len(self.priors) > 0 or cfg.ssmax or has_docs
+        positional = len(self.priors) > 0 or cfg.ssmax or has_docs or cfg.attn_window > 0
         if not positional:
             return "sdpa"  # flash attention with is_causal
         if on_cuda:
@@ -726,10 +874,11 @@ class Transformer(nn.Module):
         # bias costs less than flex's compile; past that the dense bias grows as T^2 and flex wins.
         return "sdpa" if training or T_q <= 2048 else "flex"
 
-    def _context(self, B, T, device, start_pos, doc_ids):
+    def _context(self, B, T, device, start_pos, doc_ids, kv_cache=None):
         cfg = self.config
         q_pos = torch.arange(start_pos, start_pos + T, device=device)
-        k_pos = torch.arange(start_pos + T, device=device)
+        first_key = kv_cache.first_key(start_pos) if kv_cache is not None else 0
+        k_pos = torch.arange(first_key, start_pos + T, device=device)
         if doc_ids is not None:
             if start_pos:
                 raise ValueError("doc_ids cannot be combined with a KV cache")
@@ -740,7 +889,7 @@ class Transformer(nn.Module):
             # construction (a cumulative count of EOTs); a GPU caller is trusted as the compiled one is.
             if doc_ids.device.type == "cpu" and not torch.compiler.is_compiling():
                 check_doc_ids(doc_ids)
-        impl = self.attention_impl(T, start_pos + T, doc_ids is not None)
+        impl = self.attention_impl(T, len(k_pos), doc_ids is not None)
         # position of each token inside its document: RoPE/ALiBi/BAM only see differences, which are the
         # same either way; the sinusoidal encoding and SSMax's key count need the in-document position.
         pos_in_doc = q_pos[None]
@@ -749,10 +898,13 @@ class Transformer(nn.Module):
             starts = torch.ones_like(doc_ids, dtype=torch.bool)
             starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
             pos_in_doc = idx - torch.where(starts, idx, 0).cummax(dim=1).values
-        log_n = torch.log1p(pos_in_doc.float()) if cfg.ssmax else None  # n_i = in-document position + 1
-        rope = self.encoding.rotation(q_pos, cfg)
-        block_mask = make_block_mask(doc_ids, T, device) if impl == "flex" else None
-        ctx = AttnContext(impl, q_pos, k_pos, doc_ids, log_n, rope, block_mask)
+        log_n = None
+        if cfg.ssmax:  # n_i = the keys query i can see (PAPER.md §3): in-document position + 1, window-capped
+            n_keys = pos_in_doc + 1
+            log_n = torch.log(n_keys.clamp(max=cfg.attn_window).float() if cfg.attn_window else n_keys.float())
+        rope = self.encoding.rotation(q_pos, cfg, length=start_pos + T)
+        block_mask = make_block_mask(doc_ids, T, device, cfg.attn_window) if impl == "flex" else None
+        ctx = AttnContext(impl, q_pos, k_pos, doc_ids, log_n, rope, block_mask, cfg.attn_window)
         return ctx, pos_in_doc
 
     # -- forward -----------------------------------------------------------------------------------
@@ -765,7 +917,7 @@ class Transformer(nn.Module):
         `sparse_targets` (most of them -1) the output layer runs only at the N other positions and the
         logits are (N, vocab): the same loss for a fraction of the output layer's cost."""
         B, T = idx.shape
-        ctx, pos_in_doc = self._context(B, T, idx.device, start_pos, doc_ids)
+        ctx, pos_in_doc = self._context(B, T, idx.device, start_pos, doc_ids, kv_cache)
         x = self.tok_emb(idx)
         pe = self.encoding.embedding(pos_in_doc, self.config)
         if pe is not None:

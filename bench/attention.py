@@ -9,6 +9,9 @@ Part 1: forward+backward time (sdpa also as it runs inside a compiled model) and
 shapes (16 heads of 48), for T = 512 ... 4096, as ratios against NoPE on `sdpa` (flash) at the same T.
 FlexAttention has no backward on CPU, so there flex is timed forward-only (marked "fwd").
 Part 2: forward-only peak memory of flex for T = 4K ... 64K: it must grow linearly (x2 per doubling).
+Part 3: sliding-window attention (`attn_window`) on flex, forward only, for T = 8K ... 64K: time and
+memory against full causal flex at the same T, for W = 128, 512, 2048. The window's BlockMask skips
+every block outside the band, so time grows as T x W (not T^2) and memory must not grow with W.
 Peak memory on CPU is the resident-set high-water mark above the level before the call, sampled by a
 thread every millisecond (torch keeps no CPU allocator statistics); on CUDA it is max_memory_allocated.
 """
@@ -35,13 +38,14 @@ VARIANTS = ["nope"] + [name for name, enc in ENCODINGS.items() if enc.rotation i
 COMPILED_SDPA = torch.compile(ATTENTION["sdpa"])
 
 
-def setup(encoding, T, device, dtype, requires_grad, batch=1):
+def setup(encoding, T, device, dtype, requires_grad, window=0, batch=1):
     torch.manual_seed(0)
     q, k, v = (torch.randn(batch, H, T, HD, device=device, dtype=dtype, requires_grad=requires_grad)
                for _ in range(3))
     pos = torch.arange(T, device=device)
     name, ssmax = encoding.removesuffix("+ssmax"), encoding.endswith("+ssmax")
-    log_n = torch.log1p(pos.float())[None] if ssmax else None
+    n_keys = (pos + 1).clamp(max=window) if window else pos + 1  # SSMax's n_i: the keys query i sees
+    log_n = torch.log(n_keys.float())[None] if ssmax else None
     cfg = ModelConfig(n_head=H, n_embd=H * HD, pe=name)
     priors = [p.to(device) for p in ENCODINGS[name].build_priors(cfg)[:1]]
     prior = priors[0] if priors else None  # its tensors() are taken per call: KERPLE's are computed
@@ -50,11 +54,11 @@ def setup(encoding, T, device, dtype, requires_grad, batch=1):
     return q, k, v, pos, log_n, prior, scale, rope
 
 
-def attention_call(encoding, impl, T, device, dtype, backward, batch=1):
-    q, k, v, pos, log_n, prior, scale, rope = setup(encoding, T, device, dtype, backward, batch)
-    block_mask = make_block_mask(None, T, device) if impl == "flex" else None
+def attention_call(encoding, impl, T, device, dtype, backward, window=0, batch=1):
+    q, k, v, pos, log_n, prior, scale, rope = setup(encoding, T, device, dtype, backward, window, batch)
+    block_mask = make_block_mask(None, T, device, window) if impl == "flex" else None
     attend = ATTENTION[impl] if impl != "sdpa+compile" else COMPILED_SDPA
-    ctx = AttnContext(impl.split("+")[0], pos, pos, None, log_n, rope, block_mask)
+    ctx = AttnContext(impl.split("+")[0], pos, pos, None, log_n, rope, block_mask, window)
 
     @torch.set_grad_enabled(backward)
     def run():
@@ -89,11 +93,15 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="T = 512, 1024 and 4K ... 16K only")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--lengths", default=None, help="comma-separated T for part 1 (default 512 ... 4096)")
+    ap.add_argument("--lengths", default=None, help="comma-separated T for part 1 (default 512 ... 4096); '' skips it")
     ap.add_argument("--long_lengths", default=None, help="comma-separated T for part 2; '' skips it")
     ap.add_argument("--encodings", default=",".join(VARIANTS), help="comma-separated (default: %(default)s)")
+    ap.add_argument("--window_lengths", default=None, help="comma-separated T for part 3; '' skips it")
+    ap.add_argument("--windows", default="128,512,2048", help="comma-separated W for part 3 (default: %(default)s)")
     args = ap.parse_args()
     encodings = args.encodings.split(",")
+    if any(not w.strip().isdigit() or int(w) < 1 for w in args.windows.split(",") if w):
+        ap.error(f"--windows takes positive integers, got {args.windows!r}")
     unknown = [e for e in encodings if e not in VARIANTS]
     if unknown:
         ap.error(f"unknown encoding(s) {', '.join(unknown)}; allowed: {', '.join(VARIANTS)}")
@@ -103,12 +111,13 @@ def main():
     print(f"# attention, 1 x {H} heads x {HD}, {dtype}, torch {torch.__version__}, {where}\n")
 
     lengths = [512, 1024] if args.quick else [512, 1024, 2048, 4096]
-    if args.lengths:
-        lengths = [int(t) for t in args.lengths.split(",")]
+    if args.lengths is not None:
+        lengths = [int(t) for t in args.lengths.split(",") if t]
     impls = ["sdpa", "sdpa+compile", "flex", "eager"]
-    print("## forward + backward (flex forward only on CPU): time and peak memory, ratios vs nope/sdpa\n")
-    print("| T | encoding | impl | pass | ms | x nope | peak MiB | x nope |")
-    print("|---|---|---|---|---|---|---|---|")
+    if lengths:
+        print("## forward + backward (flex forward only on CPU): time and peak memory, ratios vs nope/sdpa\n")
+        print("| T | encoding | impl | pass | ms | x nope | peak MiB | x nope |")
+        print("|---|---|---|---|---|---|---|---|")
     for T in lengths:
         base = None
         for encoding in encodings:
@@ -127,10 +136,11 @@ def main():
     long_lengths = [4096, 8192, 16384] if args.quick else [4096, 8192, 16384, 32768, 65536]
     if args.long_lengths is not None:
         long_lengths = [int(t) for t in args.long_lengths.split(",") if t]
-    print("\n## forward only, long context: peak memory must grow linearly with T\n")
-    print("| T | encoding | impl | ms | peak MiB | x previous T |")
-    print("|---|---|---|---|---|---|")
-    for encoding, impl in [("nope", "sdpa"), ("bam+ssmax", "flex")]:
+    if long_lengths:
+        print("\n## forward only, long context: peak memory must grow linearly with T\n")
+        print("| T | encoding | impl | ms | peak MiB | x previous T |")
+        print("|---|---|---|---|---|---|")
+    for encoding, impl in [("nope", "sdpa"), ("bam+ssmax", "flex")] if long_lengths else []:
         prev = None
         for T in long_lengths:
             with torch.no_grad():
@@ -138,6 +148,28 @@ def main():
             growth = f"{mem / prev:.2f}" if prev else "-"
             prev = max(mem, 1)
             print(f"| {T} | {encoding} | {impl} | {t * 1e3:.1f} | {mem / 2**20:.1f} | {growth} |", flush=True)
+    window_part(args, device, dtype)
+
+
+def window_part(args, device, dtype):
+    """Part 3: sliding window against full causal, both on flex, forward only, measured side by side."""
+    lengths = [8192, 16384] if args.quick else [8192, 16384, 32768, 65536]
+    if args.window_lengths is not None:
+        lengths = [int(t) for t in args.window_lengths.split(",") if t]
+    windows = [int(w) for w in args.windows.split(",") if w]
+    if not lengths:
+        return
+    print("\n## forward only, sliding window vs full causal on flex (bam+ssmax)\n")
+    print("| T | window | ms | x full causal | peak MiB | x full causal |")
+    print("|---|---|---|---|---|---|")
+    for T in lengths:
+        with torch.no_grad():
+            full_t, full_mem = measure(attention_call("bam+ssmax", "flex", T, device, dtype, False), device, 1)
+            print(f"| {T} | full | {full_t * 1e3:.1f} | 1.00 | {full_mem / 2**20:.1f} | 1.00 |", flush=True)
+            for W in windows:
+                t, mem = measure(attention_call("bam+ssmax", "flex", T, device, dtype, False, W), device, 1)
+                print(f"| {T} | {W} | {t * 1e3:.1f} | {t / full_t:.3f} | {mem / 2**20:.1f} | "
+                      f"{mem / max(full_mem, 1):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

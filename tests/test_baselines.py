@@ -1,0 +1,299 @@
+"""The evaluation-time baselines of model.py: sliding-window attention (`attn_window`, RoPE-local) and the
+RoPE context extensions (`rope_scaling`: PI, NTK-aware, dynamic NTK, YaRN), each against a reference
+written out independently here, and the RoPE scalings also against transformers' implementation."""
+
+import math
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from model import (ENCODINGS, KVCache, ModelConfig, Transformer, _allowed, apply_rope, rope_frequencies,
+                   window_block_mask)
+
+from test_model import VOCAB, batch, logits_with, make_model, tiny
+
+FACTORS = [2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+SCALINGS = ["linear", "ntk", "dynamic_ntk", "yarn"]
+
+
+def rope_cfg(scaling, factor, head_dim=64, theta=500_000.0, context=512, **kw):
+    return ModelConfig(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=2 * head_dim, block_size=context,
+                       pe="rope", rope_theta=theta, rope_scaling=scaling, rope_factor=factor, **kw)
+
+
+# -- RoPE scaling: the formulas, written out independently (plain floats, one pair at a time) ----------
+
+def expected_inv_freq(scaling, s, d, theta, L0, length, beta_fast=32.0, beta_slow=1.0):
+    pairs = range(d // 2)
+    if scaling == "linear":  # Chen et al. 2023: positions (equivalently frequencies) divided by s
+        return [theta ** (-2 * i / d) / s for i in pairs]
+    if scaling == "ntk":  # NTK-aware: a larger base, theta * s^(d / (d - 2))
+        base = theta * s ** (d / (d - 2))
+        return [base ** (-2 * i / d) for i in pairs]
+    if scaling == "dynamic_ntk":  # transformers / Code Llama: the scale follows the length past L0
+        grown = s * length / L0 - (s - 1) if length > L0 else 1.0
+        base = theta * grown ** (d / (d - 2))
+        return [base ** (-2 * i / d) for i in pairs]
+    # YaRN (Peng et al. 2023) as its reference code: dimension where pair i turns `r` times over L0 ...
+    def dim_at(r):
+        return d * math.log(L0 / (r * 2 * math.pi)) / (2 * math.log(theta))
+    lo, hi = max(math.floor(dim_at(beta_fast)), 0), min(math.ceil(dim_at(beta_slow)), d - 1)
+    out = []
+    for i in pairs:
+        keep = 1.0 - min(max((i - lo) / (hi - lo), 0.0), 1.0)  # 1 below lo (extrapolate), 0 above hi
+        freq = theta ** (-2 * i / d)
+        out.append(freq * keep + freq / s * (1.0 - keep))
+    return out
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("head_dim,theta,context", [(64, 500_000.0, 512), (48, 10_000.0, 4096), (128, 1e6, 2048)])
+def test_rope_frequencies_match_the_formulas(scaling, head_dim, theta, context):
+    for s in FACTORS:
+        cfg = rope_cfg(scaling, s, head_dim, theta, context)
+        for length in (context // 2, context, 3 * context, int(s * context)):
+            inv_freq, factor = rope_frequencies(cfg, length)
+            expected = torch.tensor(expected_inv_freq(scaling, s, head_dim, theta, context, length),
+                                    dtype=torch.float64)
+            torch.testing.assert_close(inv_freq, expected, rtol=1e-12, atol=0)
+            assert factor == (0.1 * math.log(s) + 1.0 if scaling == "yarn" else 1.0)
+        if scaling != "dynamic_ntk":
+            continue
+        # dynamic NTK is plain RoPE up to L0, and static NTK once s L / L0 - (s - 1) = s: at L = L0 (2s - 1) / s
+        plain = rope_frequencies(rope_cfg("none", 1.0, head_dim, theta, context), context)[0]
+        torch.testing.assert_close(rope_frequencies(cfg, context)[0], plain, rtol=0, atol=0)
+        static = rope_frequencies(rope_cfg("ntk", s, head_dim, theta, context), 1)[0]
+        torch.testing.assert_close(rope_frequencies(cfg, context * (2 * s - 1) / s)[0], static, rtol=1e-12, atol=0)
+
+
+def test_yarn_ramp_keeps_fast_pairs_and_interpolates_slow_ones():
+    """The defining property, independent of the ramp's exact shape: pairs turning more than beta_fast
+    times over L0 keep their frequency, pairs turning fewer than beta_slow times are divided by s."""
+    d, theta, L0, s = 64, 10_000.0, 2048, 16.0
+    inv_freq, _ = rope_frequencies(rope_cfg("yarn", s, d, theta, L0), L0)
+    plain = torch.tensor([theta ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
+    turns = L0 * plain / (2 * math.pi)
+    fast, slow = turns > 32 * 1.5, turns < 1 / 1.5  # a margin for the outward rounding of the ramp's ends
+    assert fast.any() and slow.any() and not (fast | slow).all()
+    torch.testing.assert_close(inv_freq[fast], plain[fast], rtol=1e-12, atol=0)
+    torch.testing.assert_close(inv_freq[slow], plain[slow] / s, rtol=1e-12, atol=0)
+    assert bool(((inv_freq <= plain) & (inv_freq >= plain / s)).all())
+
+
+@pytest.mark.parametrize("s", FACTORS)
+def test_yarn_temperature_scales_the_logits_by_one_over_t(s):
+    """YaRN paper: softmax(q.k / (t sqrt(d))) with sqrt(1/t) = 0.1 ln s + 1, so the logit between q and k
+    at the same position (no rotation left) is q.k times (0.1 ln s + 1)^2."""
+    cfg = rope_cfg("yarn", s, head_dim=16)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16, generator=g), torch.randn(1, 1, 1, 16, generator=g)
+    for pos in (0, 7, 5000):
+        cos, sin = ENCODINGS["rope"].rotation(torch.tensor([pos]), cfg)
+        rotated = (apply_rope(q, cos, sin) * apply_rope(k, cos, sin)).sum()
+        torch.testing.assert_close(rotated, (q * k).sum() * (0.1 * math.log(s) + 1) ** 2, rtol=1e-5, atol=1e-6)
+
+
+def transformers_inv_freq(scaling, s, d, theta, L0, length):
+    """The same quantity from transformers' own RoPE initialisation (a second implementation). transformers
+    has no static NTK-aware scaling; its dynamic one with factor 1 at length s L0 is exactly that."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    rope_type, factor, seq_len, max_pos = {
+        "linear": ("linear", s, None, L0),
+        "ntk": ("dynamic", 1.0, int(s * L0), L0),
+        "dynamic_ntk": ("dynamic", s, length, L0),
+        "yarn": ("yarn", s, None, int(s * L0)),
+    }[scaling]
+    scaling_dict = {"rope_type": rope_type, "factor": factor}
+    if rope_type == "yarn":
+        scaling_dict.update(original_max_position_embeddings=L0, beta_fast=32.0, beta_slow=1.0)
+    config = transformers.LlamaConfig(hidden_size=2 * d, num_attention_heads=2, max_position_embeddings=max_pos,
+                                      rope_theta=theta, rope_scaling=scaling_dict)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
+    return inv_freq.double(), attention_factor
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_rope_frequencies_match_transformers(scaling):
+    d, theta, L0 = 64, 500_000.0, 512
+    for s in FACTORS:
+        for length in ((L0, 3 * L0) if scaling == "dynamic_ntk" else (L0,)):
+            ref, ref_factor = transformers_inv_freq(scaling, s, d, theta, L0, length)
+            ours, factor = rope_frequencies(rope_cfg(scaling, s, d, theta, L0), length)
+            torch.testing.assert_close(ours, ref, rtol=2e-6, atol=0, msg=lambda m: f"{scaling} s={s}: {m}")
+            assert factor == pytest.approx(ref_factor, rel=1e-12)
+
+
+def test_dynamic_ntk_follows_the_length_of_the_forward():
+    model = Transformer(rope_cfg("dynamic_ntk", 4.0, head_dim=8, context=16, attn_impl="eager"))
+    for T in (10, 16, 40):
+        ctx, _ = model._context(1, T, "cpu", 0, None)
+        inv_freq = torch.tensor(expected_inv_freq("dynamic_ntk", 4.0, 8, 500_000.0, 16, T), dtype=torch.float64)
+        angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq
+        torch.testing.assert_close(ctx.rope[0], angles.cos().float())
+        torch.testing.assert_close(ctx.rope[1], angles.sin().float())
+
+
+def test_rope_original_context_defaults_to_block_size():
+    assert rope_cfg("linear", 2.0, context=512).rope_context == 512
+    assert rope_cfg("linear", 2.0, context=512, rope_original_context=256).rope_context == 256
+    a = rope_frequencies(rope_cfg("yarn", 8.0, context=512), 1)[0]
+    b = rope_frequencies(rope_cfg("yarn", 8.0, context=64, rope_original_context=512), 1)[0]
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(rope_scaling="xpos"), "allowed: none, linear, ntk, dynamic_ntk, yarn"),
+    (dict(rope_scaling="linear", rope_factor=0.5), "rope_factor must be >= 1"),
+    (dict(rope_factor=2.0), "no effect with rope_scaling='none'"),
+    (dict(pe="bam", rope_scaling="yarn", rope_factor=2.0), "rope_scaling needs a rotary encoding"),
+    (dict(rope_scaling="yarn", rope_factor=2.0, yarn_beta_slow=40.0), "0 < yarn_beta_slow < yarn_beta_fast"),
+    (dict(rope_original_context=-1), "rope_original_context must be >= 0"),
+    (dict(attn_window=-3), "attn_window must be >= 0"),
+])
+def test_bad_baseline_config_names_what_is_allowed(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**{"pe": "rope", **kw})
+
+
+# -- Sliding window ----------------------------------------------------------------------------------
+
+def window_reference_mask(T, W, doc_ids):
+    """Query i sees key j iff j <= i, i - j < W and both are in the same document, pair by pair."""
+    B = doc_ids.shape[0]
+    mask = torch.zeros(B, 1, T, T, dtype=torch.bool)
+    for b in range(B):
+        for i in range(T):
+            for j in range(T):
+                mask[b, 0, i, j] = j <= i and i - j < W and doc_ids[b, i] == doc_ids[b, j]
+    return mask
+
+
+@pytest.mark.parametrize("W", [1, 3, 9, 40])
+def test_dense_window_mask_matches_pairwise_reference(W):
+    model = make_model(pe="rope", attn_window=W, attn_impl="eager")
+    idx, doc_ids = batch(T=24)
+    ctx, _ = model._context(2, 24, "cpu", 0, doc_ids)
+    assert torch.equal(_allowed(ctx), window_reference_mask(24, W, doc_ids))
+
+
+@pytest.mark.parametrize("T", [5, 128, 300, 1000])
+@pytest.mark.parametrize("W", [1, 2, 127, 128, 129, 256, 300, 5000])
+def test_window_block_mask_equals_create_block_mask(T, W):
+    """The block-banded mask written down directly covers exactly the pairs create_block_mask finds by
+    evaluating the mask on every pair."""
+    direct = window_block_mask(T, W, "cpu")
+    reference = create_block_mask(lambda b, h, q, k: (q >= k) & (q - k < W), None, None, T, T, device="cpu")
+    assert torch.equal(direct.to_dense(), reference.to_dense())
+
+
+def test_window_block_mask_is_block_sparse_at_long_context():
+    """64K tokens, W = 512: each query block visits 5 key blocks (3 full, the one the band's edge cuts and
+    the diagonal), not up to T / 128 = 512."""
+    T, W = 65536, 512
+    mask = window_block_mask(T, W, "cpu")
+    visited = mask.kv_num_blocks + mask.full_kv_num_blocks
+    assert int(visited.max()) == 5 and int(mask.full_kv_num_blocks.max()) == 3
+    assert int(visited.sum()) <= 5 * (T // 128)
+    assert 0.99 < mask.sparsity() / 100 < 1
+
+
+def crop_reference(model_cfg, model, idx, doc_ids, W):
+    """For a one-layer model with a relative encoding, the windowed logit of query i is the logit of the
+    last token of the crop it can see (the W latest tokens of its document) run with no window: same keys,
+    same distances, and SSMax's n_i = the crop's length."""
+    ref = torch.empty(*idx.shape, VOCAB)
+    full = Transformer(ModelConfig(**{**model_cfg.__dict__, "attn_window": 0, "attn_impl": "eager"}))
+    full.load_state_dict(model.state_dict())
+    crops = {}  # crop length -> [(row, query, first token)], so crops of one length run as one batch
+    for b in range(idx.shape[0]):
+        for i in range(idx.shape[1]):
+            start = max(i - W + 1, int((doc_ids[b] == doc_ids[b, i]).nonzero()[0]))
+            crops.setdefault(i + 1 - start, []).append((b, i, start))
+    for length, group in crops.items():
+        tokens = torch.stack([idx[b, start:start + length] for b, _, start in group])
+        last = full(tokens, last_k=1)[0][:, 0]
+        for (b, i, _), logits in zip(group, last):
+            ref[b, i] = logits
+    return ref
+
+
+WINDOW_GRID = [(pe, ssmax) for pe in ("nope", "rope", "alibi", "bam", "kerple_log") for ssmax in (False, True)]
+
+
+@pytest.mark.parametrize("pe,ssmax", WINDOW_GRID)
+def test_window_on_eager_and_sdpa_equals_the_crop_reference(pe, ssmax):
+    W = 7
+    model = make_model(pe=pe, ssmax=ssmax, n_layer=1, attn_window=W, bam_train_loc=True)
+    idx, doc_ids = batch(T=30)
+    with torch.no_grad():
+        ref = crop_reference(model.config, model, idx, doc_ids, W)
+        for impl in ("eager", "sdpa"):
+            torch.testing.assert_close(logits_with(model, impl, idx, doc_ids), ref, atol=2e-5, rtol=1e-4,
+                                       msg=lambda m: f"{impl}: {m}")
+
+
+@pytest.mark.parametrize("W,docs", [(129, False), (129, True), (5, False)])
+def test_flex_window_equals_eager(W, docs):
+    """Eager is held to the pairwise mask and the crop reference above; flex is held to eager. T = 300
+    spans partial 128-blocks; W = 129 cuts through blocks, W = 5 lies inside the diagonal ones."""
+    idx = torch.randint(0, VOCAB, (1, 300), generator=torch.Generator().manual_seed(3))
+    doc_ids = torch.tensor([[0] * 100 + [1] * 150 + [2] * 50]) if docs else None
+    model = make_model(pe="bam", ssmax=True, attn_window=W)
+    with torch.no_grad():
+        torch.testing.assert_close(logits_with(model, "flex", idx, doc_ids), logits_with(model, "eager", idx, doc_ids),
+                                   atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pe,ssmax,W,kv", [("rope", False, 4, 0), ("bam", True, 6, 2), ("alibi", True, 1, 0),
+                                           ("sinusoidal", False, 3, 0), ("rope", True, 30, 0)])
+def test_windowed_generation_equals_full_recompute_with_the_window(pe, ssmax, W, kv):
+    """The cache keeps only the last W - 1 positions, and the tokens are those of recomputing the whole
+    sequence with the same window at every step."""
+    model = make_model(pe=pe, ssmax=ssmax, n_kv_head=kv, attn_window=W)
+    model.eval()
+    prompt, _ = batch(B=2, T=10)
+    out = model.generate(prompt, max_new_tokens=12, temperature=0)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(out, seq)
+        cache = KVCache(model.config, 2, 22, "cpu", torch.float32)
+        model(seq, kv_cache=cache)
+    assert cache.k[0].shape[2] == min(W - 1, 22)
+    if W < seq.shape[1]:  # and the window matters: without it the same weights compute other logits
+        with torch.no_grad():
+            windowed = model(seq)[0]
+            model.config.attn_window = 0
+            assert not torch.allclose(model(seq)[0], windowed, atol=1e-4)
+
+
+def test_windowed_cache_refuses_a_gap():
+    model = make_model(pe="rope", attn_window=4)
+    cache = KVCache(model.config, 1, 20, "cpu", torch.float32)
+    idx, _ = batch(B=1, T=8)
+    with torch.no_grad():
+        model(idx, kv_cache=cache)
+        with pytest.raises(ValueError, match="position 9 was not next"):
+            model(idx[:, :1], kv_cache=cache, start_pos=9)
+
+
+def test_ssmax_counts_only_the_keys_inside_the_window():
+    model = make_model(pe="bam", ssmax=True, attn_window=5, attn_impl="eager")
+    idx, doc_ids = batch(T=24)
+    ctx, pos_in_doc = model._context(2, 24, "cpu", 0, doc_ids)
+    visible = window_reference_mask(24, 5, doc_ids).sum(-1)[:, 0]  # (B, T) keys each query sees
+    torch.testing.assert_close(ctx.log_n, visible.float().log())
+    assert int(visible.max()) == 5 and int(visible.min()) == 1
+
+
+def test_a_window_as_wide_as_the_sequence_changes_nothing():
+    model = make_model(pe="bam", ssmax=True)
+    idx, doc_ids = batch()
+    with torch.no_grad():
+        ref = logits_with(model, "eager", idx, doc_ids)
+        model.config.attn_window = idx.shape[1]
+        for impl in ("eager", "sdpa"):
+            torch.testing.assert_close(logits_with(model, impl, idx, doc_ids), ref, atol=1e-6, rtol=1e-5)
