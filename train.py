@@ -122,8 +122,11 @@ def next_batch(loader, loss_on, device, vocab_size=None):
     vocab_size, a token id outside the vocabulary is a UserError (not an IndexError in the embedding)."""
     x, y, doc_ids = loader.next_batch()
     if vocab_size is not None:
+        start = loader.position - (loader.world_size - loader.rank) * loader.window  # of this rank's window
         try:
-            check_token_ids(y, vocab_size, f"the {loader.split} split in {loader.data_dir} (near token {loader.position})")
+            for tokens in (x, y):
+                check_token_ids(tokens, vocab_size, f"the {loader.split} split in {loader.data_dir} "
+                                                    f"(tokens {start}..{start + loader.window})")
         except ValueError as e:
             raise UserError(e) from None
     if loss_on == "passkey_answers":
