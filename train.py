@@ -205,18 +205,21 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: Ctrl-C
 class StopRequest:
     """While installed, SIGTERM (SLURM, Kubernetes), SIGUSR1 (`sbatch --signal`) and a first Ctrl-C only set
     a flag, which the loop reads after each step: the step is finished and checkpointed, then the run stops.
-    A second Ctrl-C quits at once (KeyboardInterrupt)."""
+    A second Ctrl-C quits at once (KeyboardInterrupt). One within a second of the first is the same
+    keypress arriving twice: under torchrun the terminal sends it to every process and torchrun forwards it."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, speak):
-        self.signum, self.speak, self.previous = None, speak, {}
+        self.signum, self.speak, self.previous, self.since = None, speak, {}, 0.0
 
     def handle(self, signum, frame):
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            if time.monotonic() - self.since > 1.0:
+                raise KeyboardInterrupt
+            return
         if self.signum is None:
-            self.signum = signum
+            self.signum, self.since = signum, time.monotonic()
             if self.speak:
                 again = "; Ctrl-C again to quit at once" if signum == signal.SIGINT else ""
                 print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint{again}",

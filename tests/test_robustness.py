@@ -24,7 +24,7 @@ from test_train import ROOT, newest, rows, small_config, synthetic  # noqa: F401
 # scheduler's may arrive. The flag is read (and all-reduced) during the next step, which is the one
 # finished and checkpointed. Under torchrun only rank STOP_RANK gets them.
 SIGNALLER = """
-import os, signal, sys
+import os, signal, sys, time
 import train
 SIGNALS, STOP_RANK = {signals}, {rank}
 log_step = train.log_step
@@ -34,6 +34,7 @@ def log_step_then_signal(run, *args, **kwargs):
     if run.procs.rank == STOP_RANK:
         for signum in SIGNALS.get(row["step"], []):
             os.kill(os.getpid(), signum)
+            time.sleep(1.1)  # a second Ctrl-C counts only a second after the first
     return row
 
 train.log_step = log_step_then_signal
@@ -341,3 +342,18 @@ def test_token_ids_outside_the_vocabulary_are_one_line(tmp_path, capsys):
     assert error_lines(err) == [f"error: the train split in {later} (tokens 384..448) holds token id 60000, outside "
                                 "the model's vocabulary (model.vocab_size = 50257); raise model.vocab_size or "
                                 "re-tokenize with the GPT-2 tokenizer"], err
+
+
+def test_one_ctrl_c_delivered_twice_is_one_stop_request():
+    """Under torchrun a keypress reaches each worker from the terminal and again from torchrun."""
+    stop = train.StopRequest(speak=False)
+    stop.handle(signal.SIGINT, None)
+    stop.handle(signal.SIGINT, None)  # the same keypress: still a graceful stop
+    assert stop.signum == signal.SIGINT and stop.exit_code == 130
+    stop.since -= 2
+    with pytest.raises(KeyboardInterrupt):
+        stop.handle(signal.SIGINT, None)
+    term = train.StopRequest(speak=False)
+    term.handle(signal.SIGTERM, None)
+    term.handle(signal.SIGINT, None)  # Ctrl-C after a SIGTERM: the stop already under way goes on
+    assert term.signum == signal.SIGTERM and term.exit_code == 143
