@@ -754,8 +754,9 @@ def interrupted(run_dir, master):
     """Ctrl-C twice (or during setup): no traceback, but where the run can continue from."""
     newest = step_checkpoints(run_dir) if run_dir else []
     if master:
-        print(f"\ninterrupted; " + (f"the last checkpoint is {newest[-1]}, continue with --resume" if newest
-                                    else "no checkpoint was written"), file=sys.stderr)
+        where = (f"the last checkpoint is {newest[-1]}, continue with --resume" if newest else
+                 "no checkpoint was written" if run_dir else "before training started")
+        print(f"\ninterrupted; {where}", file=sys.stderr)
     raise SystemExit(EXIT_INTERRUPTED)
 
 

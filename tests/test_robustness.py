@@ -67,12 +67,23 @@ def assert_same_weights(a, b):
         assert torch.equal(a[name], b[name]), name
 
 
+STOP_ARGS = ["--train.ckpt_every=0", "--train.max_steps=5"]  # no checkpoint but the stop's and the last
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, synthetic):
+    """The uninterrupted run the stopped ones must end up identical to."""
+    path = tmp_path_factory.mktemp("straight")
+    run = str(path / "run")
+    train.main([small_config(path, synthetic), *STOP_ARGS, f"--log.out_dir={run}"])
+    return run
+
+
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGUSR1, 143), (signal.SIGINT, 130)])
-def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(tmp_path, synthetic, signum, code):
-    cfg = small_config(tmp_path, synthetic)
-    common = [cfg, "--train.ckpt_every=0", "--train.max_steps=5"]  # no checkpoint but the stop's and the last
-    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
-    train.main([*common, f"--log.out_dir={straight}"])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(tmp_path, synthetic, straight,
+                                                                             signum, code):
+    common = [small_config(tmp_path, synthetic), *STOP_ARGS]
+    stopped = str(tmp_path / "stopped")
 
     proc = run_with_signals(tmp_path, [*common, f"--log.out_dir={stopped}"], {2: [signum]})
     assert proc.returncode == code, proc.stderr[-3000:]
