@@ -42,7 +42,7 @@ from tqdm import tqdm
 from checkpoint import (CONFIG, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, checkpoint_step, config_path,
                         keep_last, load_newest, metrics_path, reject_after, remove_temp_files, run_dir_lock,
                         save_atomic, step_checkpoints, step_path, write_text)
-from cli import Parser, UserError, fail, user_errors
+from cli import Parser, UserError, user_errors
 from config import ConfigError, check, describe, load_config, to_dict, to_toml
 from data import EOT, ShardLoader, check_shard_tokens, check_token_ids, get_tokenizer
 from model import Transformer
