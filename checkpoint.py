@@ -5,6 +5,8 @@ The run directory and its checkpoints, and the repository's one atomic file writ
     RUN/metrics.jsonl                      one JSON object per logged step
     RUN/checkpoints/step_XXXXXXXX.pt       the last train.keep_last step checkpoints, each enough to resume
     RUN/checkpoints/best.pt                the weights with the lowest validation loss
+    RUN/checkpoints/step_XXXXXXXX.pt.rejected  a checkpoint set aside after a loss spike (train.py)
+    RUN/.lock                              held by the train.py that writes RUN (pid and host inside)
 
 A checkpoint is a dict with "model_config" (ModelConfig as a dict) and "model" (the state dict); train.py
 adds optimizer, loader, RNG and train state next to them (checkpoint_dict builds all of them).
@@ -16,9 +18,11 @@ writer never matches a checkpoint name and is removed by the next run.
 """
 
 import dataclasses
+import fcntl
 import glob
 import os
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 
@@ -28,6 +32,8 @@ CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 BEST = "best.pt"
+LOCK = ".lock"
+REJECTED = ".rejected"
 
 
 def config_path(run_dir):
@@ -114,9 +120,15 @@ def write_text(path, text):
 
 
 def save_atomic(obj, path):
-    """torch.save(obj) to `path` atomically."""
+    """torch.save(obj) to `path` atomically. A failed write (a full disk) raises its OSError, which
+    torch's zip writer would otherwise hide behind an "unexpected pos" RuntimeError."""
     with atomic_file(path, "wb") as f:
-        torch.save(obj, f)
+        try:
+            torch.save(obj, f)
+        except RuntimeError as e:
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from None
+            raise
 
 
 def remove_temp_files(directory):
@@ -160,3 +172,56 @@ def keep_last(run_dir, k):
     """Delete all but the newest k step checkpoints (best.pt is not one of them)."""
     for old in step_checkpoints(run_dir)[:-k]:
         os.remove(old)
+
+
+def checkpoint_step(path):
+    return int(os.path.basename(path).removeprefix("step_").removesuffix(".pt"))
+
+
+def reject_after(run_dir, step):
+    """Set aside (as *.pt.rejected, which nothing loads) every step checkpoint newer than `step`, so that
+    `--resume` continues from the one before them. Returns the paths set aside."""
+    rejected = [p for p in step_checkpoints(run_dir) if checkpoint_step(p) > step]
+    for path in rejected:
+        os.replace(path, path + REJECTED)
+    return rejected
+
+
+def load_newest(paths, warn=print):
+    """(path, checkpoint) of the newest of `paths` (oldest first) that loads; each one that does not is
+    named through `warn` with the reason. (None, None) when none does."""
+    for path in reversed(paths):
+        try:
+            return path, torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # a torn zip, a truncated pickle, a file of something else: all unusable
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            warn(f"warning: cannot load {path} ({reason[:200]}); trying the one before it")
+    return None, None
+
+
+class RunDirInUse(RuntimeError):
+    pass
+
+
+@contextmanager
+def run_dir_lock(run_dir):
+    """Hold RUN/.lock for the block: a second writer of the same run directory gets RunDirInUse naming the
+    holder. flock is released by the kernel when the holder exits in any way (also SIGKILL), so a crashed
+    run never leaves it stuck; it also holds across machines on NFS (Linux emulates it with POSIX locks).
+    The directory is created first; OSError (not creatable, read-only) reaches the caller."""
+    os.makedirs(run_dir, exist_ok=True)
+    f = open(os.path.join(run_dir, LOCK), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "pid unknown"
+        f.close()
+        raise RunDirInUse(f"{run_dir} is in use by another train.py ({holder})") from None
+    try:
+        f.truncate(0)
+        f.write(f"pid {os.getpid()}, host {socket.gethostname()}\n")
+        f.flush()
+        yield
+    finally:
+        f.close()  # releases the lock; the file stays (removing it would race with a process about to lock it)

@@ -60,10 +60,17 @@ class TrainConfig:
     val_every: int = 500  # steps between validation losses; 0 = never
     val_tokens: int = 10_485_760  # rounded down to a multiple of batch_size x block_size x world size
     ckpt_every: int = 1000  # steps between checkpoints; one is always written at the end
-    keep_last: int = 3  # step checkpoints kept on disk (best.pt is kept apart)
+    keep_last: int = 3  # step checkpoints kept on disk, at least 2 (best.pt is kept apart; docs/training.md)
     compile: bool = True
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 autocast on a GPU that has it
     seed: int = 1337
+    # The spike guard (docs/training.md, "Preemption and recovery"): a step whose loss is more than
+    # spike_threshold robust standard deviations above the median of the last spike_window steps, or
+    # whose gradient norm is more than spike_grad_factor times their median, or whose loss exceeds twice
+    # that of uniform guessing, stops the run before it is applied or checkpointed. 0 turns a rule off.
+    spike_window: int = 100
+    spike_threshold: float = 6.0
+    spike_grad_factor: float = 10.0
 
 
 @dataclass
@@ -146,7 +153,8 @@ def check(config, world_size=1):
     m, d, t, log = config.model, config.data, config.train, config.log
     positive = {"data.batch_size": d.batch_size, "model.block_size": m.block_size,
                 "train.tokens_per_step": t.tokens_per_step, "train.max_steps": t.max_steps,
-                "train.lr": t.lr, "train.keep_last": t.keep_last, "log.log_every": log.log_every}
+                "train.lr": t.lr, "train.keep_last": t.keep_last, "log.log_every": log.log_every,
+                "train.spike_window": t.spike_window}
     if t.prior_lr is not None:
         positive["train.prior_lr"] = t.prior_lr
     for name, value in positive.items():
@@ -155,7 +163,8 @@ def check(config, world_size=1):
     not_negative = {"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps,
                     "train.grad_clip": t.grad_clip, "train.val_every": t.val_every,
                     "train.val_tokens": t.val_tokens, "train.ckpt_every": t.ckpt_every,
-                    "train.eps": t.eps, "log.peak_tflops": log.peak_tflops}
+                    "train.eps": t.eps, "log.peak_tflops": log.peak_tflops,
+                    "train.spike_threshold": t.spike_threshold, "train.spike_grad_factor": t.spike_grad_factor}
     for name, value in not_negative.items():
         if not value >= 0:
             raise ConfigError(f"{name} = {value} must be 0 or more")

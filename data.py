@@ -202,6 +202,21 @@ def read_shard(path: str) -> np.memmap:
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n,))
 
 
+def check_token_ids(tokens, vocab_size: int, where: str) -> None:
+    """ValueError naming `where` when a token id is outside the model's vocabulary [0, vocab_size)
+    (tokens are unsigned: uint16 in shards, non-negative int64 in batches)."""
+    top = int(tokens.max()) if len(tokens) else 0
+    if top >= vocab_size:
+        raise ValueError(f"{where} holds token id {top}, outside the model's vocabulary (model.vocab_size = "
+                         f"{vocab_size}); raise model.vocab_size or re-tokenize with the GPT-2 tokenizer")
+
+
+def check_shard_tokens(paths, vocab_size: int) -> None:
+    """check_token_ids over whole shards (a memmapped max: about a second per 100M tokens from disk)."""
+    for path in paths:
+        check_token_ids(read_shard(path), vocab_size, path)
+
+
 def shard_paths(data_dir: str, split: str) -> list:
     """The shards of one split, in stream order: any `*_<split>_*.bin` (ours, llm.c's, modded-nanogpt's)."""
     if split not in ("train", "val"):

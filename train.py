@@ -11,18 +11,27 @@ The run directory (log.out_dir) gets config.toml (the resolved config), metrics.
 object per logged step, including every head's prior parameters) and checkpoints/ (the last
 train.keep_last step checkpoints, each enough to resume exactly, and best.pt, the weights with the
 lowest validation loss). `python train.py --help` lists every config key and its default.
+
+Exit status: 0 when max_steps are done; 1 for a mistake the user can fix (one `error: ...` line),
+including a diverged run (non-finite loss or a loss spike: the line says which checkpoint to resume
+from and how); 143 after SIGTERM or SIGUSR1 (a preempted job: the current step is finished and
+checkpointed, `--resume` continues exactly); 130 after Ctrl-C (the same; a second Ctrl-C quits at
+once). docs/training.md, "Preemption and recovery", has the commands.
 """
 
 import argparse
 import dataclasses
+import errno
 import glob
 import json
 import math
 import os
 import random
+import signal
 import sys
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -30,11 +39,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (best_path, checkpoint_dict, checkpoint_dir, config_path, keep_last, metrics_path,
-                        remove_temp_files, save_atomic, step_checkpoints, step_path, write_text)
+from checkpoint import (CONFIG, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, checkpoint_step, config_path,
+                        keep_last, load_newest, metrics_path, reject_after, remove_temp_files, run_dir_lock,
+                        save_atomic, step_checkpoints, step_path, write_text)
 from cli import Parser, UserError, user_errors
 from config import ConfigError, check, describe, load_config, to_dict, to_toml
-from data import EOT, ShardLoader, get_tokenizer
+from data import EOT, ShardLoader, check_shard_tokens, check_token_ids, get_tokenizer
 from model import Transformer
 from retrieval import passkey_answer_targets
 
@@ -48,7 +58,7 @@ CHANGEABLE_ON_RESUME = {
     # The loader's state is a position in tokens, valid for any batch size and number of ranks.
     "data": {"data_dir", "batch_size"},
     "train": {"max_steps", "lr", "prior_lr", "grad_clip", "val_every", "val_tokens", "ckpt_every",
-              "keep_last", "compile", "dtype", "seed"},
+              "keep_last", "compile", "dtype", "seed", "spike_window", "spike_threshold", "spike_grad_factor"},
     "log": {"out_dir", "log_every", "wandb", "wandb_project", "run_name", "peak_tflops"},
 }
 
@@ -107,9 +117,18 @@ def resume_conflicts(saved, current):
     return forbidden, allowed
 
 
-def next_batch(loader, loss_on, device):
-    """(x, y, doc_ids) on `device`, with y's ignored targets set to -1 as `data.loss_on` says."""
+def next_batch(loader, loss_on, device, vocab_size=None):
+    """(x, y, doc_ids) on `device`, with y's ignored targets set to -1 as `data.loss_on` says; with
+    vocab_size, a token id outside the vocabulary is a UserError (not an IndexError in the embedding)."""
     x, y, doc_ids = loader.next_batch()
+    if vocab_size is not None:
+        start = loader.position - (loader.world_size - loader.rank) * loader.window  # of this rank's window
+        try:
+            for tokens in (x, y):
+                check_token_ids(tokens, vocab_size, f"the {loader.split} split in {loader.data_dir} "
+                                                    f"(tokens {start}..{start + loader.window})")
+        except ValueError as e:
+            raise UserError(e) from None
     if loss_on == "passkey_answers":
         y = passkey_answer_targets(x, y, get_tokenizer())
     return tuple(v.to(device, non_blocking=True) for v in (x, y, doc_ids))
@@ -177,6 +196,94 @@ def rounded(tree):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Stopping early: preemption signals, Ctrl-C, divergence.
+
+EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: what a process ended by SIGTERM reports; also after SIGUSR1
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: Ctrl-C
+
+
+class StopRequest:
+    """While installed, SIGTERM (SLURM, Kubernetes), SIGUSR1 (`sbatch --signal`) and a first Ctrl-C only set
+    a flag, which the loop reads after each step: the step is finished and checkpointed, then the run stops.
+    A second Ctrl-C quits at once (KeyboardInterrupt). One within a second of the first is the same
+    keypress arriving twice: under torchrun the terminal sends it to every process and torchrun forwards it."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, speak):
+        self.signum, self.speak, self.previous, self.since = None, speak, {}, 0.0
+
+    def handle(self, signum, frame):
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            if time.monotonic() - self.since > 1.0:
+                raise KeyboardInterrupt
+            return
+        if self.signum is None:
+            self.signum, self.since = signum, time.monotonic()
+            if self.speak:
+                again = "; Ctrl-C again to quit at once" if signum == signal.SIGINT else ""
+                print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint{again}",
+                      file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    @property
+    def exit_code(self):
+        return EXIT_INTERRUPTED if self.signum == signal.SIGINT else EXIT_PREEMPTED
+
+
+class Stopped(Exception):
+    """The loop stopped on a signal after checkpointing step `step`."""
+
+
+class Diverged(UserError):
+    """A non-finite or spiking step, seen alike by every rank (the loss and gradient norm are all-reduced)."""
+
+
+def spike(history, loss, grad_norm, train, vocab_size):
+    """Why this step's (loss, grad norm) is a divergence by the spike rules of config.TrainConfig, or None.
+    Medians and the median absolute deviation are robust to the odd noisy step in the window; the
+    deviation has a floor (1% of the median) so that a very flat loss curve does not turn noise into
+    spikes. Loss twice that of uniform guessing means the model is broken whatever its history."""
+    if train.spike_threshold and loss > 2 * math.log(vocab_size):
+        return f"loss {loss:.4g} is more than twice that of uniform guessing ({math.log(vocab_size):.2f})"
+    if len(history) < train.spike_window:
+        return None  # not enough history yet to know what normal is
+    losses, norms = np.array(history[-train.spike_window:]).T
+    median = float(np.median(losses))
+    sigma = max(1.4826 * float(np.median(np.abs(losses - median))), 0.01 * abs(median))
+    if train.spike_threshold and loss > median + train.spike_threshold * sigma:
+        return (f"loss {loss:.4g} is more than {train.spike_threshold:g} robust standard deviations above the "
+                f"median {median:.4g} of the last {train.spike_window} steps")
+    median_norm = float(np.median(norms))
+    if train.spike_grad_factor and grad_norm > train.spike_grad_factor * median_norm:
+        return (f"gradient norm {grad_norm:.4g} is more than {train.spike_grad_factor:g} x the median "
+                f"{median_norm:.4g} of the last {train.spike_window} steps")
+    return None
+
+
+def diverged(run, step, why):
+    """Stop before update `step` is applied. Its loss and gradient were computed on the weights of step - 1,
+    so those are suspect too: the newest checkpoint that can be trusted is from step - 2 or before. Newer ones
+    are set aside (renamed *.pt.rejected, not deleted), so that `--resume` continues from the good one."""
+    run_dir, lr = run.cfg.log.out_dir, run.cfg.train.lr
+    good = [p for p in step_checkpoints(run_dir) if checkpoint_step(p) <= step - 2]
+    if run.procs.master:
+        reject_after(run_dir, checkpoint_step(good[-1]) if good else -1)
+    start = f"continues from {good[-1]}" if good else "starts over (no checkpoint predates it)"
+    raise Diverged(f"diverged at step {step}: {why}; stopped without applying it. `--resume --train.lr={lr / 2:.3g}` "
+                   f"{start}; lowering train.lr further, raising train.warmup_steps or setting train.grad_clip "
+                   "also help (newer checkpoints are kept as *.pt.rejected)")
+
+
+# ---------------------------------------------------------------------------------------------------
 # The run: what main builds once, and what every step reads and updates.
 
 
@@ -203,6 +310,7 @@ class TrainState:
     tokens_seen: int = 0
     best_val_loss: float = math.inf
     wandb_id: str | None = None  # a resumed run continues the same wandb run
+    recent: list = dataclasses.field(default_factory=list)  # [loss, grad norm] of the last steps: the spike guard's
 
 
 class MetricsLog:
@@ -215,8 +323,9 @@ class MetricsLog:
     def record(self, row):
         if self.file is None:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        with writes_to(self.file.name):
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
         if self.wandb_run:
             import wandb
 
@@ -248,6 +357,7 @@ class Run:
     state: TrainState = dataclasses.field(default_factory=TrainState)
     metrics: MetricsLog = dataclasses.field(default_factory=MetricsLog)
     peak_flops: float | None = None  # of one device, for MFU
+    stop: StopRequest = dataclasses.field(default_factory=lambda: StopRequest(speak=False))  # installed by main
 
     @property
     def autocast(self):
@@ -281,7 +391,7 @@ def setup_processes():
                      world_size=int(os.environ.get("WORLD_SIZE", 1)), device=device)
 
 
-def load_checked_config(path, overrides, world_size):
+def load_checked_config(path, overrides, world_size, master):
     try:
         cfg = load_config(path, overrides)
         check(cfg, world_size)
@@ -290,7 +400,22 @@ def load_checked_config(path, overrides, world_size):
     if cfg.model.vocab_size <= EOT:
         raise UserError(f"model.vocab_size = {cfg.model.vocab_size} cannot hold the GPT-2 tokens of the shards "
                         f"(up to {EOT}); use 50257 or more")
+    follow_moved_run_dir(cfg, path, overrides, master)
     return cfg
+
+
+def follow_moved_run_dir(cfg, path, overrides, master):
+    """`train.py RUN/config.toml --resume` continues the run in RUN, also when RUN was moved or copied since
+    its config.toml was written (the log.out_dir inside still names the old place). An explicit
+    --log.out_dir wins."""
+    run_dir = os.path.dirname(os.path.abspath(path))
+    is_run_dir = os.path.basename(path) == CONFIG and os.path.isdir(checkpoint_dir(run_dir))
+    if not is_run_dir or any(arg.startswith("--log.out_dir=") for arg in overrides):
+        return
+    if os.path.abspath(cfg.log.out_dir) != run_dir:
+        if master:
+            print(f"{path} names log.out_dir = {cfg.log.out_dir!r}, but it lies in {run_dir}: using {run_dir}")
+        cfg.log.out_dir = run_dir
 
 
 def build_data(cfg, procs):
@@ -303,6 +428,10 @@ def build_data(cfg, procs):
     try:
         train_loader = ShardLoader(d.data_dir, "train", *shape)
         val_loader = ShardLoader(d.data_dir, "val", *shape) if t.val_every else None
+        # Token ids past the vocabulary would be an IndexError deep in the embedding at step 1: the validation
+        # split and the first training shard are read whole here, every later batch as it is loaded.
+        check_shard_tokens(val_loader.paths if val_loader else [], cfg.model.vocab_size)
+        check_shard_tokens(train_loader.paths[:1], cfg.model.vocab_size)
     except (OSError, ValueError) as e:  # data.ShardError is a ValueError
         raise UserError(f"cannot use the shards in {d.data_dir}: {e}") from None
     if d.loss_on != "all":  # a look at the first batch (a fresh loader: nothing is consumed)
@@ -327,11 +456,14 @@ def load_resume_state(cfg, resume, master):
                         "pass --resume to continue that run or choose another --log.out_dir")
     if not existing:
         return None
-    ckpt = torch.load(existing[-1], map_location="cpu", weights_only=True)
+    path, ckpt = load_newest(existing, warn=print if master else lambda message: None)
+    if ckpt is None:
+        raise UserError(f"no checkpoint in {checkpoint_dir(run_dir)} can be loaded (all {len(existing)} are damaged); "
+                        "move them away to start over")
     forbidden, changed = resume_conflicts(ckpt["config"], to_dict(cfg))
     if forbidden:
         allowed = ", ".join(f"{s}.{k}" for s, ks in CHANGEABLE_ON_RESUME.items() for k in sorted(ks))
-        raise UserError(f"cannot resume {existing[-1]} with different settings ({'; '.join(forbidden)}); "
+        raise UserError(f"cannot resume {path} with different settings ({'; '.join(forbidden)}); "
                         f"only these may change: {allowed}")
     if master and changed:
         print(f"resuming with changed settings: {'; '.join(changed)}")
@@ -368,10 +500,13 @@ def build_model(cfg, device, ckpt):
 def restore(run, ckpt):
     """The rest of a checkpoint's state: where the data stands, the RNGs, the train state."""
     # A position in the token stream, the same for every rank: seeking there replaces replaying.
-    run.train_loader.load_state_dict(ckpt["loader"])
+    try:
+        run.train_loader.load_state_dict(ckpt["loader"])
+    except ValueError as e:  # the shards changed since the checkpoint
+        raise UserError(f"cannot resume from step {ckpt['step']}: {e}") from None
     set_rng_state(ckpt["rng"])
-    run.state = TrainState(step=ckpt["step"], tokens_seen=ckpt["tokens_seen"],
-                           best_val_loss=ckpt["best_val_loss"], wandb_id=ckpt.get("wandb_id"))
+    run.state = TrainState(step=ckpt["step"], tokens_seen=ckpt["tokens_seen"], best_val_loss=ckpt["best_val_loss"],
+                           wandb_id=ckpt.get("wandb_id"), recent=ckpt.get("recent", []))
 
 
 def wrap_model(model, compile_model, procs):
@@ -415,9 +550,23 @@ def print_summary(run, resumed):
     print(f"run dir: {run.cfg.log.out_dir}" + (f" (resuming at step {run.state.step})" if resumed else ""))
 
 
-def build_run(args, overrides, procs):
-    cfg = load_checked_config(args.config, overrides, procs.world_size)
+def lock_run_dir(run_dir, held):
+    """Rank 0 holds RUN/.lock until `held` closes: a second train.py on the same run directory is refused."""
+    try:
+        held.enter_context(run_dir_lock(run_dir))
+    except RunDirInUse as e:
+        raise UserError(e) from None
+    except OSError as e:
+        raise UserError(f"log.out_dir = {run_dir!r} cannot be created or written ({e.strerror}: {e.filename}); "
+                        "choose another --log.out_dir") from None
+
+
+def build_run(args, overrides, procs, held):
+    """The run, ready to train; rank 0 holds the run directory's lock until `held` (an ExitStack) closes."""
+    cfg = load_checked_config(args.config, overrides, procs.world_size, procs.master)
     train_loader, val_loader, val_batches = build_data(cfg, procs)
+    if procs.master:
+        lock_run_dir(cfg.log.out_dir, held)
     ckpt = load_resume_state(cfg, args.resume, procs.master)
     if procs.ddp:
         dist.init_process_group(backend="nccl" if procs.device.type == "cuda" else "gloo",
@@ -431,7 +580,8 @@ def build_run(args, overrides, procs):
         restore(run, ckpt)
     run.model = wrap_model(run.raw_model, t.compile, procs)
     if procs.master:
-        run.metrics = setup_run_dir(cfg, run.state, ckpt["step"] if ckpt else None)
+        with writes_to(cfg.log.out_dir):
+            run.metrics = setup_run_dir(cfg, run.state, ckpt["step"] if ckpt else None)
         print_summary(run, resumed=ckpt is not None)
     return run
 
@@ -442,12 +592,14 @@ def build_run(args, overrides, procs):
 
 def train_step(run, step):
     """Optimizer update number `step` (1-based) over accum_steps micro-batches per rank. Returns (loss,
-    grad norm, lr factor); a non-finite loss or gradient stops the run before it is applied."""
+    grad norm, lr factor, whether a signal asks every rank to stop now); a diverging step (check_step) stops
+    the run before it is applied."""
     t, loss_on, procs = run.cfg.train, run.cfg.data.loss_on, run.procs
     lr_scale = lr_multiplier(step - 1, t)
     for group in run.optimizer.param_groups:
         group["lr"] = run.base_lr[group["name"]] * lr_scale
-    batches = [next_batch(run.train_loader, loss_on, procs.device) for _ in range(run.accum_steps)]
+    vocab_size = run.cfg.model.vocab_size
+    batches = [next_batch(run.train_loader, loss_on, procs.device, vocab_size) for _ in range(run.accum_steps)]
     weights = loss_weights(batches, loss_on, procs.device, procs.ddp, procs.world_size)
     loss_sum = torch.zeros((), device=procs.device)
     for micro_step, (batch, weight) in enumerate(zip(batches, weights)):
@@ -461,22 +613,31 @@ def train_step(run, step):
             # the mean over the whole step, the same as one big batch.
             (loss * weight).backward()
         loss_sum += loss.detach().float() * weight
+    # The stop flag rides on the loss's all_reduce: a signal to any rank stops every rank after this step.
+    reduced = torch.stack([loss_sum, torch.tensor(float(run.stop.signum is not None), device=procs.device)])
     if procs.ddp:
-        dist.all_reduce(loss_sum)
-        loss_sum /= procs.world_size
+        dist.all_reduce(reduced)
+        reduced[0] /= procs.world_size
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), t.grad_clip or math.inf)
-    # One sync per step: it lets every rank agree to stop before a non-finite update is applied.
-    loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
-    if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
-        newest = step_checkpoints(run.cfg.log.out_dir)
-        raise UserError(f"non-finite loss or gradient at step {step} (loss {loss_value}, grad norm {grad_norm_value}); "
-                        f"stopped without applying it. The last good checkpoint is {newest[-1] if newest else '(none yet)'}; "
-                        "lower train.lr or raise train.warmup_steps and rerun with --resume")
+    # One sync per step: it lets every rank agree to stop before a diverging update is applied.
+    (loss_value, stop), grad_norm_value = reduced.tolist(), grad_norm.item()
+    check_step(run, step, loss_value, grad_norm_value)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.state.step = step
     run.state.tokens_seen += t.tokens_per_step
-    return loss_value, grad_norm_value, lr_scale
+    return loss_value, grad_norm_value, lr_scale, stop > 0
+
+
+def check_step(run, step, loss, grad_norm):
+    """Diverged (on every rank alike: the values are all-reduced) for a non-finite or spiking step; a healthy
+    one joins the history the spike rules compare against."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        diverged(run, step, f"non-finite loss or gradient (loss {loss}, grad norm {grad_norm})")
+    why = spike(run.state.recent, loss, grad_norm, run.cfg.train, run.cfg.model.vocab_size)
+    if why:
+        diverged(run, step, why)
+    run.state.recent = (run.state.recent + [[loss, grad_norm]])[-run.cfg.train.spike_window:]
 
 
 def validate(run, row):
@@ -487,20 +648,40 @@ def validate(run, row):
     if row["val_loss"] < run.state.best_val_loss:
         run.state.best_val_loss = row["val_loss"]
         if procs.master:
-            save_atomic(checkpoint_dict(run.raw_model, config=to_dict(cfg), step=row["step"], val_loss=row["val_loss"]),
-                        best_path(cfg.log.out_dir))
+            path = best_path(cfg.log.out_dir)
+            with writes_to(path):
+                save_atomic(checkpoint_dict(run.raw_model, config=to_dict(cfg), step=row["step"],
+                                            val_loss=row["val_loss"]), path)
 
 
 def save_checkpoint(run):
-    """Everything an exact resume needs, as step_XXXXXXXX.pt; only the newest train.keep_last stay."""
+    """Everything an exact resume needs, as step_XXXXXXXX.pt; only the newest train.keep_last stay, and
+    never fewer than 2: the newest one's weights have not been trained on yet, so after a divergence
+    (diverged) the one before it is the one to resume from."""
     if not run.procs.master:
         return
     s, run_dir = run.state, run.cfg.log.out_dir
-    save_atomic(checkpoint_dict(run.raw_model, optimizer=run.optimizer.state_dict(), step=s.step,
-                                tokens_seen=s.tokens_seen, best_val_loss=s.best_val_loss, config=to_dict(run.cfg),
-                                loader=run.train_loader.state_dict(), rng=rng_state(), wandb_id=s.wandb_id),
-                step_path(run_dir, s.step))
-    keep_last(run_dir, run.cfg.train.keep_last)
+    path = step_path(run_dir, s.step)
+    with writes_to(path):
+        save_atomic(checkpoint_dict(run.raw_model, optimizer=run.optimizer.state_dict(), step=s.step,
+                                    tokens_seen=s.tokens_seen, best_val_loss=s.best_val_loss, config=to_dict(run.cfg),
+                                    loader=run.train_loader.state_dict(), rng=rng_state(), wandb_id=s.wandb_id,
+                                    recent=s.recent), path)
+    keep_last(run_dir, max(2, run.cfg.train.keep_last))
+
+
+@contextmanager
+def writes_to(path):
+    """A failed write (a full disk, a quota, a directory made read-only) as one line naming the path; the
+    atomic writer has left the previous file as it was."""
+    try:
+        yield
+    except OSError as e:
+        reason = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}.get(e.errno, e.strerror)
+        kept = step_checkpoints(os.path.dirname(os.path.dirname(path))) if path.endswith(".pt") else []
+        raise UserError(f"cannot write {e.filename or path}: {reason}"
+                        + (f"; the previous checkpoint {kept[-1]} is intact" if kept else "")
+                        + "; make room and rerun with --resume") from None
 
 
 def log_step(run, loss, grad_norm, lr_scale, tokens_per_s, val_due):
@@ -539,7 +720,7 @@ def train_loop(run):
               dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0) as bar:
         for step in range(run.state.step + 1, t.max_steps + 1):
             t0 = time.perf_counter()
-            loss, grad_norm, lr_scale = train_step(run, step)
+            loss, grad_norm, lr_scale, stop = train_step(run, step)
             train_time += time.perf_counter() - t0
             interval_tokens += t.tokens_per_step
             bar.update(1)
@@ -547,11 +728,14 @@ def train_loop(run):
             if step % log.log_every == 0 or step == t.max_steps or val_due:
                 show(bar, postfix, log_step(run, loss, grad_norm, lr_scale, interval_tokens / train_time, val_due))
                 train_time, interval_tokens = 0.0, 0
-            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.max_steps:
+            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.max_steps or stop:
                 save_checkpoint(run)
+            if stop and step < t.max_steps:
+                raise Stopped(step)
 
 
-def finish(run, exit_code=0):
+def finish(run, exit_code=0, together=True):
+    """together: every rank got here (a finished, stopped or diverged run), not rank 0 alone (a failed write)."""
     if run.procs.master:
         if exit_code == 0:
             best = run.state.best_val_loss
@@ -559,25 +743,48 @@ def finish(run, exit_code=0):
                   + (f", best val loss {best:.4f}" if math.isfinite(best) else "")
                   + f"; checkpoints in {checkpoint_dir(run.cfg.log.out_dir)}")
         run.metrics.close(exit_code)
-    if run.procs.ddp:
+    if run.procs.ddp and together:
         # Leave together: a rank that tears down gloo while rank 0 still writes the last checkpoint
         # can hang at exit.
         dist.barrier()
         dist.destroy_process_group()
 
 
+def interrupted(run_dir, master):
+    """Ctrl-C twice (or during setup): no traceback, but where the run can continue from."""
+    newest = step_checkpoints(run_dir) if run_dir else []
+    if master:
+        where = (f"the last checkpoint is {newest[-1]}, continue with --resume" if newest else
+                 "no checkpoint was written" if run_dir else "before training started")
+        print(f"\ninterrupted; {where}", file=sys.stderr)
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
 def main(argv=None):
     args, overrides = parse_args(argv)
     procs = setup_processes()
-    # Every rank exits on a user error; only rank 0 says why.
-    with user_errors(speak=procs.master):
-        run = build_run(args, overrides, procs)
-        try:
-            train_loop(run)
-        except UserError:  # a non-finite step: every rank stops at the same step
-            finish(run, exit_code=1)
-            raise
-        finish(run)
+    run = None
+    try:
+        # Every rank exits on a user error; only rank 0 says why. The lock is released before that.
+        with user_errors(speak=procs.master), ExitStack() as held:
+            run = build_run(args, overrides, procs, held)
+            try:
+                with StopRequest(speak=procs.master) as run.stop:
+                    train_loop(run)
+            except Stopped as stopped:
+                finish(run, run.stop.exit_code)
+                if procs.master:
+                    why = signal.Signals(run.stop.signum).name if run.stop.signum else "a signal to another rank"
+                    print(f"stopped at step {stopped.args[0]} on {why}; "
+                          f"{step_path(run.cfg.log.out_dir, stopped.args[0])} holds it: continue with --resume",
+                          file=sys.stderr)
+                raise SystemExit(run.stop.exit_code) from None
+            except UserError as e:
+                finish(run, exit_code=1, together=isinstance(e, Diverged))
+                raise
+            finish(run)
+    except KeyboardInterrupt:
+        interrupted(run.cfg.log.out_dir if run else None, procs.master)
 
 
 if __name__ == "__main__":

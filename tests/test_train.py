@@ -105,8 +105,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, synthetic, monkeypatc
         if path.endswith("step_00000003.pt"):
             raise KeyboardInterrupt
     monkeypatch.setattr(train, "save_atomic", save_then_stop)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as info:
         train.main([cfg, f"--log.out_dir={resumed}"])
+    assert info.value.code == train.EXIT_INTERRUPTED
     monkeypatch.setattr(train, "save_atomic", save_atomic)
 
     # Resuming seeks the loader: it reads only the batches of the remaining steps.
@@ -241,8 +242,11 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, synt
         train.main([small_config(tmp_path, synthetic), f"--log.out_dir={run}", "--train.val_every=0"])
     assert info.value.code == 1
     err = capsys.readouterr().err
-    assert "error: non-finite loss or gradient at step 3 (loss nan" in err and "step_00000002.pt" in err
-    assert newest(run)["step"] == 2 and [r["step"] for r in rows(run)] == [1, 2]
+    assert "error: diverged at step 3: non-finite loss or gradient (loss nan" in err, err
+    # Step 3's loss came from step 2's weights: resuming goes back to step 1, step 2 is set aside.
+    assert "--resume --train.lr=0.0005` continues from " in err and "step_00000001.pt" in err
+    assert newest(run)["step"] == 1 and [r["step"] for r in rows(run)] == [1, 2]
+    assert os.path.exists(os.path.join(run, "checkpoints", "step_00000002.pt.rejected"))
 
 
 @pytest.mark.parametrize("overrides,expected", [
