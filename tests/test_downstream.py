@@ -120,7 +120,7 @@ def test_task_accuracy_equals_the_one_computed_from_the_models_loglikelihoods(ta
     assert os.path.getsize(tmp_path / "downstream.png") > 1000
     assert "bam_choice" in done.stdout
 
-    report.write_report([str(tmp_path)], str(tmp_path / "report.md"))
+    report.write_report([str(tmp_path)], out=str(tmp_path / "report.md"))
     text = (tmp_path / "report.md").read_text()
     assert "## Downstream tasks" in text and f"{100 * correct_norm / len(docs):.1f}" in text
 
