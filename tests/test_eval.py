@@ -497,7 +497,7 @@ def test_overrides_reach_the_model_are_recorded_and_named(workspace, tmp_path, c
     import sample
 
     run = str(tmp_path / "rope")
-    shutil.copytree(workspace["rope"], run)
+    shutil.copytree(workspace["rope"], run, ignore=shutil.ignore_patterns("eval"))  # other tests' results
     seen = []  # (tokens in, rope_factor, attn_window) at every forward: what the model was asked to do
     forward = Transformer.forward
     monkeypatch.setattr(Transformer, "forward", lambda self, idx, *a, **k: seen.append(
