@@ -190,6 +190,14 @@ def overrides_label(pe, overrides, ssmax=False):
     return label + (f" ({', '.join(details)})" if details else "")
 
 
+def evaluated_name(results):
+    """The model's name in an evaluator's table and plot title, with its overrides when there are any."""
+    overrides = results["settings"].get("model_overrides")
+    config = results["model"].get("config") or {}
+    label = f" as {overrides_label(config.get('pe'), overrides, config.get('ssmax'))}" if overrides else ""
+    return results["model"]["name"] + label
+
+
 def results_name(default, overrides):
     suffix = overrides_suffix(overrides)
     return f"{default}_{suffix}" if suffix else default

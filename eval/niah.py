@@ -33,8 +33,8 @@ import uuid
 import numpy as np
 
 from data import EOT
-from eval.common import (EvalError, Haystack, Parser, Sample, add_sweep_args, autocast, draw_heatmap,
-                         encode_template, format_length, load_for_eval, model_device, output_dir, parse_eval_args,
+from eval.common import (EvalError, Haystack, Parser, Sample, add_sweep_args, autocast, draw_heatmap, encode_template,
+                         evaluated_name, format_length, load_for_eval, model_device, output_dir, parse_eval_args,
                          pick_dtype, repeat_haystack, results_name, run_cli, score_length, set_length, settings_block,
                          sweep, sweep_lengths, sweep_options, tokenizer, validation_tokens)
 from retrieval import GARBAGE
@@ -243,7 +243,7 @@ def format_table(results):
     s = results["settings"]
     table = score_table(results)
     lengths = sorted({r["length"] for r in results["results"]})
-    lines = [f"needle in a haystack: {results['model']['name']}, {s['samples']} samples per cell, "
+    lines = [f"needle in a haystack: {evaluated_name(results)}, {s['samples']} samples per cell, "
              f"score = % of values retrieved"]
     for hay in s["haystacks"]:
         tasks = [t for t in s["tasks"] if t in table.get(hay, {})]
@@ -281,7 +281,7 @@ def plot_niah(results, path):
                   for n in lengths]
         image = draw_heatmap(ax, matrix, row_labels, [t.replace("_", "\n") for t in s["tasks"]], "task",
                              "length (x training context)", f"haystack: {hay}")
-    fig.suptitle(f"{results['model']['name']}: needle in a haystack, % of values retrieved "
+    fig.suptitle(f"{evaluated_name(results)}: needle in a haystack, % of values retrieved "
                  f"({s['samples']} samples per cell)", fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=list(axes[0]), fraction=0.03, pad=0.02)

@@ -27,7 +27,7 @@ import numpy as np
 
 from data import EOT
 from eval.common import (EvalError, Parser, Sample, add_sweep_args, autocast, binomial_interval, draw_heatmap,
-                         encode_template, format_length, load_for_eval, model_device, output_dir, overrides_label,
+                         encode_template, format_length, load_for_eval, model_device, output_dir, evaluated_name,
                          parse_eval_args, pick_dtype, repeat_haystack, results_name, run_cli, score_length, set_length,
                          settings_block, sweep, sweep_lengths, sweep_options, tokenizer)
 from retrieval import GARBAGE, INFO, QUESTION, TASK
@@ -165,11 +165,7 @@ def default_name(depths, given_tokens):
 
 def format_table(results):
     s = results["settings"]
-    overrides = s.get("model_overrides")
-    config = results["model"]["config"] or {}
-    lines = [f"passkey accuracy: {results['model']['name']}"
-             + (f" as {overrides_label(config.get('pe'), overrides)}" if overrides else "")
-             + f", {s['samples']} samples per length, depths "
+    lines = [f"passkey accuracy: {evaluated_name(results)}, {s['samples']} samples per length, depths "
              f"{s['depth_mode']}" + (f", first {s['given_tokens']} key token(s) given" if s["given_tokens"] else ""),
              "",
              "| length | x context | accuracy | 95% interval | by depth, 0 -> 1 (%) | seconds |",
@@ -202,7 +198,7 @@ def plot_passkey(results, path):
     if rows:
         image = draw_heatmap(ax, matrix, row_labels, col_labels, "depth of the key (fraction of the haystack)",
                              "length (x context), accuracy",
-                             f"{results['model']['name']}: passkey accuracy (%)\n{s['samples']} samples per length, "
+                             f"{evaluated_name(results)}: passkey accuracy (%)\n{s['samples']} samples per length, "
                              f"{s['depth_mode']} depths"
                              + (f", {s['given_tokens']} key token given" if s["given_tokens"] else ""))
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="accuracy")

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from data import EOT, read_shard, shard_paths
-from eval.common import (finish, SCHEMA_VERSION, EvalError, OutOfMemory, Parser, add_model_args, autocast, format_length,
-                         is_out_of_memory, load_for_eval, model_device, output_dir, parse_length, pick_dtype,
-                         parse_eval_args, plan_batch, progress_bar, results_name, run_cli, set_length, settings_block,
-                         validation_tokens, write_json)
+from eval.common import (SCHEMA_VERSION, EvalError, OutOfMemory, Parser, add_model_args, autocast, evaluated_name, finish,
+                         format_length, is_out_of_memory, load_for_eval, model_device, output_dir, parse_eval_args,
+                         parse_length, pick_dtype, plan_batch, progress_bar, results_name, run_cli, set_length,
+                         settings_block, validation_tokens, write_json)
 
 SOURCES = ("concat", "documents")
 HEAD_CHUNK = 1024  # positions per LM-head call: B x 1024 x vocab fp32 logits at a time
@@ -170,7 +170,7 @@ def perplexity_at(results, position):
 
 def format_table(results):
     s = results["settings"]
-    lines = [f"perplexity by position: {results['model']['name']}, {results['sequences']} sequences of "
+    lines = [f"perplexity by position: {evaluated_name(results)}, {results['sequences']} sequences of "
              f"{s['length']:,} tokens ({s['source']}), windows of {s['window']}", "",
              "| window | x context | perplexity |", "|---|---:|---:|"]
     windows = results["windows"]
@@ -195,7 +195,7 @@ def plot_perplexity(runs, path, title=None):
             continue
         ends = [w["end"] for w in windows]
         ax.plot(ends, [w["perplexity"] for w in windows], marker="o", markersize=2.5, color=colors(i % 10),
-                label=f"{results['model']['name']} ({results['sequences']} seqs)")
+                label=f"{evaluated_name(results)} ({results['sequences']} seqs)")
         ax.axvline(results["settings"]["block_size"], color=colors(i % 10), linestyle=":", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: format_length(int(v)) if v >= 1 else f"{v:g}"))
