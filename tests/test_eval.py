@@ -520,9 +520,9 @@ def test_overrides_reach_the_model_are_recorded_and_named(workspace, tmp_path, c
     local = json.load(open(os.path.join(run, "eval", "passkey_window32_rope_theta10000.json")))
     assert local["settings"]["model_overrides"] == {"attn_window": 32, "rope_theta": 10000.0}
     assert niah.main([run, "--lengths", "300", "--tasks", "single_number", "--haystacks", "repeat",
-                      "--rope_factor", "4", *common_args]) == 0
-    assert json.load(open(os.path.join(run, "eval", "niah_rope_x4.json")))["settings"]["model_overrides"] == {
-        "rope_factor": 4.0}
+                      "--rope_scaling", "yarn", "--rope_factor", "4", *common_args]) == 0
+    assert json.load(open(os.path.join(run, "eval", "niah_yarn_x4.json")))["settings"]["model_overrides"] == {
+        "rope_scaling": "yarn", "rope_factor": 4.0}
     # eval.perplexity keeps --window for its own windows; the attention window is --attn_window there
     assert perplexity.main([run, "--length", "2x", "--window", "64", "--attn_window", "16", "--num_seqs", "1",
                             "--data_dir", workspace["data"], "--no_progress"]) == 0
@@ -537,7 +537,7 @@ def test_overrides_reach_the_model_are_recorded_and_named(workspace, tmp_path, c
     header = next(line for line in text.splitlines() if line.startswith("| length |"))
     assert header == ("| length | rope | rope: rope-local + ssmax (W=16) "
                       "| rope: rope-local + ssmax (W=32, rope_theta=10000) "
-                      "| rope: rope + ssmax + YaRN auto | rope: rope + ssmax x4 |")
+                      "| rope: rope + ssmax + YaRN auto | rope: rope + ssmax + YaRN x4 |")
     section = text.split("## Passkey")[1].split("## Needle")[0]
     passkey_rows = [line for line in section.splitlines() if line.startswith("| 128 (2x)")]
     assert len(passkey_rows) == 1 and passkey_rows[0].count("n=2)") == 3, passkey_rows
