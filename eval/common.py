@@ -207,11 +207,11 @@ def apply_overrides(model, overrides):
     """Set the overrides on model.config (the model reads it at every forward), checked by ModelConfig
     itself; an "auto" rope_factor waits for set_length. Returns the model."""
     cfg = getattr(model, "config", None)
+    if overrides and cfg is None:
+        raise EvalError("model overrides need a model with a config (a run directory or checkpoint)")
     fixed = {k: v for k, v in (overrides or {}).items() if v != "auto"}
     if not fixed:
         return model
-    if cfg is None:
-        raise EvalError("model overrides need a model with a config (a run directory or checkpoint)")
     try:
         dataclasses.replace(cfg, **fixed)  # the same checks as a config file's values
     except (TypeError, ValueError) as e:
