@@ -30,6 +30,14 @@ class ConfigError(ValueError):
     pass
 
 
+# Model settings that leave every parameter's shape alone, so one set of weights serves any value of
+# them: an evaluator may override them on a trained model (eval/common.py), and train.init_from may
+# change them between the checkpoint and the fine-tuning run. ssmax, pe or bam_per_layer are not
+# among them: they add or reshape parameters.
+SHAPE_FREE_MODEL_KEYS = ("block_size", "attn_impl", "attn_window", "rope_theta", "rope_scaling", "rope_factor",
+                         "rope_original_context", "yarn_beta_fast", "yarn_beta_slow")
+
+
 @dataclass
 class DataConfig:
     data_dir: str = "data/fineweb10B"  # token shards written by prepare_fineweb.py
@@ -71,6 +79,11 @@ class TrainConfig:
     spike_window: int = 100
     spike_threshold: float = 6.0
     spike_grad_factor: float = 10.0
+    # A run directory or checkpoint whose weights start this run (context-extension fine-tuning): the
+    # optimizer, schedule, step and data position start fresh, and model settings may differ from the
+    # checkpoint's only in SHAPE_FREE_MODEL_KEYS. A run directory that already has checkpoints resumes
+    # from them instead (--resume wins). "" = train from a random initialisation.
+    init_from: str = ""
 
 
 @dataclass
@@ -266,6 +279,14 @@ def _parse_override(arg):
         except tomllib.TOMLDecodeError:
             value = raw  # not a number, bool or list; _coerce names the type that was expected
     return section, key, _coerce(section, key, value, "command line")
+
+
+def parse_model_override(arg):
+    """An evaluator's `--model.key=value`: (key, value) read and checked as train.py reads it."""
+    section, key, value = _parse_override(arg)
+    if section != "model":
+        raise ConfigError(f"{arg!r}: an evaluator takes only model settings (--model.key=value)")
+    return key, value
 
 
 def _optional(typ):

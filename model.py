@@ -72,6 +72,13 @@ class ModelConfig:
     bam_train_shape: bool = True
     bam_train_scale: bool = True
     bam_train_loc: bool = False  # the paper keeps the location at 0
+    # Sliding window and RoPE context extension (behaviour comes from the model-baselines branch)
+    attn_window: int = 0
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_context: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
 
     def __post_init__(self):
         def bad(msg):

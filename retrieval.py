@@ -50,7 +50,10 @@ class RetrievalDocuments:
 
     With `min_tokens == max_tokens` every document is exactly that many tokens: the filler is topped
     up with the first words of one more sentence. Shards of such documents, trained at a context of
-    the same length, put exactly one whole document in every row of a batch (docs/repro.md).
+    the same length, put exactly one whole document in every row of a batch (docs/repro.md). Then a
+    random part of the filler (up to half) goes after the answer, so the answer does not always end
+    the row: were it always at the same distance from the row's start, a model that can read absolute
+    distances (RoPE) could learn that distance instead of the copy.
     """
 
     def __init__(self, enc, max_tokens, min_tokens=None, key_digits=5, filler="mixed", real_sentences=(),
@@ -91,6 +94,9 @@ class RetrievalDocuments:
         # The key appears three times; it may take more tokens than the all-zero key of `overhead`.
         key_extra = 3 * max(0, len(self.enc.encode_ordinary(" " + key)) - self._zero_key)
         budget = rng.randint(self.min_tokens, self.max_tokens) - self.overhead - key_extra
+        exact = self.min_tokens == self.max_tokens
+        after = rng.randint(0, max(0, budget) // 2) if exact else 0  # filler tokens after the answer
+        budget -= after
         source = self.filler if self.filler != "mixed" else rng.choice(("garbage", "text"))
         filler, used, g = [], 0, rng.randrange(len(GARBAGE_SENTENCES))
         while True:
@@ -105,31 +111,32 @@ class RetrievalDocuments:
         depth = rng.randint(0, len(filler))
         body = filler[:depth] + [INFO.format(key=key)] + filler[depth:]
         text = f"{TASK} {' '.join(body)} {QUESTION} {key}."
-        if self.min_tokens != self.max_tokens:
+        if not exact:
             return text
-        return self._exact(text, body, key, source, g)
+        return self._exact(text, source, g)
 
-    def _exact(self, text, body, key, source, g):
-        """`text` topped up to exactly max_tokens - 1 GPT-2 tokens (the EOT is the last one), or
-        None when that does not work out for this document (rare: then another one is drawn)."""
+    def _exact(self, text, source, g):
+        """`text` followed by filler up to exactly max_tokens - 1 GPT-2 tokens (the EOT is the last
+        one), or None when that does not work out for this document (rare: then another one is drawn)."""
         missing = self.max_tokens - 1 - len(self.enc.encode_ordinary(text))
         if missing < 0:
             return None
-        # The start of one more filler sentence (for garbage, the one that comes next in order).
-        # Garbage words are one token each, so its prefix always re-encodes to exactly `missing`
-        # tokens; a real sentence cut mid-word may not, and then the garbage one is used instead.
+        if missing == 0:
+            return text
+        # Filler cut to `missing` tokens (for garbage, going on in order). Garbage words are one token
+        # each, so its prefix always re-encodes to exactly `missing` tokens; real sentences cut
+        # mid-word may not, and then garbage is used instead.
         if source == "garbage":
             g = (g - 1) % len(GARBAGE_SENTENCES)  # the sentence that did not fit
         garbage = GARBAGE_SENTENCES[g:] + GARBAGE_SENTENCES[:g]
         candidates = [" ".join(garbage * (1 + missing // len(garbage)))]
-        if source == "text":
-            candidates.insert(0, self.rng.choice(self.real))
-        for sentence in candidates:
-            top_up = self.enc.decode(self.enc.encode_ordinary(" " + sentence)[:missing]).strip()
-            topped = " ".join(body + [top_up]) if missing else " ".join(body)
-            exact = f"{TASK} {topped} {QUESTION} {key}."
-            if len(self.enc.encode_ordinary(exact)) == self.max_tokens - 1:
-                return exact
+        if source == "text":  # every real sentence has at least one token, most several
+            candidates.insert(0, " ".join(self.rng.choice(self.real) for _ in range(missing)))
+        for filler in candidates:
+            tail = self.enc.decode(self.enc.encode_ordinary(" " + filler)[:missing]).strip()
+            topped = f"{text} {tail}"
+            if len(self.enc.encode_ordinary(topped)) == self.max_tokens - 1:
+                return topped
         return None
 
     def __iter__(self):

@@ -4,6 +4,10 @@ Sample text from a trained model, with the KV cache (model.generate).
     python sample.py runs/tiny --prompt "The meaning of life is" --max_new_tokens 100
     python sample.py runs/bam_ssmax_512/checkpoints/step_00020000.pt --num_samples 3 --temperature 0.8 --top_k 200
     python sample.py runs/tiny --prompt_file story.txt --temperature 0       # greedy
+    python sample.py runs/rope_512 --prompt_file long.txt --rope_scaling yarn --rope_factor auto
+
+Model overrides (--window, --rope_scaling, --rope_factor, --model.key=value) work as in the evaluators
+(docs/evaluation.md); a rope_factor of auto is the prompt plus the new tokens over the training context.
 
 Without a prompt, generation starts from <|endoftext|>, the token every training document begins with.
 """
@@ -14,7 +18,8 @@ import torch
 
 from cli import Parser, UserError, run_cli
 from data import EOT
-from eval.common import autocast, load_for_eval, pick_device, pick_dtype, tokenizer
+from eval.common import (add_model_args, autocast, load_for_eval, overrides_label, parse_eval_args, pick_device,
+                         pick_dtype, set_length, tokenizer)
 
 
 def main(argv=None):
@@ -27,9 +32,8 @@ def main(argv=None):
     ap.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens; 0 = all")
     ap.add_argument("--num_samples", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    args = ap.parse_args(argv)
+    add_model_args(ap, out=False)
+    args = parse_eval_args(ap, argv)
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
         raise UserError("--max_new_tokens and --num_samples must be at least 1, --temperature and --top_k at least 0")
     prompt = args.prompt
@@ -41,14 +45,17 @@ def main(argv=None):
             raise UserError(f"cannot read --prompt_file: {e}") from None
 
     device = pick_device(args.device)
-    model, info = load_for_eval(args.source, device)
+    model, info = load_for_eval(args.source, device, args.attn_impl, args.model_overrides)
     enc = tokenizer()
     ids = [EOT] + enc.encode_ordinary(prompt)  # a prompt is the start of a document, as in training
+    set_length(model, args.model_overrides, len(ids) + args.max_new_tokens, info["config"]["block_size"])
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     # Every sample draws from one generator, so a seed fixes all of them (and they still differ)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    print(f"{info['name']}: {info['config']['pe']}{' + ssmax' if info['config']['ssmax'] else ''}, "
-          f"{info['num_params']:,} parameters; {len(ids)} prompt tokens", file=sys.stderr)
+    label = overrides_label(info["config"]["pe"], args.model_overrides, info["config"]["ssmax"])
+    factor = f" (rope_factor {model.config.rope_factor:g})" if args.model_overrides.get("rope_factor") == "auto" else ""
+    print(f"{info['name']}: {label}{factor}, {info['num_params']:,} parameters; {len(ids)} prompt tokens",
+          file=sys.stderr)
     with autocast(device, pick_dtype(args.dtype, device)):
         out = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                              generator=generator)

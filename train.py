@@ -6,6 +6,8 @@ each optionally with SSMax) on token shards, on CPU, one GPU, or many through to
     python train.py configs/paper/bam_ssmax_512.toml --train.max_steps=100 --log.out_dir=runs/try
     torchrun --standalone --nproc_per_node=8 train.py configs/paper/bam_ssmax_512.toml
     python train.py configs/paper/bam_ssmax_512.toml --resume    # continue from the newest checkpoint
+    python train.py configs/paper/rope_512.toml --train.init_from=runs/rope_512 --model.block_size=2048 \
+        --model.rope_scaling=yarn --model.rope_factor=4 --log.out_dir=runs/rope_yarn_2048   # fine-tune longer
 
 The run directory (log.out_dir) gets config.toml (the resolved config), metrics.jsonl (one JSON
 object per logged step, including every head's prior parameters) and checkpoints/ (the last
@@ -40,10 +42,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from checkpoint import (CONFIG, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, checkpoint_step, config_path,
-                        keep_last, load_newest, metrics_path, reject_after, remove_temp_files, run_dir_lock,
-                        save_atomic, step_checkpoints, step_path, write_text)
+                        find_checkpoint, keep_last, load_newest, metrics_path, reject_after, remove_temp_files,
+                        run_dir_lock, save_atomic, step_checkpoints, step_path, write_text)
 from cli import Parser, UserError, user_errors
-from config import ConfigError, check, describe, load_config, to_dict, to_toml
+from config import SHAPE_FREE_MODEL_KEYS, ConfigError, check, describe, load_config, to_dict, to_toml
 from data import EOT, ShardLoader, check_shard_tokens, check_token_ids, get_tokenizer
 from model import Transformer
 from retrieval import passkey_answer_targets
@@ -470,9 +472,35 @@ def load_resume_state(cfg, resume, master):
     return ckpt
 
 
-def build_model(cfg, device, ckpt):
+def load_init_weights(cfg, master):
+    """The weights train.init_from names (a state dict), or None. Only for a fresh run: a run directory
+    with checkpoints of its own resumes from them (load_resume_state), whatever init_from says. Model
+    settings may differ from the checkpoint's only where no parameter changes shape."""
+    source = cfg.train.init_from
+    if not source:
+        return None
+    try:
+        path = find_checkpoint(source)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        saved = ckpt["model_config"]
+    except (FileNotFoundError, OSError, RuntimeError, KeyError, TypeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({reason})") from None
+    current = dataclasses.asdict(cfg.model)
+    changed = [f"model.{k}: {saved[k]!r} -> {v!r}" for k, v in current.items() if k in saved and saved[k] != v]
+    forbidden = [c for c in changed if c.split(":")[0].removeprefix("model.") not in SHAPE_FREE_MODEL_KEYS]
+    if forbidden:
+        raise UserError(f"train.init_from = {source!r} has other parameter shapes ({'; '.join(forbidden)}); only "
+                        f"these model settings may change: {', '.join(SHAPE_FREE_MODEL_KEYS)}")
+    if master:
+        print(f"initialised from {path} (step {ckpt.get('step', '?')}): weights only; fresh optimizer, schedule "
+              f"and data" + (f"; changed: {'; '.join(changed)}" if changed else ""))
+    return ckpt["model"]
+
+
+def build_model(cfg, device, ckpt, init_weights=None):
     """(model, optimizer, base learning rate per param group), with the checkpoint's weights and
-    optimizer state when resuming."""
+    optimizer state when resuming, or with `init_weights` alone (train.init_from)."""
     t = cfg.train
     # Every rank seeds alike so the initial weights agree (DDP also broadcasts rank 0's at wrap time);
     # the model has no dropout, so nothing else draws.
@@ -480,8 +508,8 @@ def build_model(cfg, device, ckpt):
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
     model = Transformer(cfg.model)
-    if ckpt:
-        model.load_state_dict(ckpt["model"])
+    if ckpt or init_weights:
+        model.load_state_dict(ckpt["model"] if ckpt else init_weights)
     model.to(device)
     groups = model.optim_groups(t.weight_decay)
     base_lr = {"decay": t.lr, "no_decay": t.lr, "prior": t.prior_lr or t.lr}
@@ -568,6 +596,7 @@ def build_run(args, overrides, procs, held):
     if procs.master:
         lock_run_dir(cfg.log.out_dir, held)
     ckpt = load_resume_state(cfg, args.resume, procs.master)
+    init_weights = None if ckpt else load_init_weights(cfg, procs.master)
     if procs.ddp:
         dist.init_process_group(backend="nccl" if procs.device.type == "cuda" else "gloo",
                                 device_id=procs.device if procs.device.type == "cuda" else None)
@@ -575,7 +604,7 @@ def build_run(args, overrides, procs, held):
     bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
     accum_steps = t.tokens_per_step // (cfg.data.batch_size * cfg.model.block_size * procs.world_size)
     run = Run(cfg, procs, bf16, accum_steps, train_loader, val_loader, val_batches,
-              *build_model(cfg, device, ckpt), peak_flops=peak_flops(device, bf16, cfg.log.peak_tflops))
+              *build_model(cfg, device, ckpt, init_weights), peak_flops=peak_flops(device, bf16, cfg.log.peak_tflops))
     if ckpt:
         restore(run, ckpt)
     run.model = wrap_model(run.raw_model, t.compile, procs)

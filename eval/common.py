@@ -9,6 +9,7 @@ cannot fit stops the sweep with one clear line instead of taking the machine dow
 up to there is already on disk.
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -28,6 +29,7 @@ from tqdm import tqdm
 
 from checkpoint import find_checkpoint, write_text
 from cli import Parser, UserError, run_cli  # noqa: F401  (the evaluators' command lines)
+from config import SHAPE_FREE_MODEL_KEYS, ConfigError, parse_model_override
 from model import model_from_checkpoint
 
 SCHEMA_VERSION = 1
@@ -79,16 +81,157 @@ def format_length(n):
 # ---------------------------------------------------------------------------------------------------
 # Models
 
-def add_model_args(parser, out=True):
+def add_model_args(parser, out=True, window_flag=True):
+    """--device, --dtype, the model overrides and --out. `window_flag`: --window may also name the
+    attention window (eval.perplexity keeps --window for its own windows; --attn_window always works)."""
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast dtype; auto = bfloat16 on a GPU that has it, float32 on CPU")
     parser.add_argument("--attn_impl", default=None, choices=["auto", "flex", "sdpa", "eager"],
                         help="override the checkpoint's attention implementation (default: keep it; "
                              "auto uses FlexAttention, O(T) memory, for long prompts)")
+    parser.add_argument("--attn_window", *(["--window"] if window_flag else []), dest="attn_window", type=int,
+                        default=None, help="sliding-window attention over the last W tokens (= --model.attn_window=W)")
+    parser.add_argument("--rope_scaling", default=None,
+                        help="RoPE context extension, e.g. yarn (= --model.rope_scaling=...)")
+    parser.add_argument("--rope_factor", default=None,
+                        help="RoPE scaling factor, or auto: evaluated length / training context, per length")
     if out:
         parser.add_argument("--out", default=None,
                             help="output folder (default: RUN/eval, or eval/<name>/ next to a checkpoint file)")
+    parser.epilog = (f"Any model setting that leaves the weights' shapes alone may be overridden as --model.key=value "
+                     f"({', '.join(SHAPE_FREE_MODEL_KEYS)}); results then go to a file named after the overrides.")
+
+
+def parse_eval_args(parser, argv):
+    """parser.parse_args, plus the model overrides (--window, --rope_scaling, --rope_factor and any
+    --model.key=value) gathered into args.model_overrides."""
+    args, extra = parser.parse_known_args(argv)
+    generic = [a for a in extra if a.startswith("--model.")]
+    if len(generic) < len(extra):
+        parser.error(f"unrecognized arguments: {' '.join(a for a in extra if a not in generic)}")
+    overrides = {}
+    for arg in generic:
+        key, _, raw = arg.removeprefix("--model.").partition("=")
+        if key == "rope_factor" and raw.strip().lower() == "auto":
+            overrides[key] = "auto"
+            continue
+        try:
+            key, value = parse_model_override(arg)
+        except ConfigError as e:
+            raise EvalError(str(e)) from None
+        overrides[key] = value
+    for key, value in (("attn_window", args.attn_window), ("rope_scaling", args.rope_scaling),
+                       ("rope_factor", args.rope_factor)):
+        if value is not None:
+            overrides[key] = value
+    if args.attn_impl:  # the two spellings of one setting
+        overrides["attn_impl"] = args.attn_impl
+    args.attn_impl = overrides.pop("attn_impl", None)
+    args.model_overrides = check_overrides(overrides)
+    return args
+
+
+def check_overrides(overrides):
+    """The evaluator's model overrides, checked: shape-free keys only, rope_factor a number or "auto"."""
+    overrides = dict(overrides or {})
+    for key in overrides:
+        if key not in SHAPE_FREE_MODEL_KEYS:
+            raise EvalError(f"model.{key} cannot be overridden on a trained model (it changes or adds weights); "
+                            f"allowed: {', '.join(SHAPE_FREE_MODEL_KEYS)}")
+    factor = overrides.get("rope_factor")
+    if factor is not None and factor != "auto":
+        try:
+            overrides["rope_factor"] = float(factor)
+        except (TypeError, ValueError):
+            raise EvalError(f"--rope_factor {factor!r}: use a number (16) or auto") from None
+        if not overrides["rope_factor"] > 0:
+            raise EvalError(f"--rope_factor must be greater than 0 (or auto), got {factor}")
+    if overrides.get("attn_window") is not None and overrides["attn_window"] < 0:
+        raise EvalError(f"--window must be 0 (off) or a number of tokens, got {overrides['attn_window']}")
+    return overrides
+
+
+def overrides_suffix(overrides):
+    """The part of a results file's name that tells overridden evaluations apart from the plain one:
+    {"rope_scaling": "yarn", "rope_factor": 16} -> "yarn_x16", {"attn_window": 512} -> "window512",
+    "auto" -> "yarn_auto"; other keys as key + value. "" without overrides."""
+    rest, parts = dict(overrides or {}), []
+    if "rope_scaling" in rest or "rope_factor" in rest:
+        scaling, factor = rest.pop("rope_scaling", "rope"), rest.pop("rope_factor", None)
+        parts.append(scaling + ("" if factor is None else "_auto" if factor == "auto" else f"_x{plain_number(factor)}"))
+    if "attn_window" in rest:
+        parts.append(f"window{rest.pop('attn_window')}")
+    parts += [f"{key}{plain_number(value)}" for key, value in sorted(rest.items())]
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "-", "_".join(parts))
+
+
+def plain_number(value):
+    """16.0 -> 16, 1e6 -> 1000000, 2.5 -> 2.5; anything else as it is."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+SCALING_NAMES = {"yarn": "YaRN", "ntk": "NTK", "linear": "PI", "pi": "PI"}  # how papers and tables write them
+
+
+def overrides_label(pe, overrides, ssmax=False):
+    """How a report names an evaluation with model overrides: "rope + YaRN x16", "rope + YaRN auto",
+    "rope-local (W=512)"; other overridden keys follow in the brackets as key=value."""
+    rest = dict(overrides or {})
+    window, scaling, factor = rest.pop("attn_window", 0), rest.pop("rope_scaling", None), rest.pop("rope_factor", None)
+    label = f"{pe}{'-local' if window else ''}{' + ssmax' if ssmax else ''}"
+    if scaling and scaling != "none":
+        label += f" + {SCALING_NAMES.get(scaling, scaling)}"
+    if factor is not None:
+        label += " auto" if factor == "auto" else f" x{plain_number(factor)}"
+    details = ([f"W={window}"] if window else []) + [f"{k}={plain_number(v)}" for k, v in sorted(rest.items())]
+    return label + (f" ({', '.join(details)})" if details else "")
+
+
+def evaluated_name(results):
+    """The model's name in an evaluator's table and plot title, with its overrides when there are any."""
+    overrides = results["settings"].get("model_overrides")
+    config = results["model"].get("config") or {}
+    label = f" as {overrides_label(config.get('pe'), overrides, config.get('ssmax'))}" if overrides else ""
+    return results["model"]["name"] + label
+
+
+def results_name(default, overrides):
+    suffix = overrides_suffix(overrides)
+    return f"{default}_{suffix}" if suffix else default
+
+
+def apply_overrides(model, overrides):
+    """Set the overrides on model.config (the model reads it at every forward), checked by ModelConfig
+    itself; an "auto" rope_factor waits for set_length. Returns the model."""
+    cfg = getattr(model, "config", None)
+    if overrides and cfg is None:
+        raise EvalError("model overrides need a model with a config (a run directory or checkpoint)")
+    fixed = {k: v for k, v in (overrides or {}).items() if v != "auto"}
+    if not fixed:
+        return model
+    try:
+        dataclasses.replace(cfg, **fixed)  # the same checks as a config file's values
+    except (TypeError, ValueError) as e:
+        raise EvalError(str(e)) from None
+    for key, value in fixed.items():
+        setattr(cfg, key, value)
+    return model
+
+
+def set_length(model, overrides, length, context):
+    """Before evaluating `length` tokens: an "auto" rope_factor becomes length / the training context
+    (`context`, or model.rope_original_context when set; at least 1: shorter lengths run unscaled), the
+    usual way context-extension methods are compared. Returns the settings that depend on the length,
+    for that length's results row ({} when none does)."""
+    if (overrides or {}).get("rope_factor") != "auto":
+        return {}
+    cfg = model.config
+    factor = max(1.0, length / (cfg.rope_original_context or context))
+    cfg.rope_factor = factor
+    return {"rope_factor": factor}
 
 
 def pick_device(name):
@@ -170,25 +313,28 @@ def describe_model(model, checkpoint=None, ckpt=None):
     return info
 
 
-def load_for_eval(source, device="auto", attn_impl=None):
+def load_for_eval(source, device="auto", attn_impl=None, overrides=None):
     """(model in eval mode, its description) from a run directory, a checkpoint file, or a model object
-    (the tests pass hand-made models in)."""
+    (the tests pass hand-made models in). `overrides` (check_overrides) are set on the model's config
+    after it is described, so the description stays the model as trained."""
+    overrides = check_overrides(overrides)
     if isinstance(source, torch.nn.Module):
-        return source.eval(), describe_model(source)
+        info = describe_model(source)
+        return apply_overrides(source, overrides).eval(), info
     if not os.path.exists(source):
         raise EvalError(f"no checkpoint file or run directory at {source}")
     path = resolve_checkpoint(source)
     try:
         # mmap: a training checkpoint also holds the optimizer state, which we never page in
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        overrides = {"attn_impl": attn_impl} if attn_impl else {}
-        model = model_from_checkpoint(ckpt, pick_device(device), **overrides)
+        model = model_from_checkpoint(ckpt, pick_device(device), **({"attn_impl": attn_impl} if attn_impl else {}))
     except EvalError:
         raise
     except Exception as e:  # a torn or foreign file: say which, not a traceback
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise EvalError(f"cannot load the checkpoint {path}: {reason}") from None
-    return model.eval(), describe_model(model, path, ckpt)
+    info = describe_model(model, path, ckpt)
+    return apply_overrides(model, overrides).eval(), info
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -437,7 +583,8 @@ def sweep_options(args):
     """The keyword arguments of evaluate_passkey / evaluate_niah that `add_sweep_args` parsed."""
     return dict(lengths=args.lengths, max_factor=args.max_factor, seed=args.seed, batch_size=args.batch_size,
                 stop_after_zero=args.stop_after_zero, out=args.out, name=args.name, device=args.device,
-                dtype=args.dtype, attn_impl=args.attn_impl, progress=not args.no_progress)
+                dtype=args.dtype, attn_impl=args.attn_impl, model_overrides=args.model_overrides,
+                progress=not args.no_progress)
 
 
 def sweep(schema, lengths, measure, *, info, settings, work_per_length, stop_after_zero, folder, name, plot, table,
@@ -502,6 +649,18 @@ def finish(results, json_path, folder, name, plot, table, verbose):
     return results
 
 
+def binomial_interval(successes, trials, z=1.959963984540054):
+    """Wilson's 95% score interval (low, high) for a success rate seen as successes / trials: unlike the
+    normal approximation it stays inside [0, 1] and is not empty at 0% or 100%, where short passkey
+    sweeps often sit. (None, None) without trials."""
+    if not trials:
+        return None, None
+    p, n = successes / trials, trials
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def write_json(path, obj):
     """Atomically (checkpoint.write_text): an interrupted run leaves the previous complete file."""
     write_text(path, json.dumps(obj, indent=1, allow_nan=False, default=_jsonable) + "\n")
@@ -520,9 +679,11 @@ def read_json(path):
         return json.load(f)
 
 
-def settings_block(device, dtype, attn_impl, **extra):
+def settings_block(device, dtype, attn_impl, model_overrides=None, **extra):
+    """The "settings" block of a results file. `model_overrides` (e.g. {"attn_window": 512} or
+    {"rope_scaling": "yarn", "rope_factor": "auto"}) is what eval.report names the row by."""
     return {**extra, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-            "attn_impl": attn_impl, "torch": torch.__version__}
+            "attn_impl": attn_impl, "model_overrides": dict(model_overrides or {}), "torch": torch.__version__}
 
 
 def draw_heatmap(ax, matrix, row_labels, col_labels, xlabel, ylabel, title):

@@ -33,10 +33,10 @@ import uuid
 import numpy as np
 
 from data import EOT
-from eval.common import (EvalError, Haystack, Parser, Sample, add_sweep_args, autocast, draw_heatmap,
-                         encode_template, format_length, load_for_eval, model_device, output_dir, pick_dtype,
-                         repeat_haystack, run_cli, score_length, settings_block, sweep, sweep_lengths, sweep_options,
-                         tokenizer, validation_tokens)
+from eval.common import (EvalError, Haystack, Parser, Sample, add_sweep_args, autocast, draw_heatmap, encode_template,
+                         evaluated_name, format_length, load_for_eval, model_device, output_dir, parse_eval_args,
+                         pick_dtype, repeat_haystack, results_name, run_cli, score_length, set_length, settings_block,
+                         sweep, sweep_lengths, sweep_options, tokenizer, validation_tokens)
 from retrieval import GARBAGE
 
 # (value kind, needles, of which distractors, keys asked for)
@@ -161,15 +161,15 @@ class NeedlePrompts:
 
 
 def evaluate_niah(source, *, lengths=None, max_factor=None, tasks=tuple(TASKS), haystacks=None, samples=10, seed=0,
-                  data_dir=None, batch_size=8, stop_after_zero=2, out=None, name="niah", device="auto",
-                  dtype="auto", attn_impl=None, progress=True, verbose=True):
+                  data_dir=None, batch_size=8, stop_after_zero=2, out=None, name=None, device="auto",
+                  dtype="auto", attn_impl=None, model_overrides=None, progress=True, verbose=True):
     unknown = [t for t in tasks if t not in TASKS] + [h for h in (haystacks or ()) if h not in HAYSTACKS]
     if unknown:
         raise EvalError(f"unknown task or haystack {unknown[0]!r}; tasks: {', '.join(TASKS)}; "
                         f"haystacks: {', '.join(HAYSTACKS)}")
     if samples < 1 or batch_size < 1 or stop_after_zero < 0:
         raise EvalError("samples and batch_size must be at least 1, stop_after_zero at least 0")
-    model, info = load_for_eval(source, device, attn_impl)
+    model, info = load_for_eval(source, device, attn_impl, model_overrides)
     block_size = info["config"]["block_size"] if info["config"] else None
     lengths = sweep_lengths(lengths, max_factor, block_size)
     data_dir = data_dir or info.get("data_dir")
@@ -188,21 +188,23 @@ def evaluate_niah(source, *, lengths=None, max_factor=None, tasks=tuple(TASKS), 
 
     def measure(length, bar):
         cells = []
+        per_length = set_length(model, model_overrides, length, block_size)  # e.g. the factor of rope_factor=auto
         for hay in haystacks:
             for task in tasks:
                 if bar is not None:
                     bar.set_postfix(length=format_length(length), task=f"{hay}/{task}")
                 cell = evaluate_cell(model, prompts, task, hay, length, samples, seed, batch_size,
                                      autocast(dev, amp_dtype), bar)
-                cells.append({**cell, "factor": length / block_size if block_size else None})
+                cells.append({**cell, "factor": length / block_size if block_size else None, **per_length})
         scores = [c["score"] for c in cells if c["score"] is not None]
         return cells, max(scores) if scores else None
 
     settings = settings_block(dev, amp_dtype, getattr(getattr(model, "config", None), "attn_impl", None),
                               lengths=lengths, tasks=list(tasks), haystacks=haystacks, samples=samples, seed=seed,
                               data_dir=data_dir if "text" in haystacks else None, batch_size=batch_size,
-                              stop_after_zero=stop_after_zero, block_size=block_size)
+                              stop_after_zero=stop_after_zero, block_size=block_size, model_overrides=model_overrides)
     folder = output_dir(source, out) if (out or isinstance(source, str)) else None
+    name = name or results_name("niah", model_overrides)
     return sweep("niah", lengths, measure, info=info, settings=settings,
                  work_per_length=len(tasks) * len(haystacks) * samples, stop_after_zero=stop_after_zero,
                  folder=folder, name=name, plot=plot_niah, table=format_table, progress=progress, verbose=verbose)
@@ -241,7 +243,7 @@ def format_table(results):
     s = results["settings"]
     table = score_table(results)
     lengths = sorted({r["length"] for r in results["results"]})
-    lines = [f"needle in a haystack: {results['model']['name']}, {s['samples']} samples per cell, "
+    lines = [f"needle in a haystack: {evaluated_name(results)}, {s['samples']} samples per cell, "
              f"score = % of values retrieved"]
     for hay in s["haystacks"]:
         tasks = [t for t in s["tasks"] if t in table.get(hay, {})]
@@ -279,7 +281,7 @@ def plot_niah(results, path):
                   for n in lengths]
         image = draw_heatmap(ax, matrix, row_labels, [t.replace("_", "\n") for t in s["tasks"]], "task",
                              "length (x training context)", f"haystack: {hay}")
-    fig.suptitle(f"{results['model']['name']}: needle in a haystack, % of values retrieved "
+    fig.suptitle(f"{evaluated_name(results)}: needle in a haystack, % of values retrieved "
                  f"({s['samples']} samples per cell)", fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=list(axes[0]), fraction=0.03, pad=0.02)
@@ -296,8 +298,8 @@ def main(argv=None):
     ap.add_argument("--data_dir", default=None, help="shards for the text haystack (default: the run's data_dir)")
     ap.add_argument("--samples", type=int, default=10,
                     help="prompts per length, task and haystack (default %(default)s)")
-    add_sweep_args(ap, "niah", "results file name (default %(default)s)")
-    args = ap.parse_args(argv)
+    add_sweep_args(ap, None, "results file name (default: niah[_<overrides>])")
+    args = parse_eval_args(ap, argv)
     split = lambda text: [t.strip() for t in text.split(",") if t.strip()]  # noqa: E731
     try:
         evaluate_niah(args.source, tasks=split(args.tasks), haystacks=split(args.haystacks) if args.haystacks else None,

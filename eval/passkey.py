@@ -26,9 +26,10 @@ import time
 import numpy as np
 
 from data import EOT
-from eval.common import (EvalError, Parser, Sample, add_sweep_args, autocast, draw_heatmap, encode_template,
-                         format_length, load_for_eval, model_device, output_dir, pick_dtype, repeat_haystack,
-                         run_cli, score_length, settings_block, sweep, sweep_lengths, sweep_options, tokenizer)
+from eval.common import (EvalError, Parser, Sample, add_sweep_args, autocast, binomial_interval, draw_heatmap,
+                         encode_template, format_length, load_for_eval, model_device, output_dir, evaluated_name,
+                         parse_eval_args, pick_dtype, repeat_haystack, results_name, run_cli, score_length, set_length,
+                         settings_block, sweep, sweep_lengths, sweep_options, tokenizer)
 from retrieval import GARBAGE, INFO, QUESTION, TASK
 
 DEPTH_MODES = ("equidistant", "beginning", "end", "random")
@@ -105,10 +106,12 @@ def depth_bins(records, bins):
 
 def evaluate_passkey(source, *, lengths=None, max_factor=None, samples=20, depths="equidistant", bins=10, seed=0,
                      given_tokens=0, digits=5, batch_size=8, stop_after_zero=2, out=None, name=None, device="auto",
-                     dtype="auto", attn_impl=None, progress=True, verbose=True):
+                     dtype="auto", attn_impl=None, model_overrides=None, progress=True, verbose=True):
     """Passkey accuracy per length and depth for a run dir, checkpoint file or model object. `lengths` is
     a list of token counts or a --lengths string. Writes <out>/<name>.json after every length (and the
-    .png at the end) when there is an output folder: `out`, or next to the run or checkpoint."""
+    .png at the end) when there is an output folder: `out`, or next to the run or checkpoint.
+    `model_overrides` (eval.common.check_overrides) change shape-free model settings, e.g.
+    {"rope_scaling": "yarn", "rope_factor": "auto"}; the default name then ends with them (passkey_yarn_auto)."""
     if depths not in DEPTH_MODES:
         raise EvalError(f"unknown depth mode {depths!r}; allowed: {', '.join(DEPTH_MODES)}")
     for label, value, low in (("samples", samples, 1), ("bins", bins, 1), ("digits", digits, 1),
@@ -116,7 +119,7 @@ def evaluate_passkey(source, *, lengths=None, max_factor=None, samples=20, depth
                               ("stop_after_zero", stop_after_zero, 0)):
         if value < low:
             raise EvalError(f"{label} must be at least {low}, got {value}")
-    model, info = load_for_eval(source, device, attn_impl)
+    model, info = load_for_eval(source, device, attn_impl, model_overrides)
     block_size = info["config"]["block_size"] if info["config"] else None
     default = lengths is None and not max_factor
     lengths = sweep_lengths(lengths, max_factor, block_size)
@@ -131,6 +134,7 @@ def evaluate_passkey(source, *, lengths=None, max_factor=None, samples=20, depth
     amp_dtype = pick_dtype(dtype, dev)
 
     def measure(length, bar):
+        per_length = set_length(model, model_overrides, length, block_size)  # e.g. the factor of rope_factor=auto
         batch = prompts.samples(length, samples, depths, seed)
         t0 = time.perf_counter()
         scored = score_length(model, batch, batch_size, autocast(dev, amp_dtype), bar)
@@ -140,16 +144,17 @@ def evaluate_passkey(source, *, lengths=None, max_factor=None, samples=20, depth
         row = {"length": length, "factor": length / block_size if block_size else None,
                "accuracy": correct / samples, "correct": correct, "samples": samples,
                "seconds": round(time.perf_counter() - t0, 3), "by_depth": depth_bins(records, bins),
-               "records": records}
+               **per_length, "records": records}
         return [row], row["accuracy"]
 
     settings = settings_block(dev, amp_dtype, getattr(getattr(model, "config", None), "attn_impl", None),
                               lengths=lengths, samples=samples, depth_mode=depths, depth_bins=bins, seed=seed,
                               digits=digits, given_tokens=given_tokens, batch_size=batch_size,
-                              stop_after_zero=stop_after_zero, block_size=block_size)
+                              stop_after_zero=stop_after_zero, block_size=block_size, model_overrides=model_overrides)
     folder = output_dir(source, out) if (out or isinstance(source, str)) else None
+    name = name or results_name(default_name(depths, given_tokens), model_overrides)
     return sweep("passkey", lengths, measure, info=info, settings=settings, work_per_length=samples,
-                 stop_after_zero=stop_after_zero, folder=folder, name=name or default_name(depths, given_tokens),
+                 stop_after_zero=stop_after_zero, folder=folder, name=name,
                  plot=plot_passkey, table=format_table, progress=progress, verbose=verbose)
 
 
@@ -160,15 +165,17 @@ def default_name(depths, given_tokens):
 
 def format_table(results):
     s = results["settings"]
-    lines = [f"passkey accuracy: {results['model']['name']}, {s['samples']} samples per length, depths "
+    lines = [f"passkey accuracy: {evaluated_name(results)}, {s['samples']} samples per length, depths "
              f"{s['depth_mode']}" + (f", first {s['given_tokens']} key token(s) given" if s["given_tokens"] else ""),
              "",
-             "| length | x context | accuracy | by depth, 0 -> 1 (%) | seconds |",
-             "|---:|---:|---:|:---|---:|"]
+             "| length | x context | accuracy | 95% interval | by depth, 0 -> 1 (%) | seconds |",
+             "|---:|---:|---:|---:|:---|---:|"]
     for r in results["results"]:
         by_depth = " ".join("  -" if b["accuracy"] is None else f"{100 * b['accuracy']:3.0f}" for b in r["by_depth"])
         factor = f"{r['factor']:.3g}" if r["factor"] is not None else "—"
-        lines.append(f"| {r['length']:,} | {factor} | {100 * r['accuracy']:.0f}% | `{by_depth}` | {r['seconds']:.1f} |")
+        low, high = binomial_interval(r["correct"], r["samples"])
+        lines.append(f"| {r['length']:,} | {factor} | {100 * r['accuracy']:.0f}% | {100 * low:.0f}-{100 * high:.0f}% | "
+                     f"`{by_depth}` | {r['seconds']:.1f} |")
     if results["stopped"]:
         lines.append(f"\nstopped before length {results['stopped']['length']:,}: {results['stopped']['reason']}")
     return "\n".join(lines)
@@ -191,7 +198,7 @@ def plot_passkey(results, path):
     if rows:
         image = draw_heatmap(ax, matrix, row_labels, col_labels, "depth of the key (fraction of the haystack)",
                              "length (x context), accuracy",
-                             f"{results['model']['name']}: passkey accuracy (%)\n{s['samples']} samples per length, "
+                             f"{evaluated_name(results)}: passkey accuracy (%)\n{s['samples']} samples per length, "
                              f"{s['depth_mode']} depths"
                              + (f", {s['given_tokens']} key token given" if s["given_tokens"] else ""))
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="accuracy")
@@ -212,8 +219,8 @@ def main(argv=None):
     ap.add_argument("--given_tokens", type=int, default=0,
                     help="leading key tokens given and not scored; 1 = the paper's first-digit variant")
     ap.add_argument("--digits", type=int, default=5)
-    add_sweep_args(ap, None, "results file name (default: passkey[_<depths>][_given<N>])")
-    args = ap.parse_args(argv)
+    add_sweep_args(ap, None, "results file name (default: passkey[_<depths>][_given<N>][_<overrides>])")
+    args = parse_eval_args(ap, argv)
     try:
         evaluate_passkey(args.source, samples=args.samples, depths=args.depths, bins=args.depth_bins,
                          given_tokens=args.given_tokens, digits=args.digits, **sweep_options(args))

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from data import EOT, read_shard, shard_paths
-from eval.common import (finish, SCHEMA_VERSION, EvalError, OutOfMemory, Parser, add_model_args, autocast, format_length,
-                         is_out_of_memory, load_for_eval, model_device, output_dir, parse_length, pick_dtype,
-                         plan_batch, progress_bar, run_cli, settings_block, validation_tokens, write_json)
+from eval.common import (SCHEMA_VERSION, EvalError, OutOfMemory, Parser, add_model_args, autocast, evaluated_name, finish,
+                         format_length, is_out_of_memory, load_for_eval, model_device, output_dir, parse_eval_args,
+                         parse_length, pick_dtype, plan_batch, progress_bar, results_name, run_cli, set_length,
+                         settings_block, validation_tokens, write_json)
 
 SOURCES = ("concat", "documents")
 HEAD_CHUNK = 1024  # positions per LM-head call: B x 1024 x vocab fp32 logits at a time
@@ -95,14 +96,14 @@ def window_nll(model, batch, window, amp):
 
 
 def evaluate_perplexity(source, *, length="64x", window=None, num_seqs=8, data_source="concat", data_dir=None,
-                        batch_size=1, out=None, name="perplexity", device="auto", dtype="auto", attn_impl=None,
-                        progress=True, verbose=True):
+                        batch_size=1, out=None, name=None, device="auto", dtype="auto", attn_impl=None,
+                        model_overrides=None, progress=True, verbose=True):
     """Per-window perplexity of one model (run dir, checkpoint or model object) over held-out sequences."""
     if data_source not in SOURCES:
         raise EvalError(f"unknown --source {data_source!r}; allowed: {', '.join(SOURCES)}")
     if num_seqs < 1 or batch_size < 1:
         raise EvalError("num_seqs and batch_size must be at least 1")
-    model, info = load_for_eval(source, device, attn_impl)
+    model, info = load_for_eval(source, device, attn_impl, model_overrides)
     block_size = info["config"]["block_size"]
     length = parse_length(length, block_size) if isinstance(length, str) else int(length)
     window = parse_length(window, block_size) if isinstance(window, str) else int(window or block_size)
@@ -110,6 +111,8 @@ def evaluate_perplexity(source, *, length="64x", window=None, num_seqs=8, data_s
         raise EvalError(f"--window {window} must be between 1 and the length {length}")
     data_dir = data_dir or info.get("data_dir")
     sequences = validation_sequences(data_dir, length, num_seqs, data_source)
+    per_length = set_length(model, model_overrides, length, block_size)  # one length: one factor for "auto"
+    name = name or results_name("perplexity", model_overrides)
     dev = model_device(model)
     amp_dtype = pick_dtype(dtype, dev)
     amp = autocast(dev, amp_dtype)
@@ -121,7 +124,8 @@ def evaluate_perplexity(source, *, length="64x", window=None, num_seqs=8, data_s
     results = {"schema": "perplexity", "schema_version": SCHEMA_VERSION, "model": info,
                "settings": settings_block(dev, amp_dtype, getattr(model.config, "attn_impl", None), length=length,
                                           window=window, num_seqs=num_seqs, source=data_source, data_dir=data_dir,
-                                          batch_size=batch_size, block_size=block_size),
+                                          batch_size=batch_size, block_size=block_size,
+                                          model_overrides=model_overrides, **per_length),
                "sequences": 0, "windows": [], "stopped": None, "complete": False}
     bar = progress_bar(len(sequences), "perplexity") if progress else None
     t0 = time.perf_counter()
@@ -166,7 +170,7 @@ def perplexity_at(results, position):
 
 def format_table(results):
     s = results["settings"]
-    lines = [f"perplexity by position: {results['model']['name']}, {results['sequences']} sequences of "
+    lines = [f"perplexity by position: {evaluated_name(results)}, {results['sequences']} sequences of "
              f"{s['length']:,} tokens ({s['source']}), windows of {s['window']}", "",
              "| window | x context | perplexity |", "|---|---:|---:|"]
     windows = results["windows"]
@@ -191,7 +195,7 @@ def plot_perplexity(runs, path, title=None):
             continue
         ends = [w["end"] for w in windows]
         ax.plot(ends, [w["perplexity"] for w in windows], marker="o", markersize=2.5, color=colors(i % 10),
-                label=f"{results['model']['name']} ({results['sequences']} seqs)")
+                label=f"{evaluated_name(results)} ({results['sequences']} seqs)")
         ax.axvline(results["settings"]["block_size"], color=colors(i % 10), linestyle=":", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: format_length(int(v)) if v >= 1 else f"{v:g}"))
@@ -224,8 +228,8 @@ def main(argv=None):
     ap.add_argument("--compare", default="perplexity_comparison.png",
                     help="with several runs: the plot with one line per run (default %(default)s)")
     ap.add_argument("--no_progress", action="store_true")
-    add_model_args(ap)
-    args = ap.parse_args(argv)
+    add_model_args(ap, window_flag=False)  # --window is the perplexity window here; --attn_window the attention's
+    args = parse_eval_args(ap, argv)
     if args.out and len(args.sources) > 1:
         raise EvalError("--out takes one run; with several, each run's results go to its own eval/ folder")
     runs = []
@@ -235,7 +239,7 @@ def main(argv=None):
                                             data_source=args.source, data_dir=args.data_dir,
                                             batch_size=args.batch_size, out=args.out, device=args.device,
                                             dtype=args.dtype, attn_impl=args.attn_impl,
-                                            progress=not args.no_progress))
+                                            model_overrides=args.model_overrides, progress=not args.no_progress))
     except KeyboardInterrupt:
         print("perplexity: interrupted; the sequences finished so far are saved", file=sys.stderr)
         return 130

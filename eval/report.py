@@ -3,13 +3,18 @@ One markdown report comparing runs, from the results their evaluators saved (not
 
     python -m eval.report runs/bam_ssmax_512 runs/rope_512 runs/alibi_512 --out report.md
 
-Reads RUN/eval/*.json of each run (passkey*.json, niah.json, perplexity.json, priors.json, downstream.json),
+Reads RUN/eval/*.json of each run (passkey*.json, niah*.json, perplexity*.json, priors.json, downstream.json),
 RUN/metrics.jsonl for the tokens trained, and writes: the runs (encoding, size, parameters, tokens), passkey
 accuracy by length, NIAH scores by length and by task, perplexity at chosen positions, downstream task scores
 (lm-evaluation-harness), the prior shape groups, and every
 run's plots side by side (relative links, so the report can be moved together with the run folders).
 Two summary plots are drawn next to the report: <name>_passkey.png and <name>_perplexity.png.
 An evaluation a run does not have is shown as "—".
+
+Results evaluated with model overrides (`--window 512`, `--rope_scaling yarn --rope_factor 16`, ...) form a
+column of their own, named after them: "rope_512: rope + YaRN x16", "rope_512: rope-local (W=512)".
+Retrieval cells give the rate, its Wilson 95% interval and the number of trials, e.g. "45 (26-66, n=20)",
+so a difference between two runs can be told from noise.
 """
 
 import glob
@@ -17,7 +22,8 @@ import json
 import os
 import sys
 
-from eval.common import SCHEMA_VERSION, EvalError, Parser, format_length, output_dir, parse_length, read_json, run_cli
+from eval.common import (SCHEMA_VERSION, EvalError, Parser, binomial_interval, format_length, output_dir,
+                         overrides_label, overrides_suffix, parse_length, read_json, run_cli)
 from eval.perplexity import perplexity_at, plot_perplexity
 
 DASH = "—"
@@ -42,11 +48,45 @@ def run_dir_of(path):
     return None
 
 
-def load_run(path):
+def load_runs(path):
+    """The columns one run contributes: its plain evaluations, then one per set of model overrides."""
     folder = eval_folder(path)
-    run = {"path": path, "folder": folder, "name": os.path.basename(os.path.normpath(path)), "passkey": {},
-           "niah": None, "perplexity": None, "priors": None, "downstream": None, "model": None, "tokens": None,
-           "step": None}
+    name = os.path.basename(os.path.normpath(path))
+    variants = {}
+    for file, results in results_files(folder):
+        overrides = results.get("settings", {}).get("model_overrides") or {}
+        key = json.dumps(overrides, sort_keys=True)
+        run = variants.setdefault(key, empty_run(path, folder, name, overrides))
+        stem = os.path.splitext(os.path.basename(file))[0]
+        suffix = overrides_suffix(overrides)
+        if suffix and stem.endswith("_" + suffix):  # passkey_yarn_x16 sits in the table of passkey
+            stem = stem[:-len(suffix) - 1]
+        schema = results["schema"]
+        if schema == "passkey":
+            run["passkey"][stem] = results
+        else:
+            run[schema] = results
+        run["model"] = run["model"] or results.get("model")
+    runs = [variants.pop(json.dumps({}), None)] + [variants[k] for k in sorted(variants)]
+    runs = [r for r in runs if r] or [empty_run(path, folder, name, {})]
+    for run in runs:
+        if run["overrides"]:
+            config = (run["model"] or {}).get("config") or {}
+            run["name"] = f"{name}: {overrides_label(config.get('pe', '?'), run['overrides'], config.get('ssmax'))}"
+        add_training_state(run, path)
+    if not any(r[k] for r in runs for k in KNOWN):
+        print(f"report: no evaluation results in {folder} (run python -m eval.passkey {path} first)", file=sys.stderr)
+    return runs
+
+
+def empty_run(path, folder, name, overrides):
+    return {"path": path, "folder": folder, "name": name, "overrides": overrides, "passkey": {}, "niah": None,
+            "perplexity": None, "priors": None, "downstream": None, "model": None, "tokens": None,
+            "step": None}
+
+
+def results_files(folder):
+    """(path, results) of every evaluator's JSON in the folder that this report can read."""
     for file in sorted(glob.glob(os.path.join(folder, "*.json"))):
         try:
             results = read_json(file)
@@ -61,11 +101,11 @@ def load_run(path):
                   f"{SCHEMA_VERSION}", file=sys.stderr)
             continue
         results["_png"] = os.path.splitext(file)[0] + ".png"
-        if schema == "passkey":
-            run["passkey"][os.path.splitext(os.path.basename(file))[0]] = results
-        else:
-            run[schema] = results
-        run["model"] = run["model"] or results.get("model")
+        yield file, results
+
+
+def add_training_state(run, path):
+    """The step and tokens trained, from the results or else from the run's metrics.jsonl."""
     if run["model"]:
         run["step"], run["tokens"] = run["model"].get("step"), run["model"].get("tokens_seen")
     run_dir = run_dir_of(path)
@@ -75,13 +115,18 @@ def load_run(path):
             rows = [json.loads(line) for line in f if line.strip()]
         if rows and run["tokens"] is None:
             run["tokens"], run["step"] = rows[-1].get("tokens"), run["step"] or rows[-1].get("step")
-    if not any(run[k] for k in KNOWN):
-        print(f"report: no evaluation results in {folder} (run python -m eval.passkey {path} first)", file=sys.stderr)
-    return run
 
 
 def percent(x):
     return DASH if x is None else f"{100 * x:.0f}"
+
+
+def rate(successes, trials):
+    """A retrieval cell: the rate in %, its Wilson 95% interval and the number of trials."""
+    if not trials:
+        return DASH
+    low, high = binomial_interval(successes, trials)
+    return f"{100 * successes / trials:.0f} ({100 * low:.0f}-{100 * high:.0f}, n={trials})"
 
 
 def human(n):
@@ -113,7 +158,7 @@ def runs_section(runs):
     rows = []
     for r in runs:
         c = (r["model"] or {}).get("config") or {}
-        encoding = f"{c['pe']}{' + ssmax' if c.get('ssmax') else ''}" if c else DASH
+        encoding = overrides_label(c["pe"], r["overrides"], c.get("ssmax")) if c else DASH
         shape = f"{c['n_layer']} x {c['n_embd']}, {c['n_head']} heads" if c else DASH
         m = r["model"] or {}
         rows.append([r["name"], encoding, shape, c.get("block_size", DASH), human(m.get("num_params")),
@@ -132,12 +177,12 @@ def passkey_section(runs):
         present = [r["passkey"][name] for r in runs if name in r["passkey"]]
         s = present[0]["settings"]
         given = f", first {s['given_tokens']} key token(s) given" if s["given_tokens"] else ""
-        lines += [f"**{name}** — accuracy (%) by prompt length; {s['samples']} samples per length, "
-                  f"{s['depth_mode']} depths{given}.", ""]
+        lines += [f"**{name}** — accuracy (%) by prompt length, with its Wilson 95% interval and the number of "
+                  f"prompts; {s['samples']} samples per length, {s['depth_mode']} depths{given}.", ""]
         lengths = sorted({x["length"] for res in present for x in res["results"]})
-        by_run = [{x["length"]: x["accuracy"] for x in r["passkey"][name]["results"]} if name in r["passkey"] else {}
-                  for r in runs]
-        rows = [[length_label(n, runs)] + [percent(acc.get(n)) for acc in by_run] for n in lengths]
+        by_run = [{x["length"]: x for x in r["passkey"][name]["results"]} if name in r["passkey"] else {} for r in runs]
+        rows = [[length_label(n, runs)] + [rate(cells[n]["correct"], cells[n]["samples"]) if n in cells else DASH
+                                           for cells in by_run] for n in lengths]
         lines += table(["length"] + [r["name"] for r in runs], rows) + [""]
     return lines
 
@@ -148,20 +193,22 @@ def niah_section(runs):
     if not present:
         return lines + [f"{DASH} (no run has NIAH results: `python -m eval.niah RUN`)"]
 
-    def mean(values):
-        values = [v for v in values if v is not None]
-        return sum(values) / len(values) if values else None
+    def pooled(rows):  # values retrieved / values asked, over every sample of the rows
+        flags = [ok for x in rows for record in x.get("records", ()) for ok in record["retrieved"]]
+        return rate(sum(flags), len(flags))
 
     lengths = sorted({x["length"] for r in present for x in r["niah"]["results"]})
     cells = sorted({(x["haystack"], x["task"]) for r in present for x in r["niah"]["results"]})
     results = [r["niah"]["results"] if r["niah"] else [] for r in runs]
-    lines += ["% of values retrieved, mean over tasks and haystacks, by length:", ""]
+    note = ("Wilson 95% interval and n = values asked; the values of one prompt are not independent, so the "
+            "interval is somewhat too narrow for the multi-value tasks")
+    lines += [f"% of values retrieved, pooled over tasks and haystacks, by length ({note}):", ""]
     lines += table(["length"] + [r["name"] for r in runs],
-                   [[length_label(n, runs)] + [percent(mean([x["score"] for x in res if x["length"] == n]))
-                                               for res in results] for n in lengths])
-    lines += ["", "% of values retrieved, mean over lengths, by haystack and task:", ""]
+                   [[length_label(n, runs)] + [pooled([x for x in res if x["length"] == n]) for res in results]
+                    for n in lengths])
+    lines += ["", "% of values retrieved, pooled over lengths, by haystack and task:", ""]
     lines += table(["haystack / task"] + [r["name"] for r in runs],
-                   [[f"{h} / {t}"] + [percent(mean([x["score"] for x in res if (x["haystack"], x["task"]) == (h, t)]))
+                   [[f"{h} / {t}"] + [pooled([x for x in res if (x["haystack"], x["task"]) == (h, t)])
                                       for res in results] for h, t in cells])
     return lines
 
@@ -275,7 +322,7 @@ def plot_passkey_lines(runs, path):
 
 
 def write_report(sources, *, out="report.md", positions=None, title="Evaluation report", run_plots=True):
-    runs = [load_run(s) for s in sources]
+    runs = [r for s in sources for r in load_runs(s)]
     names = [r["name"] for r in runs]
     for i, r in enumerate(runs):  # two runs called "eval" or "best" must still be told apart
         if names.count(r["name"]) > 1:
@@ -320,7 +367,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     positions = None
     if args.ppl_at:
-        runs = [load_run(s) for s in args.sources]
+        runs = [r for s in args.sources for r in load_runs(s)]
         base = min((block_size(r) for r in runs if block_size(r)), default=512)
         positions = [parse_length(t, base) for t in args.ppl_at.split(",") if t.strip()]
     written = write_report(args.sources, out=args.out, positions=positions, title=args.title,

@@ -182,7 +182,7 @@ def test_niah_prompts_are_exact_and_the_answers_are_in_the_haystack(task, haysta
 
 PASSKEY_TOP = {"schema", "schema_version", "model", "settings", "results", "stopped", "complete"}
 PASSKEY_SETTINGS = {"lengths", "samples", "depth_mode", "depth_bins", "seed", "digits", "given_tokens", "batch_size",
-                    "stop_after_zero", "block_size", "device", "dtype", "attn_impl", "torch"}
+                    "stop_after_zero", "block_size", "device", "dtype", "attn_impl", "model_overrides", "torch"}
 PASSKEY_ROW = {"length", "factor", "accuracy", "correct", "samples", "seconds", "by_depth", "records"}
 PASSKEY_RECORD = {"depth", "actual_depth", "key", "key_position", "correct", "predicted"}
 MODEL_BLOCK = {"checkpoint", "name", "config", "num_params", "num_params_non_embedding", "step", "tokens_seen",
@@ -460,3 +460,105 @@ def test_user_errors_are_one_line(module, args, message, workspace, capsys):
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and len(err.splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model overrides, binomial intervals
+
+
+def test_binomial_interval_is_wilsons():
+    z2 = 1.959963984540054 ** 2
+    # Closed forms at the edges: 0 of n -> [0, z^2 / (n + z^2)], n of n -> [n / (n + z^2), 1]
+    assert common.binomial_interval(0, 10) == pytest.approx((0.0, z2 / (10 + z2)))
+    assert common.binomial_interval(20, 20) == pytest.approx((20 / (20 + z2), 1.0))
+    assert common.binomial_interval(5, 10) == pytest.approx((0.2365931, 0.7634069), abs=1e-6)  # published value
+    assert common.binomial_interval(3, 0) == (None, None)
+    stats = pytest.importorskip("scipy.stats")
+    for k, n in ((1, 10), (7, 20), (19, 20), (0, 3), (50, 200)):
+        ci = stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+        assert common.binomial_interval(k, n) == pytest.approx((ci.low, ci.high), abs=1e-9)
+
+
+def test_override_names_and_labels():
+    assert common.overrides_suffix({}) == "" and common.results_name("passkey", {}) == "passkey"
+    assert common.results_name("passkey", {"rope_scaling": "yarn", "rope_factor": 16.0}) == "passkey_yarn_x16"
+    assert common.results_name("niah", {"rope_factor": "auto", "rope_scaling": "yarn"}) == "niah_yarn_auto"
+    assert common.results_name("passkey", {"attn_window": 512}) == "passkey_window512"
+    assert common.overrides_suffix({"rope_theta": 1e6, "attn_window": 64}) == "window64_rope_theta1000000"
+    assert common.overrides_label("rope", {"rope_scaling": "yarn", "rope_factor": 16.0}) == "rope + YaRN x16"
+    assert common.overrides_label("rope", {"rope_scaling": "yarn", "rope_factor": "auto"}) == "rope + YaRN auto"
+    assert common.overrides_label("rope", {"attn_window": 512}) == "rope-local (W=512)"
+    assert common.overrides_label("bam", {}, ssmax=True) == "bam + ssmax"
+
+
+def test_overrides_reach_the_model_are_recorded_and_named(workspace, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import sample
+
+    run = str(tmp_path / "rope")
+    shutil.copytree(workspace["rope"], run, ignore=shutil.ignore_patterns("eval"))  # other tests' results
+    seen = []  # (tokens in, rope_factor, attn_window) at every forward: what the model was asked to do
+    forward = Transformer.forward
+    monkeypatch.setattr(Transformer, "forward", lambda self, idx, *a, **k: seen.append(
+        (idx.shape[1], self.config.rope_factor, self.config.attn_window)) or forward(self, idx, *a, **k))
+    common_args = ["--samples", "2", "--no_progress"]
+    assert passkey.main([run, "--lengths", "128", *common_args]) == 0
+    plain = open(os.path.join(run, "eval", "passkey.json")).read()
+    assert passkey.main([run, "--lengths", "128,256", "--rope_scaling", "yarn", "--rope_factor", "auto",
+                         *common_args]) == 0
+    assert {(t, f) for t, f, _ in seen[1:]} == {(128, 2.0), (256, 4.0)}  # length / block_size 64, per length
+    seen.clear()
+    assert passkey.main([run, "--lengths", "128", "--window", "32", "--model.rope_theta=10000", *common_args]) == 0
+    assert {w for _, _, w in seen} == {32}
+    assert open(os.path.join(run, "eval", "passkey.json")).read() == plain  # the plain results are kept
+
+    yarn = json.load(open(os.path.join(run, "eval", "passkey_yarn_auto.json")))
+    assert yarn["settings"]["model_overrides"] == {"rope_scaling": "yarn", "rope_factor": "auto"}
+    assert [r["rope_factor"] for r in yarn["results"]] == [2.0, 4.0]
+    assert yarn["model"]["config"]["rope_factor"] == 1.0  # the model as trained
+    local = json.load(open(os.path.join(run, "eval", "passkey_window32_rope_theta10000.json")))
+    assert local["settings"]["model_overrides"] == {"attn_window": 32, "rope_theta": 10000.0}
+    assert niah.main([run, "--lengths", "300", "--tasks", "single_number", "--haystacks", "repeat",
+                      "--rope_scaling", "yarn", "--rope_factor", "4", *common_args]) == 0
+    assert json.load(open(os.path.join(run, "eval", "niah_yarn_x4.json")))["settings"]["model_overrides"] == {
+        "rope_scaling": "yarn", "rope_factor": 4.0}
+    # eval.perplexity keeps --window for its own windows; the attention window is --attn_window there
+    assert perplexity.main([run, "--length", "2x", "--window", "64", "--attn_window", "16", "--num_seqs", "1",
+                            "--data_dir", workspace["data"], "--no_progress"]) == 0
+    ppl = json.load(open(os.path.join(run, "eval", "perplexity_window16.json")))
+    assert ppl["settings"]["window"] == 64 and ppl["settings"]["model_overrides"] == {"attn_window": 16}
+    capsys.readouterr()
+
+    # The report: one column per set of overrides, named after them, cells with interval and n
+    out = str(tmp_path / "report.md")
+    assert report.main([run, "--out", out]) == 0
+    text = open(out).read()
+    header = next(line for line in text.splitlines() if line.startswith("| length |"))
+    assert header == ("| length | rope | rope: rope-local + ssmax (W=16) "
+                      "| rope: rope-local + ssmax (W=32, rope_theta=10000) "
+                      "| rope: rope + ssmax + YaRN auto | rope: rope + ssmax + YaRN x4 |")
+    section = text.split("## Passkey")[1].split("## Needle")[0]
+    passkey_rows = [line for line in section.splitlines() if line.startswith("| 128 (2x)")]
+    assert len(passkey_rows) == 1 and passkey_rows[0].count("n=2)") == 3, passkey_rows
+
+    assert sample.main([run, "--prompt", "Hi", "--max_new_tokens", "94", "--rope_scaling", "yarn",
+                        "--rope_factor", "auto", "--model.rope_theta=1000"]) == 0
+    # EOT + "Hi" + 94 new tokens = 1.5 x the context of 64
+    assert "rope + ssmax + YaRN auto (rope_theta=1000) (rope_factor 1.5)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model.n_embd=64"], "model.n_embd cannot be overridden on a trained model"),
+    (["--model.ssmax=false"], "model.ssmax cannot be overridden"),
+    (["--model.nonsense=1"], "unknown key 'nonsense' in [model]"),
+    (["--rope_factor", "fast"], "--rope_factor 'fast': use a number (16) or auto"),
+    (["--model.attn_window=wide"], "[model] attn_window = 'wide'"),
+    (["--train.lr=1"], "unrecognized arguments: --train.lr=1"),
+])
+def test_bad_overrides_are_one_line(args, message, workspace, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        common.run_cli(passkey.main, [workspace["rope"], "--lengths", "128", *args])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err

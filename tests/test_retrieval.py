@@ -45,7 +45,24 @@ def test_exact_length_documents(filler, length):
         text = docs.document()
         assert len(enc.encode_ordinary(text)) + 1 == length  # + the EOT that opens it in a shard
         key = re.search(r"The pass key is (\d+)\. Remember it\.", text).group(1)
-        assert text.startswith(TASK) and text.endswith(f"{QUESTION} {key}.")
+        assert text.startswith(TASK) and text.count(f"{QUESTION} {key}.") == 1
+
+
+@pytest.mark.parametrize("filler", ["garbage", "text", "mixed"])
+def test_the_answer_of_exact_documents_moves_within_the_row(filler):
+    """Documents of exactly the context length fill one row each; if the answer always ended the row,
+    its distance from the row's start would be a shortcut a RoPE model can learn (docs/repro.md)."""
+    enc = get_tokenizer()
+    docs = RetrievalDocuments(enc, 128, min_tokens=128, filler=filler, real_sentences=REAL, seed=7)
+    ends = []
+    for _ in range(60):
+        row = torch.tensor([[EOT] + enc.encode_ordinary(docs.document())])
+        assert row.shape[1] == 128
+        answer = passkey_answer_targets(row[:, :-1], row[:, 1:], enc)[0]
+        kept = (answer != -1).nonzero().flatten().tolist()
+        ends.append(kept[-1])  # the position that predicts the answer's full stop
+    assert len(set(ends)) >= 20, sorted(set(ends))
+    assert max(ends) - min(ends) >= 20  # from well inside the row to near its end
 
 
 @pytest.mark.parametrize("digits", [8, 16])

@@ -370,3 +370,53 @@ def test_passkey_answer_loss_counts_every_target_once(tmp_path, passkey_corpus):
     a, b = newest(one)["model"], newest(two)["model"]
     for name in a:
         assert relative_difference(b[name], a[name]) < 1e-5, name
+
+
+def test_init_from_loads_weights_only_and_refuses_other_shapes(tmp_path, synthetic, monkeypatch, capsys):
+    cfg = small_config(tmp_path, synthetic)
+    base, tuned = str(tmp_path / "base"), str(tmp_path / "tuned")
+    short = ["--train.max_steps=2", "--train.warmup_steps=0", "--train.val_every=0"]
+    train.main([cfg, f"--log.out_dir={base}", *short])
+    source = newest(base)
+
+    built = {}
+    build_model = train.build_model
+
+    def recording(*args, **kwargs):  # the model and optimizer as they are before the first step
+        model, optimizer, base_lr = build_model(*args, **kwargs)
+        built.update(weights={k: v.clone() for k, v in model.state_dict().items()}, state=dict(optimizer.state))
+        return model, optimizer, base_lr
+    monkeypatch.setattr(train, "build_model", recording)
+    # The usual context extension: 4x the context, same weights (block_size does not shape a parameter)
+    longer = ["--model.block_size=128", "--train.tokens_per_step=256", "--model.attn_impl=eager"]
+    train.main([cfg, f"--log.out_dir={tuned}", f"--train.init_from={base}", *short, *longer])
+    assert built["weights"].keys() == source["model"].keys()
+    for name, tensor in source["model"].items():
+        assert torch.equal(built["weights"][name], tensor), name
+    assert built["state"] == {}  # a fresh optimizer
+    after = newest(tuned)
+    assert after["step"] == 2 and after["tokens_seen"] == 2 * 256  # a fresh step count and data position
+    assert after["model_config"]["block_size"] == 128
+    assert not torch.equal(after["model"]["tok_emb.weight"], source["model"]["tok_emb.weight"])  # it trained
+    assert load_config(os.path.join(tuned, "config.toml")).train.init_from == base
+
+    # A different width, or SSMax switched off (it owns parameters), is one line and writes nothing.
+    capsys.readouterr()
+    for change, named in (("--model.n_embd=64", "model.n_embd: 32 -> 64"), ("--model.ssmax=false", "model.ssmax")):
+        run = str(tmp_path / "refused")
+        with pytest.raises(SystemExit) as info:
+            train.main([cfg, f"--log.out_dir={run}", f"--train.init_from={base}", *short, change])
+        err = capsys.readouterr().err
+        assert info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert "other parameter shapes" in err and named in err and not os.path.exists(run)
+    # A path without checkpoints is one line too.
+    with pytest.raises(SystemExit):
+        train.main([cfg, f"--log.out_dir={tmp_path / 'refused'}", f"--train.init_from={tmp_path}", *short])
+    err = capsys.readouterr().err
+    assert err.startswith("error: train.init_from") and err.count("\n") == 1, err
+
+    # A run directory that has checkpoints of its own resumes from them: --resume wins over init_from.
+    train.main([cfg, f"--log.out_dir={tuned}", f"--train.init_from={base}", *longer, "--resume",
+                "--train.max_steps=3", "--train.warmup_steps=0", "--train.val_every=0"])
+    out = capsys.readouterr().out
+    assert newest(tuned)["step"] == 3 and "resuming at step 2" in out and "initialised from" not in out
