@@ -61,6 +61,11 @@ class _CacheView:
     def __init__(self, cache):
         self.cache = cache
 
+    def first_key(self, start):
+        """The library's cache keeps every position from 0; a sliding window (attn_window) is then applied by
+        the attention mask, over all of them."""
+        return 0
+
     def update(self, layer, start, k, v):
         cached = self.cache.get_seq_length(layer)
         if cached != start:
