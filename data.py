@@ -81,8 +81,11 @@ def load_gpt2_from_file(path: str):
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:  # a directory, or a file this user cannot read
+        raise RuntimeError(f"cannot read the GPT-2 ranks file {path}: {e.strerror or e}") from None
     if digest != GPT2_TIKTOKEN_SHA256:
         raise RuntimeError(f"{path} is not OpenAI's gpt2.tiktoken (sha256 {digest}, expected "
                            f"{GPT2_TIKTOKEN_SHA256}); delete it and run again")
@@ -178,10 +181,15 @@ def write_shard(path: str, tokens) -> None:
 
 def shard_num_tokens(path: str) -> int:
     """Validate a shard's header against its file size and return its token count."""
-    size = os.path.getsize(path)
+    if os.path.isdir(path):
+        raise ShardError(f"{path} is a directory, not a shard file")
+    try:
+        size = os.path.getsize(path)
+        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    except OSError as e:
+        raise ShardError(f"{path}: cannot read it ({e.strerror or e})") from None
     if size < HEADER_BYTES:
         raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header")
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     magic, version, n = (int(v) for v in header[:3])
     if magic != SHARD_MAGIC:
         raise ShardError(f"{path}: magic {magic}, expected {SHARD_MAGIC} (not an llm.c token shard)")
@@ -200,6 +208,21 @@ def read_shard(path: str) -> np.memmap:
     if n == 0:
         return np.zeros(0, dtype=TOKEN_DTYPE)  # numpy cannot map zero bytes
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n,))
+
+
+def check_token_ids(paths, vocab_size: int, chunk: int = 1 << 24) -> None:
+    """ShardError naming the shard and position of the first token id >= vocab_size. The embedding would
+    otherwise fail with an IndexError deep inside the first forward that meets it (or, on a GPU, an
+    asynchronous device assert); a scan costs about one read of the data, done once before training."""
+    for path in paths:
+        tokens = read_shard(path)
+        for start in range(0, len(tokens), chunk):
+            piece = np.asarray(tokens[start:start + chunk])
+            if piece.size and int(piece.max()) >= vocab_size:
+                where = start + int(np.argmax(piece >= vocab_size))
+                raise ShardError(f"{path}: token {where:,} has id {int(piece[where - start])}, outside the model's "
+                                 f"vocabulary of {vocab_size} (model.vocab_size); these shards were made with "
+                                 f"another tokenizer, or are corrupt")
 
 
 def shard_paths(data_dir: str, split: str) -> list:
@@ -225,9 +248,10 @@ class ShardLoader:
     The state is a position in the stream, the same on every rank, so any rank's `state_dict()`
     restores all ranks, also under a different world size. doc_ids count EOTs along each row
     (an EOT opens a document), so positions with equal doc_ids belong to the same document.
+    With `vocab_size`, every token id of the split is checked against it up front (check_token_ids).
     """
 
-    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1):
+    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1, vocab_size=None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if batch_size < 1 or seq_len < 1:
@@ -238,6 +262,8 @@ class ShardLoader:
         if not self.paths:
             raise FileNotFoundError(f"no {split} shards (*_{split}_*.bin) in {data_dir}")
         self.counts = [shard_num_tokens(p) for p in self.paths]  # validates every header up front
+        if vocab_size is not None:
+            check_token_ids(self.paths, vocab_size)
         counts = self.counts
         self.starts = np.concatenate([[0], np.cumsum(counts)]).tolist()  # stream offset of each shard
         self.num_tokens = self.starts[-1]

@@ -12,9 +12,21 @@ import sys
 
 import torch
 
-from cli import Parser, UserError, run_cli
+from cli import Parser, UserError, describe_os_error, run_cli
 from data import EOT
 from eval.common import autocast, load_for_eval, pick_device, pick_dtype, tokenizer
+
+
+def read_prompt(path):
+    """The text of a prompt file: UTF-8 text, as the tokenizer reads it (not the locale's encoding)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise UserError(describe_os_error(e, "cannot read --prompt_file")) from None
+    except UnicodeDecodeError as e:  # a binary file, or text in another encoding
+        raise UserError(f"--prompt_file {path} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                        f"convert it, e.g. with iconv -t utf-8") from None
 
 
 def main(argv=None):
@@ -32,13 +44,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
         raise UserError("--max_new_tokens and --num_samples must be at least 1, --temperature and --top_k at least 0")
-    prompt = args.prompt
-    if args.prompt_file:
-        try:
-            with open(args.prompt_file) as f:
-                prompt = f.read()
-        except OSError as e:
-            raise UserError(f"cannot read --prompt_file: {e}") from None
+    if args.prompt and args.prompt_file:
+        raise UserError("give --prompt or --prompt_file, not both")
+    prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
 
     device = pick_device(args.device)
     model, info = load_for_eval(args.source, device)
@@ -61,4 +69,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, interrupted="sample.py: interrupted")

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -26,8 +27,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from checkpoint import find_checkpoint, write_text
-from cli import Parser, UserError, run_cli  # noqa: F401  (the evaluators' command lines)
+from checkpoint import atomic_file, find_checkpoint, write_text
+from cli import Parser, UserError, WriteError, describe_os_error, os_reason, run_cli  # noqa: F401  (the evaluators' command lines)
 from model import model_from_checkpoint
 
 SCHEMA_VERSION = 1
@@ -145,6 +146,18 @@ def output_dir(source, out=None):
         stem = os.path.splitext(os.path.basename(source))[0]
         return os.path.join(os.path.dirname(os.path.abspath(source)), "eval", stem)
     raise EvalError("an output folder (--out) is needed when the model is not a run directory or checkpoint")
+
+
+def writable_folder(folder):
+    """Create `folder` if needed and prove that a file can be written in it, before anything is computed: an
+    evaluation that runs for an hour must not find out at the end that its results have nowhere to go."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise EvalError(f"{describe_os_error(e, 'cannot write results to')} (choose another folder with --out)") from None
+    return folder
 
 
 def model_device(model):
@@ -452,9 +465,9 @@ def sweep(schema, lengths, measure, *, info, settings, work_per_length, stop_aft
     sweep stopped early (`stopped`) or that it finished (`complete`)."""
     results = {"schema": schema, "schema_version": SCHEMA_VERSION, "model": info, "settings": settings,
                "results": [], "stopped": None, "complete": False}
-    json_path = os.path.join(folder, f"{name}.json") if folder else None
+    json_path = os.path.join(writable_folder(folder), f"{name}.json") if folder else None
     bar = progress_bar(len(lengths) * work_per_length, schema) if progress else None
-    zero_streak = 0
+    zero_streak, saving = 0, json_path
     try:
         for length in lengths:
             if bar is not None:
@@ -467,8 +480,7 @@ def sweep(schema, lengths, measure, *, info, settings, work_per_length, stop_aft
                       file=sys.stderr)
                 break
             results["results"] += rows
-            if json_path:
-                write_json(json_path, results)
+            saving = save_progress(saving, results, schema)
             zero_streak = zero_streak + 1 if best == 0 else 0
             stopped = zero_stop(zero_streak, stop_after_zero, lengths, length)
             if stopped:
@@ -490,16 +502,49 @@ def zero_stop(zero_streak, stop_after_zero, lengths, length):
     return None
 
 
-def finish(results, json_path, folder, name, plot, table, verbose):
-    """An evaluator's last step: the final JSON and its PNG (when writing), and the table on stdout."""
+def save_progress(json_path, results, schema):
+    """Rewrite the results file after a length (or sequence); a write that fails (a full disk) is said once on
+    stderr and the evaluation goes on: what it measures is kept in memory, and `finish` tries again and, if
+    that fails too, still prints the table. Returns the path to keep writing to (None after a failure)."""
     if json_path:
-        write_json(json_path, results)
-        plot(results, os.path.join(folder, f"{name}.png"))
-    if verbose:
+        try:
+            write_json(json_path, results)
+        except OSError as e:
+            print(f"{schema}: {e}; going on, the results are printed at the end", file=sys.stderr)
+            return None
+    return json_path
+
+
+def finish(results, json_path, folder, name, plot, table, verbose):
+    """An evaluator's last step: the final JSON and its PNG (when writing), and the table on stdout. When the
+    files cannot be written the table is printed all the same, then the error names the file (nothing that
+    was computed is lost)."""
+    failed = None
+    if json_path:
+        try:
+            write_json(json_path, results)
+            plot(results, os.path.join(folder, f"{name}.png"))
+        except OSError as e:
+            failed = e
+    if verbose or failed:
         print(table(results))
-        if json_path:
-            print(f"wrote {json_path} and {name}.png")
+    if failed:
+        message = str(failed) if isinstance(failed, WriteError) else describe_os_error(failed, "cannot write")
+        raise EvalError(f"{message} (the results are in the table above)")
+    if verbose and json_path:
+        print(f"wrote {json_path} and {name}.png")
     return results
+
+
+def save_figure(fig, path, **kwargs):
+    """fig.savefig through the atomic writer: a full disk leaves the previous plot, never half a PNG."""
+    import matplotlib.pyplot as plt
+
+    try:
+        with atomic_file(path, "wb") as f:
+            fig.savefig(f, format="png", **kwargs)
+    finally:
+        plt.close(fig)
 
 
 def write_json(path, obj):
@@ -518,6 +563,23 @@ def _jsonable(value):
 def read_json(path):
     with open(path) as f:
         return json.load(f)
+
+
+def read_metrics(path):
+    """The rows of a metrics.jsonl; a line cut short (a run killed mid-write) or unreadable is skipped."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict):
+                    rows.append(row)
+    except OSError as e:
+        print(f"skipping {path}: {os_reason(e)}", file=sys.stderr)
+    return rows
 
 
 def settings_block(device, dtype, attn_impl, **extra):
