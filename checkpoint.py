@@ -18,6 +18,7 @@ writer never matches a checkpoint name and is removed by the next run.
 import dataclasses
 import glob
 import os
+import tempfile
 from contextlib import contextmanager
 
 import torch
@@ -66,6 +67,7 @@ def atomic_file(path, mode="wb"):
     # The pid keeps two processes that write the same file (e.g. every torchrun rank fetching the
     # tokenizer) from writing into one temp file.
     tmp = f"{path}.tmp-{os.getpid()}"
+    renamed = False
     try:
         os.makedirs(directory, exist_ok=True)
         try:
@@ -74,6 +76,7 @@ def atomic_file(path, mode="wb"):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            renamed = True
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
@@ -88,6 +91,8 @@ def atomic_file(path, mode="wb"):
     except OSError as e:
         if not _is_about(e, path, tmp, directory):
             raise  # the block failed reading some other file: that file is what the error is about
+        if renamed:  # only the folder's fsync failed: the new file is in place, perhaps not yet durable
+            raise WriteError(e, path, "the new file is in place but may not survive a power loss") from e
         kept = "its previous version is unchanged" if os.path.isfile(path) else "nothing was written"
         raise WriteError(e, path, kept) from e
 
@@ -99,6 +104,16 @@ def _is_about(error, path, tmp, directory):
         return True
     name = os.path.abspath(os.fsdecode(error.filename))
     return name in (os.path.abspath(path), os.path.abspath(tmp)) or (directory + os.sep).startswith(name + os.sep)
+
+
+def check_writable(directory):
+    """Create `directory` if needed and write and delete a probe file in it: the OSError a later write would
+    meet (read-only, a file in the way, no permission) comes now, before any work whose results it would
+    take. (Root ignores permission bits, so only trying tells.)"""
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+        pass
+    return directory
 
 
 def write_bytes(path, chunks):

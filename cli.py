@@ -97,7 +97,10 @@ def user_errors(speak=True, interrupted=None):
     except BrokenPipeError:
         # `python sample.py ... | head`: the reader left; nothing to say. Point stdout at /dev/null so that
         # Python's own flush at exit does not raise the same error again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file descriptor (captured, closed)
+            pass
         raise SystemExit(1)
     except OSError as e:
         fail(str(e) if isinstance(e, WriteError) else describe_os_error(e), speak)

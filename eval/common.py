@@ -15,7 +15,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from checkpoint import atomic_file, find_checkpoint, write_text
+from checkpoint import atomic_file, check_writable, find_checkpoint, write_text
 from cli import Parser, UserError, WriteError, describe_os_error, os_reason, run_cli  # noqa: F401  (the evaluators' command lines)
 from model import model_from_checkpoint
 
@@ -152,12 +151,9 @@ def writable_folder(folder):
     """Create `folder` if needed and prove that a file can be written in it, before anything is computed: an
     evaluation that runs for an hour must not find out at the end that its results have nowhere to go."""
     try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
-            pass
+        return check_writable(folder)
     except OSError as e:
         raise EvalError(f"{describe_os_error(e, 'cannot write results to')} (choose another folder with --out)") from None
-    return folder
 
 
 def model_device(model):
