@@ -122,7 +122,7 @@ def check_input_file(path):
             raise PrepareError(f"{path} is not a parquet file (no PAR1 magic bytes at its start and end)")
         return
     if b"\x00" in head:
-        raise PrepareError(f"{path} holds binary data (NUL bytes), not {builder} text")
+        raise PrepareError(f"{path} holds binary data (NUL bytes), not {'JSON' if builder == 'json' else 'plain'} text")
     try:
         codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
     except UnicodeDecodeError as e:

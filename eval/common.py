@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+import zipfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -28,6 +29,7 @@ from tqdm import tqdm
 
 from checkpoint import atomic_file, check_writable, find_checkpoint, write_text
 from cli import Parser, UserError, WriteError, describe_os_error, os_reason, run_cli  # noqa: F401  (the evaluators' command lines)
+from data import EOT
 from model import model_from_checkpoint
 
 SCHEMA_VERSION = 1
@@ -147,13 +149,13 @@ def output_dir(source, out=None):
     raise EvalError("an output folder (--out) is needed when the model is not a run directory or checkpoint")
 
 
-def writable_folder(folder):
+def writable_folder(folder, option="--out"):
     """Create `folder` if needed and prove that a file can be written in it, before anything is computed: an
     evaluation that runs for an hour must not find out at the end that its results have nowhere to go."""
     try:
         return check_writable(folder)
     except OSError as e:
-        raise EvalError(f"{describe_os_error(e, 'cannot write results to')} (choose another folder with --out)") from None
+        raise EvalError(f"{describe_os_error(e, 'cannot write results to')} (choose another folder with {option})") from None
 
 
 def model_device(model):
@@ -187,6 +189,8 @@ def load_for_eval(source, device="auto", attn_impl=None):
     if not os.path.exists(source):
         raise EvalError(f"no checkpoint file or run directory at {source}")
     path = resolve_checkpoint(source)
+    if not zipfile.is_zipfile(path):  # torch.save's format; anything else would fail with a puzzling message
+        raise EvalError(f"{path} is not a checkpoint (torch.save writes a zip archive; this file is not one)")
     try:
         # mmap: a training checkpoint also holds the optimizer state, which we never page in
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -197,6 +201,9 @@ def load_for_eval(source, device="auto", attn_impl=None):
     except Exception as e:  # a torn or foreign file: say which, not a traceback
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise EvalError(f"cannot load the checkpoint {path}: {reason}") from None
+    if model.config.vocab_size <= EOT:
+        raise EvalError(f"{path}: the model's vocab_size {model.config.vocab_size} cannot read GPT-2 tokens (ids up to "
+                        f"{EOT}), which every evaluator and sample.py feed it")
     return model.eval(), describe_model(model, path, ckpt)
 
 

@@ -111,6 +111,9 @@ def evaluate_perplexity(source, *, length="64x", window=None, num_seqs=8, data_s
         raise EvalError(f"--window {window} must be between 1 and the length {length}")
     data_dir = data_dir or info.get("data_dir")
     sequences = validation_sequences(data_dir, length, num_seqs, data_source)
+    if sequences.max() >= model.config.vocab_size:  # shards of another tokenizer: an IndexError mid-forward otherwise
+        raise EvalError(f"the validation shards in {data_dir} hold token id {sequences.max()}, outside the model's "
+                        f"vocabulary of {model.config.vocab_size}; they were made with another tokenizer")
     dev = model_device(model)
     amp_dtype = pick_dtype(dtype, dev)
     amp = autocast(dev, amp_dtype)
@@ -229,7 +232,7 @@ def main(argv=None):
     if args.out and len(args.sources) > 1:
         raise EvalError("--out takes one run; with several, each run's results go to its own eval/ folder")
     if len(args.sources) > 1:  # before the first run is evaluated, not after the last
-        writable_folder(os.path.dirname(os.path.abspath(args.compare)))
+        writable_folder(os.path.dirname(os.path.abspath(args.compare)), "--compare")
     runs = []
     for source in args.sources:
         runs.append(evaluate_perplexity(source, length=args.length, window=args.window, num_seqs=args.num_seqs,

@@ -73,8 +73,6 @@ def load_run(path):
         rows = read_metrics(metrics)
         if rows and run["tokens"] is None:
             run["tokens"], run["step"] = rows[-1].get("tokens"), run["step"] or rows[-1].get("step")
-    if not any(run[k] for k in KNOWN):
-        print(f"report: no evaluation results in {folder} (run python -m eval.passkey {path} first)", file=sys.stderr)
     return run
 
 
@@ -253,11 +251,15 @@ def write_report(sources, *, out="report.md", positions=None, title="Evaluation 
     if not any(r[k] for r in runs for k in KNOWN):
         raise EvalError(f"nothing to report: no evaluation results in {', '.join(r['folder'] for r in runs)}; "
                         f"run an evaluator first (python -m eval.passkey RUN)")
+    for r in runs:
+        if not any(r[k] for k in KNOWN):
+            print(f"report: no evaluation results in {r['folder']} (run python -m eval.passkey {r['path']} first)",
+                  file=sys.stderr)
     names = [r["name"] for r in runs]
     for i, r in enumerate(runs):  # two runs called "eval" or "best" must still be told apart
         if names.count(r["name"]) > 1:
             r["name"] = f"{r['name']} ({i + 1})"
-    out_dir = writable_folder(os.path.dirname(os.path.abspath(out)))
+    out_dir = writable_folder(os.path.dirname(os.path.abspath(out)))  # before any plot is drawn
     if os.path.isdir(out):
         raise EvalError(f"--out {out} is a directory; give the markdown file to write, e.g. {os.path.join(out, 'report.md')}")
     stem = os.path.splitext(os.path.abspath(out))[0]
