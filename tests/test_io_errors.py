@@ -471,7 +471,9 @@ def test_sample_prompt_file_is_read_as_utf8(run_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["passkey", "niah", "perplexity", "priors"])
 @pytest.mark.parametrize("source,message", [
-    ("binary.pt", "cannot load the checkpoint"),
+    ("binary.pt", "binary.pt is not a checkpoint (torch.save writes a zip archive"),
+    ("torn.pt", "cannot load the checkpoint"),
+    ("small_vocab", "vocab_size 1000 cannot read GPT-2 tokens"),
     ("empty_dir", "no checkpoint in"),
     ("missing", "no checkpoint file or run directory"),
 ])
@@ -480,6 +482,13 @@ def test_a_source_that_is_not_a_checkpoint(name, source, message, tmp_path, run_
     path = tmp_path / source
     if source == "binary.pt":
         path.write_bytes(BINARY)
+    elif source == "torn.pt":  # a checkpoint cut short: a zip archive without its end
+        save_model(Transformer(ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16)), str(path))
+        whole = path.read_bytes()
+        path.write_bytes(whole[:1000] + whole[-200:])
+    elif source == "small_vocab":
+        save_model(Transformer(ModelConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=16)), str(path / "step_1.pt"))
+        path = path / "step_1.pt"
     elif source == "empty_dir":
         path.mkdir()
     argv = [str(path)] + eval_argv(name, run_dir)[1:]
@@ -514,6 +523,23 @@ def test_report_survives_torn_files_and_checks_its_output(run_dir, tmp_path, cap
     (tmp_path / "file").write_text("x")
     line, _ = one_error_line(run_cli, report.main, [str(tmp_path / "run"), "--out", str(tmp_path / "file" / "r.md")])
     assert f"{tmp_path / 'file'} is a file, not a directory" in line
+
+
+def test_perplexity_checks_the_comparison_plot_folder_first(run_dir, tmp_path, monkeypatch):
+    from eval import perplexity
+    monkeypatch.setattr(perplexity, "window_nll", lambda *a, **k: pytest.fail("computed before checking --compare"))
+    (tmp_path / "plots").write_text("a file")
+    argv = eval_argv("perplexity", run_dir, "--compare", str(tmp_path / "plots" / "cmp.png"))
+    line, _ = one_error_line(run_cli, perplexity.main, argv[:1] + argv)  # the run twice: a comparison
+    assert line.endswith(f"{tmp_path / 'plots'} is a file, not a directory (choose another folder with --compare)")
+
+
+def test_validation_tokens_outside_the_vocabulary(run_dir, tmp_path):
+    from eval import perplexity
+    data.write_shard(str(tmp_path / "f_val_000000.bin"), np.arange(3000)[::-1] * 20)  # ids from 59,980 down
+    line, _ = one_error_line(run_cli, perplexity.main, [run_dir["run"], "--length", "128", "--num_seqs", "1",
+                                                        "--data_dir", str(tmp_path), "--no_progress"])
+    assert "hold token id 59980, outside the model's vocabulary of 50257" in line
 
 
 def test_priors_metrics_that_is_not_a_file(run_dir, tmp_path):
