@@ -28,6 +28,8 @@ from contextlib import contextmanager
 
 import torch
 
+from cli import WriteError
+
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
@@ -64,28 +66,61 @@ def best_path(run_dir):
 @contextmanager
 def atomic_file(path, mode="wb"):
     """A file object to write `path`'s new content into; it replaces `path` only once the block ends
-    without an exception (an exception leaves the old file and no temp file)."""
+    without an exception (an exception leaves the old file and no temp file). An OSError of the write
+    itself (a full disk, a read-only folder, a file where the folder should be) comes out as cli.WriteError:
+    one line that names `path`, not the temp file, and says that the previous `path` is unchanged."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     # The pid keeps two processes that write the same file (e.g. every torchrun rank fetching the
     # tokenizer) from writing into one temp file.
     tmp = f"{path}.tmp-{os.getpid()}"
+    renamed = False
     try:
-        with open(tmp, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    # The rename itself is only durable once the directory entry is on disk.
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        os.makedirs(directory, exist_ok=True)
+        try:
+            with open(tmp, mode) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            renamed = True
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        # The rename itself is only durable once the directory entry is on disk.
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except WriteError:
+        raise  # a nested atomic write already said which file
+    except OSError as e:
+        if not _is_about(e, path, tmp, directory):
+            raise  # the block failed reading some other file: that file is what the error is about
+        if renamed:  # only the folder's fsync failed: the new file is in place, perhaps not yet durable
+            raise WriteError(e, path, "the new file is in place but may not survive a power loss") from e
+        kept = "its previous version is unchanged" if os.path.isfile(path) else "nothing was written"
+        raise WriteError(e, path, kept) from e
+
+
+def _is_about(error, path, tmp, directory):
+    """Whether an OSError is about writing `path`: it names no file, or the file, its temp file, or a folder on
+    the way to it (which makedirs could not create)."""
+    if error.filename is None:
+        return True
+    name = os.path.abspath(os.fsdecode(error.filename))
+    return name in (os.path.abspath(path), os.path.abspath(tmp)) or (directory + os.sep).startswith(name + os.sep)
+
+
+def check_writable(directory):
+    """Create `directory` if needed and write and delete a probe file in it: the OSError a later write would
+    meet (read-only, a file in the way, no permission) comes now, before any work whose results it would
+    take. (Root ignores permission bits, so only trying tells.)"""
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+        pass
+    return directory
 
 
 def replace_dir(finished, path):

@@ -8,16 +8,73 @@ anywhere below a `with user_errors():` (or `run_cli(main)`) becomes
 
     error: data.data_dir = ... holds no shards; make them with prepare_fineweb.py
 
-Exit status 1 for a user error, 2 for arguments argparse cannot read (argparse's own convention).
+An OSError there (a full disk, a read-only or missing folder, a file where a folder should be) is the
+machine's answer to what the user asked for, not a bug, so it becomes one line too, naming the path:
+
+    error: cannot write runs/x/checkpoints/step_00000100.pt: the disk is full (no space left on device)
+
+Exit status 1 for a user error, 2 for arguments argparse cannot read (argparse's own convention), 130
+after Ctrl-C (the shell's convention for SIGINT).
 """
 
 import argparse
+import errno
+import os
 import sys
 from contextlib import contextmanager
 
 
 class UserError(Exception):
     """A mistake the user can fix: a bad setting, a missing file, a run directory in the way."""
+
+
+# What each everyday errno means for the person at the keyboard; strerror's wording for the rest.
+OS_REASONS = {
+    errno.ENOSPC: "the disk is full (no space left on device)",
+    errno.EDQUOT: "the disk quota is full",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOENT: "no such file or directory",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.EISDIR: "it is a directory, not a file",
+    errno.EEXIST: "a file of that name is in the way",
+    errno.ENAMETOOLONG: "the name is too long",
+}
+
+
+def os_reason(e):
+    """Why an OSError happened, in words (no errno number, no path)."""
+    if e.errno in (errno.ENOTDIR, errno.EEXIST) and e.filename is not None:
+        # makedirs and open say only "File exists" / "Not a directory": name the file that is in the way.
+        path = os.path.abspath(os.fsdecode(e.filename))
+        while path != os.path.dirname(path):
+            if os.path.exists(path) and not os.path.isdir(path):
+                return f"{path} is a file, not a directory"
+            path = os.path.dirname(path)
+    if e.errno in OS_REASONS:
+        return OS_REASONS[e.errno]
+    return (e.strerror or str(e) or type(e).__name__).splitlines()[0]
+
+
+def describe_os_error(e, action=None):
+    """One line for an OSError: `<action> <path>: <reason>`; `action` defaults to "cannot use"."""
+    path = e.filename if e.filename is not None else None
+    if path is None:
+        return f"{action or 'input/output error'}: {os_reason(e)}"
+    return f"{action or 'cannot use'} {os.fsdecode(path)}: {os_reason(e)}"
+
+
+class WriteError(OSError):
+    """A file that could not be written (checkpoint.atomic_file raises it): the errno of the failure, the path
+    of the file meant (not of its temp file), and str() is the whole one-line message."""
+
+    def __init__(self, cause, path, note=""):
+        super().__init__(cause.errno, cause.strerror or str(cause), os.fspath(path))
+        self.note = note
+
+    def __str__(self):
+        return f"cannot write {self.filename}: {os_reason(self)}" + (f"; {self.note}" if self.note else "")
 
 
 def fail(message, speak=True, code=1):
@@ -29,17 +86,36 @@ def fail(message, speak=True, code=1):
 
 
 @contextmanager
-def user_errors(speak=True):
-    """Turn a UserError raised inside the block into fail(...)."""
+def user_errors(speak=True, interrupted=None):
+    """Turn a UserError or OSError raised inside the block into fail(...). With `interrupted` (the line to
+    print, e.g. "passkey: interrupted; the lengths finished so far are saved"), Ctrl-C prints it and exits
+    with 130 instead of a traceback."""
     try:
         yield
     except UserError as e:
         fail(e, speak)
+    except BrokenPipeError:
+        # `python sample.py ... | head`: the reader left; nothing to say. Point stdout at /dev/null so that
+        # Python's own flush at exit does not raise the same error again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file descriptor (captured, closed)
+            pass
+        raise SystemExit(1)
+    except OSError as e:
+        fail(str(e) if isinstance(e, WriteError) else describe_os_error(e), speak)
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        if speak:
+            print(f"\n{interrupted}", file=sys.stderr)
+        raise SystemExit(130)
 
 
-def run_cli(main, argv=None):
-    """`main(argv)` as a program: its return value is the exit status, a UserError one line."""
-    with user_errors():
+def run_cli(main, argv=None, interrupted=None):
+    """`main(argv)` as a program: its return value is the exit status, a UserError or OSError one line, and
+    Ctrl-C the line `interrupted` (see user_errors) with status 130."""
+    with user_errors(interrupted=interrupted):
         code = main(argv)
     raise SystemExit(code or 0)
 

@@ -23,6 +23,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
+from cli import os_reason
 from model import ModelConfig
 
 
@@ -115,6 +116,13 @@ def _read_file(path, values, chain):
             file_values = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; give a .toml file (e.g. configs/tiny.toml)") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the config file {path}: {os_reason(e)}") from None
+    except UnicodeDecodeError as e:  # tomllib decodes the bytes itself: a binary or non-UTF-8 file
+        raise ConfigError(f"{path} is not a UTF-8 text file (byte {e.start}: {e.reason}); "
+                          f"a config is a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from None
     base = file_values.pop("base", None)

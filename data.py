@@ -81,8 +81,11 @@ def load_gpt2_from_file(path: str):
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:  # a directory, or a file this user cannot read
+        raise RuntimeError(f"cannot read the GPT-2 ranks file {path}: {e.strerror or e}") from None
     if digest != GPT2_TIKTOKEN_SHA256:
         raise RuntimeError(f"{path} is not OpenAI's gpt2.tiktoken (sha256 {digest}, expected "
                            f"{GPT2_TIKTOKEN_SHA256}); delete it and run again")
@@ -178,10 +181,15 @@ def write_shard(path: str, tokens) -> None:
 
 def shard_num_tokens(path: str) -> int:
     """Validate a shard's header against its file size and return its token count."""
-    size = os.path.getsize(path)
+    if os.path.isdir(path):
+        raise ShardError(f"{path} is a directory, not a shard file")
+    try:
+        size = os.path.getsize(path)
+        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    except OSError as e:
+        raise ShardError(f"{path}: cannot read it ({e.strerror or e})") from None
     if size < HEADER_BYTES:
         raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header")
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     magic, version, n = (int(v) for v in header[:3])
     if magic != SHARD_MAGIC:
         raise ShardError(f"{path}: magic {magic}, expected {SHARD_MAGIC} (not an llm.c token shard)")
@@ -211,10 +219,19 @@ def check_token_ids(tokens, vocab_size: int, where: str) -> None:
                          f"{vocab_size}); raise model.vocab_size or re-tokenize with the GPT-2 tokenizer")
 
 
-def check_shard_tokens(paths, vocab_size: int) -> None:
-    """check_token_ids over whole shards (a memmapped max: about a second per 100M tokens from disk)."""
+def check_shard_tokens(paths, vocab_size: int, chunk: int = 1 << 24) -> None:
+    """ShardError naming the shard and position of the first token id >= vocab_size. The embedding would
+    otherwise fail with an IndexError deep inside the first forward that meets it (or, on a GPU, an
+    asynchronous device assert). A chunked, memmapped scan: about one read of the data."""
     for path in paths:
-        check_token_ids(read_shard(path), vocab_size, path)
+        tokens = read_shard(path)
+        for start in range(0, len(tokens), chunk):
+            piece = np.asarray(tokens[start:start + chunk])
+            if piece.size and int(piece.max()) >= vocab_size:
+                where = start + int(np.argmax(piece >= vocab_size))
+                raise ShardError(f"{path}: token {where:,} has id {int(piece[where - start])}, outside the model's "
+                                 f"vocabulary (model.vocab_size = {vocab_size}); raise model.vocab_size or "
+                                 f"re-tokenize with the GPT-2 tokenizer")
 
 
 def shard_paths(data_dir: str, split: str) -> list:
@@ -240,9 +257,10 @@ class ShardLoader:
     The state is a position in the stream, the same on every rank, so any rank's `state_dict()`
     restores all ranks, also under a different world size. doc_ids count EOTs along each row
     (an EOT opens a document), so positions with equal doc_ids belong to the same document.
+    With `vocab_size`, every token id of the split is checked against it up front (check_shard_tokens).
     """
 
-    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1):
+    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1, vocab_size=None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if batch_size < 1 or seq_len < 1:
@@ -253,6 +271,8 @@ class ShardLoader:
         if not self.paths:
             raise FileNotFoundError(f"no {split} shards (*_{split}_*.bin) in {data_dir}")
         self.counts = [shard_num_tokens(p) for p in self.paths]  # validates every header up front
+        if vocab_size is not None:
+            check_shard_tokens(self.paths, vocab_size)
         counts = self.counts
         self.starts = np.concatenate([[0], np.cumsum(counts)]).tolist()  # stream offset of each shard
         self.num_tokens = self.starts[-1]

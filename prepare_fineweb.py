@@ -29,6 +29,7 @@ re-tokenising them) and produces exactly the shards of an uninterrupted run.
 
 import argparse
 import ast
+import codecs
 import contextlib
 import glob
 import hashlib
@@ -47,8 +48,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from checkpoint import write_bytes
-from cli import Parser, UserError, fail
+from checkpoint import check_writable, write_bytes
+from cli import Parser, UserError, describe_os_error, os_reason, user_errors
 from data import EOT, ShardError, get_tokenizer, shard_num_tokens, write_shard
 
 HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
@@ -101,13 +102,48 @@ def resolve_inputs(patterns) -> list:
     files = []
     for pattern in patterns:
         matches = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)]
+        if not matches and os.path.isdir(os.path.expanduser(pattern)):
+            raise PrepareError(f"--input {pattern!r} is a directory; give its files, e.g. "
+                               f"'{os.path.join(pattern, '*.jsonl')}' or '{os.path.join(pattern, '**', '*.parquet')}'")
         if not matches:
             raise PrepareError(f"--input {pattern!r} matches no files")
         files += matches
     files = sorted(set(os.path.abspath(p) for p in files))
     for path in files:
-        local_builder(path)  # fail on an unsupported type before anything is read
+        check_input_file(path)  # fail on an unsupported or unreadable file before anything is written
     return files
+
+
+SNIFF_BYTES = 1 << 16
+
+
+def check_input_file(path):
+    """Refuse, up front and by name, a file of an unsupported type, one that cannot be read, and one whose
+    start shows it is not what its name says: binary data or non-UTF-8 text in a .txt/.json(l), or a
+    .parquet without parquet's magic bytes. (The rest of a file is checked as it is read.)"""
+    builder = local_builder(path)
+    compressed = path.lower().endswith(COMPRESSIONS)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SNIFF_BYTES)
+            if builder == "parquet" and not compressed and os.path.getsize(path) > 0:
+                f.seek(-min(4, os.path.getsize(path)), os.SEEK_END)
+                tail = f.read(4)
+    except OSError as e:
+        raise PrepareError(f"cannot read --input file {path}: {os_reason(e)}") from None
+    if compressed or not head:
+        return
+    if builder == "parquet":
+        if not (head.startswith(b"PAR1") and tail == b"PAR1"):
+            raise PrepareError(f"{path} is not a parquet file (no PAR1 magic bytes at its start and end)")
+        return
+    if b"\x00" in head:
+        raise PrepareError(f"{path} holds binary data (NUL bytes), not {'JSON' if builder == 'json' else 'plain'} text")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. with "
+                           f"iconv -t utf-8") from None
 
 
 def local_builder(path: str) -> str:
@@ -128,19 +164,29 @@ def local_documents(files):
     Files are grouped by type (parquet, json, text, each group in sorted path order); a txt file is
     one document (`sample_by="document"`), parquet and json records need a "text" field.
     """
-    import datasets
     files = [f for f in files if os.path.getsize(f) > 0]  # no documents, and `datasets` trips on them
     for builder in ("parquet", "json", "text"):
-        group = [f for f in files if local_builder(f) == builder]
-        if not group:
-            continue
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=group, split="train", streaming=True, **kwargs)
+        for path in (f for f in files if local_builder(f) == builder):
+            yield from file_documents(path, builder)
+
+
+def file_documents(path, builder):
+    """The texts of one local file, streamed by `datasets`; one file at a time, so that a file it cannot
+    read (bad JSON, a torn parquet, invalid UTF-8 further in than check_input_file looks) is named."""
+    import datasets
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        ds = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True, **kwargs)
         for row in ds:
             if "text" not in row:
-                where = group[0] + (f" (or {len(group) - 1} more files)" if len(group) > 1 else "")
-                raise PrepareError(f"records in {where} have no 'text' field (fields: {', '.join(row)})")
+                raise PrepareError(f"records in {path} have no 'text' field (fields: {', '.join(row)})")
             yield row["text"]
+    except UserError:
+        raise
+    except Exception as e:  # whatever the reader of this format raises for a malformed file
+        cause = e.__cause__ or e.__context__ or e  # `datasets` wraps the reader's own error
+        reason = (str(cause) or type(cause).__name__).splitlines()[0][:200]
+        raise PrepareError(f"cannot read {path} as {builder}: {reason}") from None
 
 
 class _HTMLText(html.parser.HTMLParser):
@@ -303,10 +349,15 @@ def _read_manifest(out_dir: str):
     if not os.path.exists(path):
         return None
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise PrepareError(f"{path} is unreadable ({e}); use another --out_dir")
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except OSError as e:
+        raise PrepareError(f"cannot read {path}: {os_reason(e)}; use another --out_dir") from None
+    except ValueError as e:  # torn JSON, or not text at all
+        raise PrepareError(f"{path} is not a manifest this script wrote ({e}); use another --out_dir") from None
+    if not isinstance(manifest, dict):
+        raise PrepareError(f"{path} is not a manifest this script wrote (not a JSON object); use another --out_dir")
+    return manifest
 
 
 def _write_manifest(out_dir: str, manifest: dict):
@@ -536,61 +587,74 @@ def passkey_mixture(documents, args):
     return mix(documents, synthetic, args.retrieval_fraction, lambda text: len(text) // 4)
 
 
+INTERRUPTED = "interrupted: the finished shards are kept; run the same command again to resume"
+
+
+def make_shards(args):
+    """The command's work: (manifest, seconds). Raises PrepareError for what the user can fix."""
+    if args.source in HUB_DATASETS:
+        source = {"kind": args.source, "dataset": HUB_DATASETS[args.source], "sample": args.sample}
+    elif args.source == "hub":
+        source = {"kind": "hub", "dataset": args.dataset, "config": args.config, "split": args.split,
+                  "text_field": args.text_field}
+    elif args.source == "local":
+        files = resolve_inputs(args.input)
+        source = {"kind": "local", "files": [[f, os.path.getsize(f)] for f in files]}
+    elif args.source == "demo":
+        docs = demo_documents(args.workers)
+        corpus = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+        source = {"kind": "demo", "python": sys.version.split()[0],
+                  "sha256": hashlib.sha256(corpus).hexdigest()}
+    else:
+        source = {"kind": "retrieval", "python": sys.version.split()[0]}
+    if args.retrieval_fraction:
+        source["retrieval"] = {k: getattr(args, k) for k in ("retrieval_fraction", "retrieval_length",
+                                                              "retrieval_min_length", "retrieval_filler",
+                                                              "key_digits", "seed")}
+    # Refuse an incompatible or unwritable out_dir before touching the network.
+    _check_out_dir(args.out_dir, _read_manifest(args.out_dir), prefix=args.prefix, source=source,
+                   shard_size=args.shard_size, max_tokens=args.max_tokens)
+    try:
+        check_writable(args.out_dir)
+    except OSError as e:
+        raise PrepareError(f"{describe_os_error(e, 'cannot write shards to')} (choose another --out_dir)") from None
+    try:
+        get_tokenizer()
+    except RuntimeError as e:
+        raise PrepareError(e)
+    if args.source in HUB_DATASETS:
+        documents = hub_documents(HUB_DATASETS[args.source], args.sample)
+    elif args.source == "hub":
+        documents = hub_documents(args.dataset, args.config, args.split, args.text_field)
+    elif args.source == "local":
+        documents = local_documents(files)
+    elif args.source == "retrieval":
+        documents = iter(())
+    else:
+        # Kept next to the shards, where the text is easy to read, and tokenised through the
+        # same `datasets` json reader as any local corpus.
+        corpus_path = os.path.join(args.out_dir, "demo_corpus.jsonl")
+        write_bytes(corpus_path, [corpus])
+        documents = local_documents([corpus_path])
+    if args.retrieval_fraction:
+        documents = passkey_mixture(documents, args)
+    t0 = time.time()
+    manifest = prepare(documents, args.out_dir, source=source, prefix=args.prefix,
+                       shard_size=args.shard_size, max_tokens=args.max_tokens, workers=args.workers)
+    return manifest, time.time() - t0
+
+
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        if args.source in HUB_DATASETS:
-            source = {"kind": args.source, "dataset": HUB_DATASETS[args.source], "sample": args.sample}
-        elif args.source == "hub":
-            source = {"kind": "hub", "dataset": args.dataset, "config": args.config, "split": args.split,
-                      "text_field": args.text_field}
-        elif args.source == "local":
-            files = resolve_inputs(args.input)
-            source = {"kind": "local", "files": [[f, os.path.getsize(f)] for f in files]}
-        elif args.source == "demo":
-            docs = demo_documents(args.workers)
-            corpus = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
-            source = {"kind": "demo", "python": sys.version.split()[0],
-                      "sha256": hashlib.sha256(corpus).hexdigest()}
-        else:
-            source = {"kind": "retrieval", "python": sys.version.split()[0]}
-        if args.retrieval_fraction:
-            source["retrieval"] = {k: getattr(args, k) for k in ("retrieval_fraction", "retrieval_length",
-                                                                  "retrieval_min_length", "retrieval_filler",
-                                                                  "key_digits", "seed")}
-        # Refuse an incompatible out_dir before touching the network or the directory.
-        _check_out_dir(args.out_dir, _read_manifest(args.out_dir), prefix=args.prefix, source=source,
-                       shard_size=args.shard_size, max_tokens=args.max_tokens)
+    # A full disk or an unreadable file is one line too (cli.user_errors); Ctrl-C keeps the finished shards.
+    with user_errors(interrupted=INTERRUPTED):
         try:
-            get_tokenizer()
-        except RuntimeError as e:
-            raise PrepareError(e)
-        if args.source in HUB_DATASETS:
-            documents = hub_documents(HUB_DATASETS[args.source], args.sample)
-        elif args.source == "hub":
-            documents = hub_documents(args.dataset, args.config, args.split, args.text_field)
-        elif args.source == "local":
-            documents = local_documents(files)
-        elif args.source == "retrieval":
-            documents = iter(())
-        else:
-            # Kept next to the shards, where the text is easy to read, and tokenised through the
-            # same `datasets` json reader as any local corpus.
-            corpus_path = os.path.join(args.out_dir, "demo_corpus.jsonl")
-            write_bytes(corpus_path, [corpus])
-            documents = local_documents([corpus_path])
-        if args.retrieval_fraction:
-            documents = passkey_mixture(documents, args)
-        t0 = time.time()
-        manifest = prepare(documents, args.out_dir, source=source, prefix=args.prefix,
-                           shard_size=args.shard_size, max_tokens=args.max_tokens, workers=args.workers)
-    except (UserError, ShardError) as e:  # PrepareError is a UserError
-        fail(e)
-    except KeyboardInterrupt:
-        sys.exit("interrupted: the finished shards are kept; run the same command again to resume")
+            manifest, seconds = make_shards(args)
+        except ShardError as e:  # a shard in out_dir that is not one
+            raise PrepareError(e) from None
     shards = manifest["shards"]
     print(f"{args.out_dir}: {manifest['tokens']:,} tokens from {manifest['documents']:,} documents in "
-          f"{len(shards)} shards (1 val, {len(shards) - 1} train) [{time.time() - t0:.1f}s]")
+          f"{len(shards)} shards (1 val, {len(shards) - 1} train) [{seconds:.1f}s]")
     if len(shards) == 1:
         print(f"warning: everything fit into the validation shard; use a --shard_size below "
               f"{manifest['tokens']} to get training shards", file=sys.stderr)

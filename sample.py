@@ -16,10 +16,22 @@ import sys
 
 import torch
 
-from cli import Parser, UserError, run_cli
+from cli import Parser, UserError, describe_os_error, run_cli
 from data import EOT
 from eval.common import (add_model_args, autocast, load_for_eval, overrides_label, parse_eval_args, pick_device,
                          pick_dtype, set_length, tokenizer)
+
+
+def read_prompt(path):
+    """The text of a prompt file: UTF-8 text, as the tokenizer reads it (not the locale's encoding)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise UserError(describe_os_error(e, "cannot read --prompt_file")) from None
+    except UnicodeDecodeError as e:  # a binary file, or text in another encoding
+        raise UserError(f"--prompt_file {path} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                        f"convert it, e.g. with iconv -t utf-8") from None
 
 
 def main(argv=None):
@@ -36,13 +48,9 @@ def main(argv=None):
     args = parse_eval_args(ap, argv)
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
         raise UserError("--max_new_tokens and --num_samples must be at least 1, --temperature and --top_k at least 0")
-    prompt = args.prompt
-    if args.prompt_file:
-        try:
-            with open(args.prompt_file) as f:
-                prompt = f.read()
-        except OSError as e:
-            raise UserError(f"cannot read --prompt_file: {e}") from None
+    if args.prompt and args.prompt_file:
+        raise UserError("give --prompt or --prompt_file, not both")
+    prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
 
     device = pick_device(args.device)
     model, info = load_for_eval(args.source, device, args.attn_impl, args.model_overrides)
@@ -68,4 +76,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, interrupted="sample.py: interrupted")

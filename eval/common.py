@@ -16,6 +16,7 @@ import math
 import os
 import re
 import sys
+import zipfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -27,9 +28,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from checkpoint import find_checkpoint, write_text
-from cli import Parser, UserError, run_cli  # noqa: F401  (the evaluators' command lines)
+from checkpoint import atomic_file, check_writable, find_checkpoint, write_text
+from cli import Parser, UserError, WriteError, describe_os_error, os_reason, run_cli  # noqa: F401  (the evaluators' command lines)
 from config import SHAPE_FREE_MODEL_KEYS, ConfigError, parse_model_override
+from data import EOT
 from model import model_from_checkpoint
 
 SCHEMA_VERSION = 1
@@ -290,6 +292,15 @@ def output_dir(source, out=None):
     raise EvalError("an output folder (--out) is needed when the model is not a run directory or checkpoint")
 
 
+def writable_folder(folder, option="--out"):
+    """Create `folder` if needed and prove that a file can be written in it, before anything is computed: an
+    evaluation that runs for an hour must not find out at the end that its results have nowhere to go."""
+    try:
+        return check_writable(folder)
+    except OSError as e:
+        raise EvalError(f"{describe_os_error(e, 'cannot write results to')} (choose another folder with {option})") from None
+
+
 def model_device(model):
     tensor = next(iter(model.parameters()), None)
     if tensor is None:
@@ -324,6 +335,8 @@ def load_for_eval(source, device="auto", attn_impl=None, overrides=None):
     if not os.path.exists(source):
         raise EvalError(f"no checkpoint file or run directory at {source}")
     path = resolve_checkpoint(source)
+    if not zipfile.is_zipfile(path):  # torch.save's format; anything else would fail with a puzzling message
+        raise EvalError(f"{path} is not a checkpoint (torch.save writes a zip archive; this file is not one)")
     try:
         # mmap: a training checkpoint also holds the optimizer state, which we never page in
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -333,6 +346,9 @@ def load_for_eval(source, device="auto", attn_impl=None, overrides=None):
     except Exception as e:  # a torn or foreign file: say which, not a traceback
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise EvalError(f"cannot load the checkpoint {path}: {reason}") from None
+    if model.config.vocab_size <= EOT:
+        raise EvalError(f"{path}: the model's vocab_size {model.config.vocab_size} cannot read GPT-2 tokens (ids up to "
+                        f"{EOT}), which every evaluator and sample.py feed it")
     info = describe_model(model, path, ckpt)
     return apply_overrides(model, overrides).eval(), info
 
@@ -599,9 +615,9 @@ def sweep(schema, lengths, measure, *, info, settings, work_per_length, stop_aft
     sweep stopped early (`stopped`) or that it finished (`complete`)."""
     results = {"schema": schema, "schema_version": SCHEMA_VERSION, "model": info, "settings": settings,
                "results": [], "stopped": None, "complete": False}
-    json_path = os.path.join(folder, f"{name}.json") if folder else None
+    json_path = os.path.join(writable_folder(folder), f"{name}.json") if folder else None
     bar = progress_bar(len(lengths) * work_per_length, schema) if progress else None
-    zero_streak = 0
+    zero_streak, saving = 0, json_path
     try:
         for length in lengths:
             if bar is not None:
@@ -614,8 +630,7 @@ def sweep(schema, lengths, measure, *, info, settings, work_per_length, stop_aft
                       file=sys.stderr)
                 break
             results["results"] += rows
-            if json_path:
-                write_json(json_path, results)
+            saving = save_progress(saving, results, schema)
             zero_streak = zero_streak + 1 if best == 0 else 0
             stopped = zero_stop(zero_streak, stop_after_zero, lengths, length)
             if stopped:
@@ -637,15 +652,37 @@ def zero_stop(zero_streak, stop_after_zero, lengths, length):
     return None
 
 
-def finish(results, json_path, folder, name, plot, table, verbose):
-    """An evaluator's last step: the final JSON and its PNG (when writing), and the table on stdout."""
+def save_progress(json_path, results, schema):
+    """Rewrite the results file after a length (or sequence); a write that fails (a full disk) is said once on
+    stderr and the evaluation goes on: what it measures is kept in memory, and `finish` tries again and, if
+    that fails too, still prints the table. Returns the path to keep writing to (None after a failure)."""
     if json_path:
-        write_json(json_path, results)
-        plot(results, os.path.join(folder, f"{name}.png"))
-    if verbose:
+        try:
+            write_json(json_path, results)
+        except OSError as e:
+            print(f"{schema}: {e}; going on, the results are printed at the end", file=sys.stderr)
+            return None
+    return json_path
+
+
+def finish(results, json_path, folder, name, plot, table, verbose):
+    """An evaluator's last step: the final JSON and its PNG (when writing), and the table on stdout. When the
+    files cannot be written the table is printed all the same, then the error names the file (nothing that
+    was computed is lost)."""
+    failed = None
+    if json_path:
+        try:
+            write_json(json_path, results)
+            plot(results, os.path.join(folder, f"{name}.png"))
+        except OSError as e:
+            failed = e
+    if verbose or failed:
         print(table(results))
-        if json_path:
-            print(f"wrote {json_path} and {name}.png")
+    if failed:
+        message = str(failed) if isinstance(failed, WriteError) else describe_os_error(failed, "cannot write")
+        raise EvalError(f"{message} (the results are in the table above)")
+    if verbose and json_path:
+        print(f"wrote {json_path} and {name}.png")
     return results
 
 
@@ -659,6 +696,17 @@ def binomial_interval(successes, trials, z=1.959963984540054):
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def save_figure(fig, path, **kwargs):
+    """fig.savefig through the atomic writer: a full disk leaves the previous plot, never half a PNG."""
+    import matplotlib.pyplot as plt
+
+    try:
+        with atomic_file(path, "wb") as f:
+            fig.savefig(f, format="png", **kwargs)
+    finally:
+        plt.close(fig)
 
 
 def write_json(path, obj):
@@ -677,6 +725,23 @@ def _jsonable(value):
 def read_json(path):
     with open(path) as f:
         return json.load(f)
+
+
+def read_metrics(path):
+    """The rows of a metrics.jsonl; a line cut short (a run killed mid-write) or unreadable is skipped."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict):
+                    rows.append(row)
+    except OSError as e:
+        print(f"skipping {path}: {os_reason(e)}", file=sys.stderr)
+    return rows
 
 
 def settings_block(device, dtype, attn_impl, model_overrides=None, **extra):

@@ -33,10 +33,11 @@ import uuid
 import numpy as np
 
 from data import EOT
-from eval.common import (EvalError, Haystack, Parser, Sample, add_sweep_args, autocast, draw_heatmap, encode_template,
-                         evaluated_name, format_length, load_for_eval, model_device, output_dir, parse_eval_args,
-                         pick_dtype, repeat_haystack, results_name, run_cli, score_length, set_length, settings_block,
-                         sweep, sweep_lengths, sweep_options, tokenizer, validation_tokens)
+from eval.common import (add_sweep_args, autocast, draw_heatmap, encode_template, EvalError, evaluated_name,
+                         format_length, Haystack, load_for_eval, model_device, output_dir, parse_eval_args, Parser,
+                         pick_dtype, repeat_haystack, results_name, run_cli, Sample, save_figure, score_length,
+                         set_length, settings_block, sweep, sweep_lengths, sweep_options, tokenizer,
+                         validation_tokens)
 from retrieval import GARBAGE
 
 # (value kind, needles, of which distractors, keys asked for)
@@ -285,8 +286,7 @@ def plot_niah(results, path):
                  f"({s['samples']} samples per cell)", fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=list(axes[0]), fraction=0.03, pad=0.02)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv=None):
@@ -301,14 +301,10 @@ def main(argv=None):
     add_sweep_args(ap, None, "results file name (default: niah[_<overrides>])")
     args = parse_eval_args(ap, argv)
     split = lambda text: [t.strip() for t in text.split(",") if t.strip()]  # noqa: E731
-    try:
-        evaluate_niah(args.source, tasks=split(args.tasks), haystacks=split(args.haystacks) if args.haystacks else None,
-                      samples=args.samples, data_dir=args.data_dir, **sweep_options(args))
-    except KeyboardInterrupt:
-        print("niah: interrupted; the lengths finished so far are saved", file=sys.stderr)
-        return 130
+    evaluate_niah(args.source, tasks=split(args.tasks), haystacks=split(args.haystacks) if args.haystacks else None,
+                  samples=args.samples, data_dir=args.data_dir, **sweep_options(args))
     return 0
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, interrupted="niah: interrupted; the lengths finished so far are saved")

@@ -20,16 +20,15 @@ so an interruption, or a length that does not fit in memory, keeps everything me
 """
 
 import math
-import sys
 import time
 
 import numpy as np
 
 from data import EOT
-from eval.common import (EvalError, Parser, Sample, add_sweep_args, autocast, binomial_interval, draw_heatmap,
-                         encode_template, format_length, load_for_eval, model_device, output_dir, evaluated_name,
-                         parse_eval_args, pick_dtype, repeat_haystack, results_name, run_cli, score_length, set_length,
-                         settings_block, sweep, sweep_lengths, sweep_options, tokenizer)
+from eval.common import (add_sweep_args, autocast, binomial_interval, draw_heatmap, encode_template, EvalError,
+                         evaluated_name, format_length, load_for_eval, model_device, output_dir, parse_eval_args,
+                         Parser, pick_dtype, repeat_haystack, results_name, run_cli, Sample, save_figure,
+                         score_length, set_length, settings_block, sweep, sweep_lengths, sweep_options, tokenizer)
 from retrieval import GARBAGE, INFO, QUESTION, TASK
 
 DEPTH_MODES = ("equidistant", "beginning", "end", "random")
@@ -205,8 +204,7 @@ def plot_passkey(results, path):
     else:
         ax.text(0.5, 0.5, "no length was evaluated", ha="center", va="center")
         ax.set_axis_off()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv=None):
@@ -221,14 +219,10 @@ def main(argv=None):
     ap.add_argument("--digits", type=int, default=5)
     add_sweep_args(ap, None, "results file name (default: passkey[_<depths>][_given<N>][_<overrides>])")
     args = parse_eval_args(ap, argv)
-    try:
-        evaluate_passkey(args.source, samples=args.samples, depths=args.depths, bins=args.depth_bins,
-                         given_tokens=args.given_tokens, digits=args.digits, **sweep_options(args))
-    except KeyboardInterrupt:
-        print("passkey: interrupted; the lengths finished so far are saved", file=sys.stderr)
-        return 130
+    evaluate_passkey(args.source, samples=args.samples, depths=args.depths, bins=args.depth_bins,
+                     given_tokens=args.given_tokens, digits=args.digits, **sweep_options(args))
     return 0
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, interrupted="passkey: interrupted; the lengths finished so far are saved")

@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from data import EOT, read_shard, shard_paths
-from eval.common import (SCHEMA_VERSION, EvalError, OutOfMemory, Parser, add_model_args, autocast, evaluated_name, finish,
-                         format_length, is_out_of_memory, load_for_eval, model_device, output_dir, parse_eval_args,
-                         parse_length, pick_dtype, plan_batch, progress_bar, results_name, run_cli, set_length,
-                         settings_block, validation_tokens, write_json)
+from eval.common import (add_model_args, autocast, EvalError, evaluated_name, finish, format_length,
+                         is_out_of_memory, load_for_eval, model_device, OutOfMemory, output_dir, parse_eval_args,
+                         parse_length, Parser, pick_dtype, plan_batch, progress_bar, results_name, run_cli,
+                         save_figure, save_progress, SCHEMA_VERSION, set_length, settings_block, validation_tokens,
+                         writable_folder)
 
 SOURCES = ("concat", "documents")
 HEAD_CHUNK = 1024  # positions per LM-head call: B x 1024 x vocab fp32 logits at a time
@@ -111,13 +112,17 @@ def evaluate_perplexity(source, *, length="64x", window=None, num_seqs=8, data_s
         raise EvalError(f"--window {window} must be between 1 and the length {length}")
     data_dir = data_dir or info.get("data_dir")
     sequences = validation_sequences(data_dir, length, num_seqs, data_source)
+    if sequences.max() >= model.config.vocab_size:  # shards of another tokenizer: an IndexError mid-forward otherwise
+        raise EvalError(f"the validation shards in {data_dir} hold token id {sequences.max()}, outside the model's "
+                        f"vocabulary of {model.config.vocab_size}; they were made with another tokenizer")
     per_length = set_length(model, model_overrides, length, block_size)  # one length: one factor for "auto"
     name = name or results_name("perplexity", model_overrides)
     dev = model_device(model)
     amp_dtype = pick_dtype(dtype, dev)
     amp = autocast(dev, amp_dtype)
     folder = output_dir(source, out) if (out or isinstance(source, str)) else None
-    json_path = os.path.join(folder, f"{name}.json") if folder else None
+    json_path = os.path.join(writable_folder(folder), f"{name}.json") if folder else None
+    saving = json_path
     n_windows = math.ceil(length / window)
     counts = np.array([min(window, length - w * window) for w in range(n_windows)], dtype=np.float64)
     totals = np.zeros(n_windows)
@@ -145,8 +150,7 @@ def evaluate_perplexity(source, *, length="64x", window=None, num_seqs=8, data_s
             results["windows"] = [{"start": w * window, "end": min((w + 1) * window, length), "loss": float(loss[w]),
                                    "perplexity": float(math.exp(loss[w]))} for w in range(n_windows)]
             results["seconds"] = round(time.perf_counter() - t0, 3)
-            if json_path:
-                write_json(json_path, results)
+            saving = save_progress(saving, results, "perplexity")
             if bar is not None:
                 bar.update(len(chunk))
         results["complete"] = True
@@ -211,8 +215,7 @@ def plot_perplexity(runs, path, title=None):
     if any(r["windows"] for r in runs):
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv=None):
@@ -232,23 +235,20 @@ def main(argv=None):
     args = parse_eval_args(ap, argv)
     if args.out and len(args.sources) > 1:
         raise EvalError("--out takes one run; with several, each run's results go to its own eval/ folder")
+    if len(args.sources) > 1:  # before the first run is evaluated, not after the last
+        writable_folder(os.path.dirname(os.path.abspath(args.compare)), "--compare")
     runs = []
-    try:
-        for source in args.sources:
-            runs.append(evaluate_perplexity(source, length=args.length, window=args.window, num_seqs=args.num_seqs,
-                                            data_source=args.source, data_dir=args.data_dir,
-                                            batch_size=args.batch_size, out=args.out, device=args.device,
-                                            dtype=args.dtype, attn_impl=args.attn_impl,
-                                            model_overrides=args.model_overrides, progress=not args.no_progress))
-    except KeyboardInterrupt:
-        print("perplexity: interrupted; the sequences finished so far are saved", file=sys.stderr)
-        return 130
+    for source in args.sources:
+        runs.append(evaluate_perplexity(source, length=args.length, window=args.window, num_seqs=args.num_seqs,
+                                        data_source=args.source, data_dir=args.data_dir,
+                                        batch_size=args.batch_size, out=args.out, device=args.device,
+                                        dtype=args.dtype, attn_impl=args.attn_impl,
+                                        model_overrides=args.model_overrides, progress=not args.no_progress))
     if len(runs) > 1:
-        os.makedirs(os.path.dirname(os.path.abspath(args.compare)), exist_ok=True)
         plot_perplexity(runs, args.compare, "perplexity by position, one line per run")
         print(f"wrote {args.compare}")
     return 0
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, interrupted="perplexity: interrupted; the sequences finished so far are saved")

@@ -21,7 +21,6 @@ training step) in RUN/eval. NoPE, RoPE and sinusoidal models have no prior; with
 nothing to show and the command says so and exits 0.
 """
 import glob
-import json
 import math
 import os
 
@@ -29,7 +28,8 @@ import numpy as np
 import torch
 
 from eval.common import (SCHEMA_VERSION, EvalError, Parser, load_for_eval, output_dir, parse_length,
-                         read_json, run_cli, write_json)
+                         read_json, read_metrics, run_cli, save_figure, writable_folder,
+                         write_json)
 
 GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
 
@@ -77,16 +77,9 @@ def bias_curves(model, dist):
 
 def training_history(metrics_path):
     """[(step, prior dict)] from metrics.jsonl rows that logged the prior."""
-    history = []
-    if metrics_path and os.path.isfile(metrics_path):
-        with open(metrics_path) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    row = json.loads(line)
-                    if row.get("prior"):
-                        history.append((row["step"], row["prior"]))
-    return history
+    if not (metrics_path and os.path.isfile(metrics_path)):
+        return []
+    return [(row["step"], row["prior"]) for row in read_metrics(metrics_path) if row.get("prior") and "step" in row]
 
 
 def metrics_file(source):
@@ -102,10 +95,10 @@ def longest_evaluated(folder):
     for path in glob.glob(os.path.join(folder, "*.json")):
         try:
             results = read_json(path)
-        except (OSError, ValueError):
-            continue
-        lengths += [r["length"] for r in results.get("results", []) if isinstance(r, dict) and "length" in r]
-        lengths += [results["settings"]["length"]] if results.get("schema") == "perplexity" else []
+            lengths += [r["length"] for r in results.get("results", []) if isinstance(r, dict) and "length" in r]
+            lengths += [results["settings"]["length"]] if results.get("schema") == "perplexity" else []
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # not one of our results files; the default distance does without it
     return max(lengths, default=None)
 
 
@@ -118,6 +111,8 @@ def evaluate_priors(source, *, max_distance=None, metrics=None, out=None, verbos
             print(f"priors: {info['name']} uses pe={cfg.pe} without SSMax: it has no learned positional prior to show")
         return None
     folder = output_dir(source, out) if (out or isinstance(source, str)) else None
+    if folder:
+        writable_folder(folder)
     if isinstance(max_distance, str):
         max_distance = parse_length(max_distance, cfg.block_size)
     if max_distance is None:
@@ -138,25 +133,36 @@ def evaluate_priors(source, *, max_distance=None, metrics=None, out=None, verbos
                "pe": cfg.pe, "ssmax": cfg.ssmax, "shared_across_layers": len(model.priors) == 1 and cfg.n_layer > 1,
                "groups": groups, "group_rules": prior_groups or None, "heads": rows,
                "training_rows": len(history)}
+    written, failed = [], None
     if folder:
-        os.makedirs(folder, exist_ok=True)
-        write_json(os.path.join(folder, "priors.json"), results)
-        written = ["priors.json"]
-        prior_cls, colors = (type(model.priors[0]) if has_prior else None), group_colors(model)
-        if curves:
-            plot_curves(results, dist, curves, os.path.join(folder, "priors.png"), colors)
-            written.append("priors.png")
-        if any(k not in ("layer", "head", "group", "bias_at", "alibi_slope") for k in rows[0]):  # something learned
-            plot_shapes(results, os.path.join(folder, "priors_shapes.png"), prior_cls, colors)
-            written.append("priors_shapes.png")
-        if history:
-            plot_training(results, history, os.path.join(folder, "priors_training.png"), prior_cls)
-            written.append("priors_training.png")
-    if verbose:
+        try:
+            write_files(results, model, folder, dist, curves, history, written)
+        except OSError as e:
+            failed = e
+    if verbose or failed:
         print(format_table(results))
-        if folder:
-            print(f"wrote {', '.join(written)} in {folder}")
+    if failed:
+        raise EvalError(f"{failed} (the table above has the priors; written before the failure: "
+                        f"{', '.join(written) or 'nothing'})")
+    if verbose and folder:
+        print(f"wrote {', '.join(written)} in {folder}")
     return results
+
+
+def write_files(results, model, folder, dist, curves, history, written):
+    """priors.json and the plots; `written` collects the names of the files done."""
+    write_json(os.path.join(folder, "priors.json"), results)
+    written.append("priors.json")
+    prior_cls, colors = (type(model.priors[0]) if len(model.priors) else None), group_colors(model)
+    if curves:
+        plot_curves(results, dist, curves, os.path.join(folder, "priors.png"), colors)
+        written.append("priors.png")
+    if any(k not in ("layer", "head", "group", "bias_at", "alibi_slope") for k in results["heads"][0]):  # something learned
+        plot_shapes(results, os.path.join(folder, "priors_shapes.png"), prior_cls, colors)
+        written.append("priors_shapes.png")
+    if history:
+        plot_training(results, history, os.path.join(folder, "priors_training.png"), prior_cls)
+        written.append("priors_training.png")
 
 
 def format_table(results):
@@ -214,8 +220,7 @@ def plot_curves(results, dist, curves, path, colors):
     fig.suptitle(f"{results['model']['name']}: positional prior per head" +
                  (" (before SSMax's s log n)" if results["ssmax"] else ""), fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def plot_shapes(results, path, prior_cls, colors):
@@ -236,8 +241,7 @@ def plot_shapes(results, path, prior_cls, colors):
             ax.set_ylabel("heads")
         fig.suptitle(f"{name}: per-head positional parameters of {len(heads)} heads", fontsize=10)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path, dpi=110)
         return
     column, other = prior_cls.GROUP_PARAMETER, prior_cls.SECOND_PARAMETER
     values = np.array([r[column] for r in heads])
@@ -261,8 +265,7 @@ def plot_shapes(results, path, prior_cls, colors):
     ax2.set_ylabel(other)
     ax2.set_title(f"{column} against {other}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def plot_training(results, history, path, prior_cls):
@@ -293,8 +296,7 @@ def plot_training(results, history, path, prior_cls):
     fig.colorbar(sm, ax=list(axes[0]), label="layer", fraction=0.03)
     fig.suptitle(f"{results['model']['name']}: positional parameters during training ({len(steps)} logged steps)",
                  fontsize=10)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, dpi=110, bbox_inches="tight")
 
 
 def main(argv=None):
@@ -307,7 +309,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="output folder (default: RUN/eval)")
     args = ap.parse_args(argv)
     if args.metrics and not os.path.isfile(args.metrics):
-        raise EvalError(f"--metrics {args.metrics} does not exist")
+        raise EvalError(f"--metrics {args.metrics} is not a file (give a run's metrics.jsonl)")
     evaluate_priors(args.source, max_distance=args.max_distance, metrics=args.metrics, out=args.out)
     return 0
 

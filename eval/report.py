@@ -22,8 +22,10 @@ import json
 import os
 import sys
 
+from checkpoint import write_text
 from eval.common import (SCHEMA_VERSION, EvalError, Parser, binomial_interval, format_length, output_dir,
-                         overrides_label, overrides_suffix, parse_length, read_json, run_cli)
+                         overrides_label, overrides_suffix, parse_length, read_json, read_metrics, run_cli,
+                         save_figure, writable_folder)
 from eval.perplexity import perplexity_at, plot_perplexity
 
 DASH = "—"
@@ -111,8 +113,7 @@ def add_training_state(run, path):
     run_dir = run_dir_of(path)
     metrics = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
     if metrics and os.path.isfile(metrics):
-        with open(metrics) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = read_metrics(metrics)
         if rows and run["tokens"] is None:
             run["tokens"], run["step"] = rows[-1].get("tokens"), run["step"] or rows[-1].get("step")
 
@@ -316,19 +317,22 @@ def plot_passkey_lines(runs, path):
     else:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
     return True
 
 
 def write_report(sources, *, out="report.md", positions=None, title="Evaluation report", run_plots=True):
     runs = [r for s in sources for r in load_runs(s)]
+    if not any(r[k] for r in runs for k in KNOWN):
+        raise EvalError(f"nothing to report: no evaluation results in {', '.join(r['folder'] for r in runs)}; "
+                        f"run an evaluator first (python -m eval.passkey RUN)")
     names = [r["name"] for r in runs]
     for i, r in enumerate(runs):  # two runs called "eval" or "best" must still be told apart
         if names.count(r["name"]) > 1:
             r["name"] = f"{r['name']} ({i + 1})"
-    out_dir = os.path.dirname(os.path.abspath(out))
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = writable_folder(os.path.dirname(os.path.abspath(out)))  # before any plot is drawn
+    if os.path.isdir(out):
+        raise EvalError(f"--out {out} is a directory; give the markdown file to write, e.g. {os.path.join(out, 'report.md')}")
     stem = os.path.splitext(os.path.abspath(out))[0]
     if positions is None:
         sizes = [block_size(r) for r in runs if block_size(r)]
@@ -348,8 +352,7 @@ def write_report(sources, *, out="report.md", positions=None, title="Evaluation 
     for section in (runs_section(runs), passkey_section(runs), niah_section(runs), perplexity_section(runs, positions),
                     downstream_section(runs), priors_section(runs), plots_section(runs, out_dir, extra, run_plots)):
         lines += section + [""]
-    with open(out, "w") as f:
-        f.write("\n".join(lines))
+    write_text(out, "\n".join(lines))
     return out
 
 

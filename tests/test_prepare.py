@@ -161,8 +161,11 @@ def test_resume_after_an_interruption_gives_the_same_shards(tmp_path, monkeypatc
         real_write_shard(path, tokens)
 
     monkeypatch.setattr(prepare_fineweb, "write_shard", crash_on_fourth_shard)
-    with pytest.raises(SystemExit, match="interrupted: .* run the same command again to resume"):
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as stop, contextlib.redirect_stderr(stderr):
         main(args + ["--out_dir", str(tmp_path / "resumed")])
+    assert stop.value.code == 130
+    assert stderr.getvalue().strip().endswith(prepare_fineweb.INTERRUPTED)
     assert len(shard_files(tmp_path / "resumed")) == 3
     monkeypatch.setattr(prepare_fineweb, "write_shard", real_write_shard)
 

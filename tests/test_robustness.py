@@ -340,7 +340,7 @@ def test_token_ids_outside_the_vocabulary_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main([small_config(tmp_path, in_val), f"--log.out_dir={run}", "--model.vocab_size=50257"])
     assert capsys.readouterr().err == (
-        f"error: cannot use the shards in {in_val}: {in_val}/x_val_000000.bin holds token id 60000, outside the "
+        f"error: cannot use the shards in {in_val}: {in_val}/x_val_000000.bin: token 1,500 has id 60000, outside the "
         "model's vocabulary (model.vocab_size = 50257); raise model.vocab_size or re-tokenize with the GPT-2 tokenizer\n")
     assert not os.path.exists(run)  # found before anything was written
 
