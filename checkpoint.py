@@ -87,12 +87,7 @@ def atomic_file(path, mode="wb"):
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        # The rename itself is only durable once the directory entry is on disk.
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_dir(directory)  # the rename itself is only durable once the directory entry is on disk
     except WriteError:
         raise  # a nested atomic write already said which file
     except OSError as e:
@@ -123,6 +118,14 @@ def check_writable(directory):
     return directory
 
 
+def _fsync_dir(directory):
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def replace_dir(finished, path):
     """Put the complete folder `finished` (written beside `path`, same filesystem) at `path`: an old `path`
     is moved aside first and removed after, so a whole folder is there at every moment; the parent
@@ -133,11 +136,7 @@ def replace_dir(finished, path):
         aside = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
         os.replace(path, os.path.join(aside, "old"))
     os.replace(finished, path)
-    dir_fd = os.open(parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(parent)
     if aside:
         shutil.rmtree(aside, ignore_errors=True)
 
