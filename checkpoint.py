@@ -111,10 +111,19 @@ def _is_about(error, path, tmp, directory):
 def check_writable(directory):
     """Create `directory` if needed and write and delete a probe file in it: the OSError a later write would
     meet (read-only, a file in the way, no permission) comes now, before any work whose results it would
-    take. (Root ignores permission bits, so only trying tells.)"""
+    take. (Root ignores permission bits, so only trying tells.) Folders it had to create are removed again,
+    so a command refused later leaves nothing behind; the real write creates them."""
+    missing = os.path.abspath(directory)
+    while not os.path.exists(os.path.dirname(missing)) and os.path.dirname(missing) != missing:
+        missing = os.path.dirname(missing)  # the outermost folder that makedirs will create
+    created = not os.path.exists(missing)
     os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
-        pass
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
+    finally:
+        if created:
+            shutil.rmtree(missing, ignore_errors=True)
     return directory
 
 
@@ -243,6 +252,7 @@ def run_dir_lock(run_dir):
     holder. flock is released by the kernel when the holder exits in any way (also SIGKILL), so a crashed
     run never leaves it stuck; it also holds across machines on NFS (Linux emulates it with POSIX locks).
     The directory is created first; OSError (not creatable, read-only) reaches the caller."""
+    created = not os.path.exists(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     f = open(os.path.join(run_dir, LOCK), "a+")
     try:
@@ -257,5 +267,12 @@ def run_dir_lock(run_dir):
         f.write(f"pid {os.getpid()}, host {socket.gethostname()}\n")
         f.flush()
         yield
+    except BaseException:
+        # A run refused before it wrote anything (a bad init_from, changed settings) leaves no directory
+        # behind if it made it: nothing but the lock is in it yet.
+        if created and os.listdir(run_dir) == [LOCK]:
+            os.remove(os.path.join(run_dir, LOCK))
+            os.rmdir(run_dir)
+        raise
     finally:
         f.close()  # releases the lock; the file stays (removing it would race with a process about to lock it)

@@ -430,7 +430,7 @@ class BAMPrior(AdditivePrior):
                 "scale": self.log_scale.exp().tolist(), "loc": (2.0 * torch.sinh(self.loc)).tolist()}
 
     def head_group(self, head):
-        b = float(self.shape[head])
+        b = float(self.shape[head].detach())
         return "local" if b > 0 else ("retrieval" if b >= self.RETRIEVAL_FLOOR else "aggressive")
 
 

@@ -23,7 +23,6 @@ once). docs/training.md, "Preemption and recovery", has the commands.
 
 import argparse
 import dataclasses
-import errno
 import glob
 import json
 import math
@@ -44,7 +43,7 @@ from tqdm import tqdm
 from checkpoint import (CONFIG, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, checkpoint_step, config_path,
                         find_checkpoint, keep_last, load_newest, metrics_path, reject_after, remove_temp_files,
                         run_dir_lock, save_atomic, step_checkpoints, step_path, write_text)
-from cli import Parser, UserError, user_errors
+from cli import Parser, UserError, os_reason, user_errors
 from config import SHAPE_FREE_MODEL_KEYS, ConfigError, check, describe, load_config, to_dict, to_toml
 from data import EOT, ShardLoader, check_shard_tokens, check_token_ids, get_tokenizer
 from model import Transformer
@@ -585,7 +584,7 @@ def lock_run_dir(run_dir, held):
     except RunDirInUse as e:
         raise UserError(e) from None
     except OSError as e:
-        raise UserError(f"log.out_dir = {run_dir!r} cannot be created or written ({e.strerror}: {e.filename}); "
+        raise UserError(f"log.out_dir = {run_dir!r} cannot be created or written ({os_reason(e)}); "
                         "choose another --log.out_dir") from None
 
 
@@ -706,9 +705,8 @@ def writes_to(path):
     try:
         yield
     except OSError as e:
-        reason = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}.get(e.errno, e.strerror)
         kept = step_checkpoints(os.path.dirname(os.path.dirname(path))) if path.endswith(".pt") else []
-        raise UserError(f"cannot write {e.filename or path}: {reason}"
+        raise UserError(f"cannot write {e.filename or path}: {os_reason(e)}"
                         + (f"; the previous checkpoint {kept[-1]} is intact" if kept else "")
                         + "; make room and rerun with --resume") from None
 

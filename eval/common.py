@@ -296,7 +296,9 @@ def writable_folder(folder, option="--out"):
     """Create `folder` if needed and prove that a file can be written in it, before anything is computed: an
     evaluation that runs for an hour must not find out at the end that its results have nowhere to go."""
     try:
-        return check_writable(folder)
+        check_writable(folder)
+        os.makedirs(folder, exist_ok=True)  # the evaluator writes here next (check_writable leaves nothing)
+        return folder
     except OSError as e:
         raise EvalError(f"{describe_os_error(e, 'cannot write results to')} (choose another folder with {option})") from None
 

@@ -213,7 +213,8 @@ def test_disk_full_while_training_keeps_the_previous_checkpoint(tmp_path, shards
     monkeypatch.setattr(torch, "save", save)
     line, _ = one_error_line(train.main, [tiny_config(tmp_path, shards, run_dir)])
     second = run_dir / "checkpoints" / "step_00000002.pt"
-    assert line == f"error: cannot write {second}: the disk is full (no space left on device); nothing was written"
+    assert line == (f"error: cannot write {second}: the disk is full (no space left on device); the previous checkpoint "
+                    f"{run_dir / 'checkpoints' / 'step_00000001.pt'} is intact; make room and rerun with --resume")
     kept = sorted(os.listdir(run_dir / "checkpoints"))
     assert kept == ["step_00000001.pt"]  # no temp file, no torn step 2
     monkeypatch.setattr(torch, "save", real_save)

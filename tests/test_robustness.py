@@ -295,7 +295,8 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
         train.main(args)
     assert info.value.code == 1
     err = capsys.readouterr().err
-    assert error_lines(err) == [f"error: cannot write {run}/checkpoints/step_00000003.pt: the disk is full; the previous "
+    assert error_lines(err) == [f"error: cannot write {run}/checkpoints/step_00000003.pt: the disk is full (no space left "
+                                f"on device); the previous "
                                 f"checkpoint {run}/checkpoints/step_00000002.pt is intact; make room and rerun with --resume"]
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_00000001.pt", "step_00000002.pt"]
     monkeypatch.undo()
@@ -311,8 +312,8 @@ def test_an_unwritable_run_directory_is_one_line(tmp_path, synthetic, capsys):
     with pytest.raises(SystemExit) as info:
         train.main([cfg, f"--log.out_dir={blocker}/run"])
     assert info.value.code == 1
-    assert capsys.readouterr().err == (f"error: log.out_dir = '{blocker}/run' cannot be created or written (Not a "
-                                       f"directory: {blocker}/run); choose another --log.out_dir\n")
+    assert capsys.readouterr().err == (f"error: log.out_dir = '{blocker}/run' cannot be created or written ({blocker} "
+                                       f"is a file, not a directory); choose another --log.out_dir\n")
     if os.geteuid() == 0:
         return  # root writes into read-only directories
     read_only = tmp_path / "read_only"
