@@ -54,7 +54,7 @@ def head_table(model):
             if prior is not None and prior.GROUPS:
                 row["group"] = prior.head_group(head)
             if ssmax:
-                row["ssmax_scale"] = float(ssmax[layer][head])
+                row["ssmax_scale"] = float(ssmax[layer][head].detach())
             rows.append(row)
     return rows
 
