@@ -257,10 +257,9 @@ class ShardLoader:
     The state is a position in the stream, the same on every rank, so any rank's `state_dict()`
     restores all ranks, also under a different world size. doc_ids count EOTs along each row
     (an EOT opens a document), so positions with equal doc_ids belong to the same document.
-    With `vocab_size`, every token id of the split is checked against it up front (check_shard_tokens).
     """
 
-    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1, vocab_size=None):
+    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if batch_size < 1 or seq_len < 1:
@@ -271,8 +270,6 @@ class ShardLoader:
         if not self.paths:
             raise FileNotFoundError(f"no {split} shards (*_{split}_*.bin) in {data_dir}")
         self.counts = [shard_num_tokens(p) for p in self.paths]  # validates every header up front
-        if vocab_size is not None:
-            check_shard_tokens(self.paths, vocab_size)
         counts = self.counts
         self.starts = np.concatenate([[0], np.cumsum(counts)]).tolist()  # stream offset of each shard
         self.num_tokens = self.starts[-1]

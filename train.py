@@ -125,7 +125,7 @@ def next_batch(loader, loss_on, device, vocab_size=None):
     if vocab_size is not None:
         start = loader.position - (loader.world_size - loader.rank) * loader.window  # of this rank's window
         try:
-            for tokens in (x, y):
+            for tokens in (x, y[:, -1]):  # y is x shifted by one: only its last column is new
                 check_token_ids(tokens, vocab_size, f"the {loader.split} split in {loader.data_dir} "
                                                     f"(tokens {start}..{start + loader.window})")
         except ValueError as e:

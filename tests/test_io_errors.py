@@ -226,10 +226,11 @@ def test_token_ids_beyond_the_vocabulary_are_found_before_training(tmp_path):
     tokens[2345] = 60_000  # not GPT-2: e.g. a shard of another tokenizer
     data.write_shard(str(tmp_path / "x_val_000000.bin"), np.arange(100))
     data.write_shard(str(tmp_path / "x_train_000001.bin"), tokens)
+    loader = data.ShardLoader(str(tmp_path), "train", 2, 16)
     with pytest.raises(data.ShardError) as info:
-        data.ShardLoader(str(tmp_path), "train", 2, 16, vocab_size=50304)
+        data.check_shard_tokens(loader.paths, 50304)
     assert str(info.value).startswith(f"{tmp_path / 'x_train_000001.bin'}: token 2,345 has id 60000, outside")
-    loader = data.ShardLoader(str(tmp_path), "train", 2, 16, vocab_size=60_001)  # fits: no complaint
+    data.check_shard_tokens(loader.paths, 60_001)  # fits: no complaint
     data.check_shard_tokens(loader.paths, 60_001, chunk=7)  # and the chunked scan agrees
     with pytest.raises(data.ShardError, match="token 2,345 has id 60000"):
         data.check_shard_tokens(loader.paths, 50304, chunk=7)
