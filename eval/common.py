@@ -212,14 +212,20 @@ def apply_overrides(model, overrides):
     if overrides and cfg is None:
         raise EvalError("model overrides need a model with a config (a run directory or checkpoint)")
     fixed = {k: v for k, v in (overrides or {}).items() if v != "auto"}
-    if not fixed:
-        return model
-    try:
-        dataclasses.replace(cfg, **fixed)  # the same checks as a config file's values
-    except (TypeError, ValueError) as e:
-        raise EvalError(str(e)) from None
-    for key, value in fixed.items():
-        setattr(cfg, key, value)
+    if fixed:
+        try:
+            dataclasses.replace(cfg, **fixed)  # the same checks as a config file's values
+        except (TypeError, ValueError) as e:
+            raise EvalError(str(e)) from None
+        for key, value in fixed.items():
+            setattr(cfg, key, value)
+    if (overrides or {}).get("rope_factor") == "auto":
+        # set_length writes the factor later, past ModelConfig's checks, so they are made here.
+        if cfg.rope_scaling == "none":
+            raise EvalError("--rope_factor auto needs a RoPE scaling method: add --rope_scaling linear, ntk or yarn")
+        if cfg.rope_scaling == "dynamic_ntk":
+            raise EvalError("--rope_factor auto would scale dynamic_ntk twice (it already grows its scale with the "
+                            "length); give a number, 1 for the plain dynamic rule")
     return model
 
 

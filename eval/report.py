@@ -11,8 +11,8 @@ run's plots side by side (relative links, so the report can be moved together wi
 Two summary plots are drawn next to the report: <name>_passkey.png and <name>_perplexity.png.
 An evaluation a run does not have is shown as "—".
 
-Results evaluated with model overrides (`--window 512`, `--rope_scaling yarn --rope_factor 16`, ...) form a
-column of their own, named after them: "rope_512: rope + YaRN x16", "rope_512: rope-local (W=512)".
+Results evaluated with model overrides (`--window 512`, `--rope_scaling yarn --rope_factor 16`, ...) count
+as a run of their own (a row of the passkey table, a column elsewhere), named after them: "rope_512: rope + YaRN x16", "rope_512: rope-local (W=512)".
 Retrieval cells give the rate, its Wilson 95% interval and the number of trials, e.g. "45 (26-66, n=20)",
 so a difference between two runs can be told from noise.
 """
@@ -181,10 +181,13 @@ def passkey_section(runs):
         lines += [f"**{name}** — accuracy (%) by prompt length, with its Wilson 95% interval and the number of "
                   f"prompts; {s['samples']} samples per length, {s['depth_mode']} depths{given}.", ""]
         lengths = sorted({x["length"] for res in present for x in res["results"]})
-        by_run = [{x["length"]: x for x in r["passkey"][name]["results"]} if name in r["passkey"] else {} for r in runs]
-        rows = [[length_label(n, runs)] + [rate(cells[n]["correct"], cells[n]["samples"]) if n in cells else DASH
-                                           for cells in by_run] for n in lengths]
-        lines += table(["length"] + [r["name"] for r in runs], rows) + [""]
+        # One row per run and one column per length, as the paper's tables: many runs stay readable.
+        rows = []
+        for r in (r for r in runs if name in r["passkey"]):
+            cells = {x["length"]: x for x in r["passkey"][name]["results"]}
+            rows.append([r["name"]] + [rate(cells[n]["correct"], cells[n]["samples"]) if n in cells else DASH
+                                       for n in lengths])
+        lines += table(["run"] + [length_label(n, runs) for n in lengths], rows) + [""]
     return lines
 
 

@@ -224,7 +224,8 @@ def test_a_spike_stops_before_it_is_checkpointed_and_the_advice_leads_to_a_healt
     run = str(tmp_path / "run")
     # keep_last = 1 still keeps 2: the newest checkpoint's weights are the ones a spike indicts.
     base = [small_config(tmp_path, synthetic), f"--log.out_dir={run}", "--train.val_every=0", "--train.keep_last=1",
-            "--train.optimizer=adamw", "--train.spike_window=3"]
+            "--train.optimizer=adamw", "--train.spike_window=3",
+            "--train.spike_grad_factor=10"]  # the gradient rule is off by default
     train.main([*base, "--train.max_steps=5"])
     healthy = [r["grad_norm"] for r in rows(run)]
 
@@ -256,7 +257,8 @@ def test_a_spike_stops_before_it_is_checkpointed_and_the_advice_leads_to_a_healt
 
 
 def test_spike_rules():
-    t = train.load_config(None, ["--train.spike_window=4"]).train
+    assert train.load_config(None, []).train.spike_grad_factor == 0  # off unless asked for
+    t = train.load_config(None, ["--train.spike_window=4", "--train.spike_grad_factor=10"]).train
     history = [[3.0, 1.0], [3.1, 1.2], [2.9, 0.8], [3.0, 1.0]]
     assert train.spike(history, 3.2, 1.5, t, 50304) is None
     assert "robust standard deviations" in train.spike(history, 4.0, 1.0, t, 50304)
