@@ -26,6 +26,26 @@ def test_repro_pipeline_smoke(tmp_path):
     report = (runs / "report.md").read_text()
     assert "rope_seed1" in report and "bam_ssmax_seed2" in report
 
+    # configs/repro/rope_extensions.sh on the same grid: RoPE's scaling methods at evaluation time, and a
+    # YaRN fine-tune at 4x the context from the seed-1 weights (train.init_from)
+    env.update(FT_STEPS="2", FT_TOKENS="200000", FT_DATA=str(tmp_path / "data512"))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "rope_extensions.sh")], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    evals = runs / "rope_seed1" / "eval"
+    for name, overrides in [("passkey_window128", {"attn_window": 128}),
+                            ("passkey_linear_auto", {"rope_scaling": "linear", "rope_factor": "auto"}),
+                            ("passkey_ntk_auto", {"rope_scaling": "ntk", "rope_factor": "auto"}),
+                            ("passkey_yarn_auto", {"rope_scaling": "yarn", "rope_factor": "auto"}),
+                            ("passkey_dynamic_ntk", {"rope_scaling": "dynamic_ntk"})]:
+        result = json.loads((evals / f"{name}.json").read_text())
+        assert result["settings"]["model_overrides"] == overrides
+        assert [r["length"] for r in result["results"]] == [128, 256]
+    ft = runs / "rope_yarn_ft_seed1"
+    config = (ft / "config.toml").read_text()
+    assert 'init_from = "' in config and "block_size = 512" in config and 'rope_scaling = "yarn"' in config
+    assert [r["length"] for r in json.loads((ft / "eval" / "passkey.json").read_text())["results"]] == [128, 256]
+
 
 def test_unknown_run_name_is_one_clear_error(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "runs"), DATA=str(tmp_path / "data"), RUNS="rope bogus@3")

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# RoPE's usual ways past its training length, on the RoPE runs of a repro grid (docs/repro.md):
+#  - at evaluation only, on every $OUT/rope_seed*: RoPE-local (keys within the last CONTEXT tokens),
+#    PI (linear), NTK-aware and YaRN scaled per length (--rope_factor auto: length / CONTEXT), and
+#    dynamic NTK, which scales itself with the length;
+#  - context extension: $FT_FROM's weights trained on at 4x the context with YaRN x4
+#    (configs/repro/rope_yarn_ft.toml, train.init_from), then asked at the same lengths.
+#
+#   DIGITS=5 OUT=runs/repro5 bash configs/repro/rope_extensions.sh   # after run.sh trained rope, rope@2
+#   LENGTHS=128,256 SAMPLES=2 FT_STEPS=2 FT_TOKENS=200000 ... bash configs/repro/rope_extensions.sh   # smoke
+#
+# Each evaluation writes its own file (RUN/eval/passkey_yarn_auto.json, ...), so eval.report over the
+# runs gives every method a row of its own.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+OUT=${OUT:-runs/repro}
+DIGITS=${DIGITS:-2}                                   # as the grid was trained (run.sh's DIGITS)
+CONTEXT=${CONTEXT:-128}                               # the grid's training context
+LENGTHS=${LENGTHS:-128,256,512,1024,2048,4096,8192}   # in tokens: 1x ... 64x CONTEXT, for every run alike
+SAMPLES=${SAMPLES:-20}
+FT_FROM=${FT_FROM:-$OUT/rope_seed1}                   # the run whose weights the fine-tune starts from
+FT_DATA=${FT_DATA:-data/repro_$(( 4 * CONTEXT ))_${DIGITS}digits}
+FT_TOKENS=${FT_TOKENS:-2097152}                       # more than 400 steps x 4,096 tokens
+FT_STEPS=${FT_STEPS:-}                                # override rope_yarn_ft.toml's train.max_steps
+
+shopt -s nullglob
+rope_runs=("$OUT"/rope_seed*/)
+(( ${#rope_runs[@]} )) || { echo "error: no $OUT/rope_seed*/ run; train them first (configs/repro/run.sh)" >&2; exit 1; }
+[[ -d $FT_FROM ]] || { echo "error: FT_FROM=$FT_FROM is not a run directory" >&2; exit 1; }
+
+passkey() {  # the grid's passkey settings (run.sh), at lengths in tokens
+  python -m eval.passkey "$@" --lengths "$LENGTHS" --samples "$SAMPLES" --digits "$DIGITS" \
+      --depths equidistant --stop_after_zero 0 --seed 0 --no_progress
+}
+
+for dir in "${rope_runs[@]}"; do
+  dir=${dir%/}
+  echo "== $dir: RoPE-local (W=$CONTEXT), PI, NTK, dynamic NTK, YaRN"
+  passkey "$dir" --window "$CONTEXT"
+  for method in linear ntk yarn; do
+    passkey "$dir" --rope_scaling "$method" --rope_factor auto
+  done
+  passkey "$dir" --rope_scaling dynamic_ntk  # factor 1: the scale is (length / CONTEXT), per forward
+done
+
+echo "== fine-tune $FT_FROM at $(( 4 * CONTEXT )) tokens with YaRN x4"
+python prepare_fineweb.py --source retrieval --retrieval_length $(( 4 * CONTEXT )) \
+    --retrieval_min_length $(( 4 * CONTEXT )) --retrieval_filler garbage --key_digits "$DIGITS" \
+    --max_tokens "$FT_TOKENS" --out_dir "$FT_DATA"
+ft=$OUT/rope_yarn_ft_seed1
+extra=()
+[[ -n $FT_STEPS ]] && extra+=(--train.max_steps="$FT_STEPS")
+[[ -n $FT_STEPS ]] && (( FT_STEPS < 100 )) && extra+=(--train.warmup_steps=0)  # a smoke run: no warmup
+python train.py configs/repro/rope_yarn_ft.toml --train.init_from="$FT_FROM" --data.data_dir="$FT_DATA" \
+    --log.out_dir="$ft" "${extra[@]}"
+passkey "$ft"
+echo "done: results in $OUT/rope_seed*/eval and $ft/eval; python -m eval.report $OUT/*/ compares them"
