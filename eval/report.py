@@ -74,7 +74,10 @@ def load_runs(path):
     for run in runs:
         if run["overrides"]:
             config = (run["model"] or {}).get("config") or {}
-            run["name"] = f"{name}: {overrides_label(config.get('pe', '?'), run['overrides'], config.get('ssmax'))}"
+            shown = dict(run["overrides"])
+            if "rope_factor" in shown and config.get("rope_scaling", "none") != "none":
+                shown.setdefault("rope_scaling", config["rope_scaling"])  # a factor for the run's own method
+            run["name"] = f"{name}: {overrides_label(config.get('pe', '?'), shown, config.get('ssmax'))}"
         add_training_state(run, path)
     if not any(r[k] for r in runs for k in KNOWN):
         print(f"report: no evaluation results in {folder} (run python -m eval.passkey {path} first)", file=sys.stderr)

@@ -565,3 +565,18 @@ def test_bad_overrides_are_one_line(args, message, workspace, capsys):
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
+
+
+def test_report_names_a_factor_by_the_runs_own_scaling_method(tmp_path):
+    # A run fine-tuned with YaRN, evaluated with only --rope_factor auto: the row says YaRN, not "rope auto"
+    folder = tmp_path / "rope_yarn_ft" / "eval"
+    folder.mkdir(parents=True)
+    config = {"pe": "rope", "ssmax": False, "rope_scaling": "yarn", "block_size": 512}
+    for name, overrides in (("passkey", {}), ("passkey_rope_auto", {"rope_factor": "auto"})):
+        (folder / f"{name}.json").write_text(json.dumps({
+            "schema": "passkey", "schema_version": common.SCHEMA_VERSION, "model": {"config": config},
+            "settings": {"model_overrides": overrides, "samples": 2, "depth_mode": "equidistant",
+                         "given_tokens": 0},
+            "results": [{"length": 1024, "correct": 1, "samples": 2}]}))
+    runs = report.load_runs(str(tmp_path / "rope_yarn_ft"))
+    assert [r["name"] for r in runs] == ["rope_yarn_ft", "rope_yarn_ft: rope + YaRN auto"]
