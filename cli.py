@@ -21,7 +21,10 @@ import argparse
 import errno
 import os
 import sys
+import time
 from contextlib import contextmanager
+
+SILENT_RANK_WAIT_S = 10.0  # see fail()
 
 
 class UserError(Exception):
@@ -82,6 +85,11 @@ def fail(message, speak=True, code=1):
     (speak=False on the others), so the line is not printed once per rank."""
     if speak:
         print(f"error: {message}", file=sys.stderr)
+    else:
+        # A silent rank that exits first makes torchrun stop the others, rank 0 included, perhaps before it
+        # has printed the line (seen on a loaded machine); waiting lets rank 0 speak first. torchrun ends
+        # this wait with SIGTERM once rank 0 has exited.
+        time.sleep(SILENT_RANK_WAIT_S)
     raise SystemExit(code)
 
 
