@@ -175,7 +175,7 @@ def plain_number(value):
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-SCALING_NAMES = {"yarn": "YaRN", "ntk": "NTK", "linear": "PI", "pi": "PI"}  # how papers and tables write them
+SCALING_NAMES = {"yarn": "YaRN", "ntk": "NTK", "dynamic_ntk": "dynamic NTK", "linear": "PI", "pi": "PI"}  # as papers write them
 
 
 def overrides_label(pe, overrides, ssmax=False):

@@ -487,6 +487,7 @@ def test_override_names_and_labels():
     assert common.overrides_suffix({"rope_theta": 1e6, "attn_window": 64}) == "window64_rope_theta1000000"
     assert common.overrides_label("rope", {"rope_scaling": "yarn", "rope_factor": 16.0}) == "rope + YaRN x16"
     assert common.overrides_label("rope", {"rope_scaling": "yarn", "rope_factor": "auto"}) == "rope + YaRN auto"
+    assert common.overrides_label("rope", {"rope_scaling": "dynamic_ntk"}) == "rope + dynamic NTK"
     assert common.overrides_label("rope", {"attn_window": 512}) == "rope-local (W=512)"
     assert common.overrides_label("bam", {}, ssmax=True) == "bam + ssmax"
 
