@@ -15,7 +15,6 @@ import io
 import json
 import os
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ import checkpoint
 import data
 from cli import WriteError, describe_os_error, run_cli, user_errors
 from model import ModelConfig, Transformer, save_model
+from test_train import small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -150,27 +150,8 @@ def shards(tmp_path_factory):
 
 
 def tiny_config(tmp_path, data_dir, out_dir):
-    path = tmp_path / "tiny.toml"
-    path.write_text(textwrap.dedent(f"""\
-        [model]
-        n_layer = 1
-        n_embd = 16
-        n_head = 2
-        block_size = 16
-        [data]
-        data_dir = "{data_dir}"
-        batch_size = 2
-        [train]
-        tokens_per_step = 32
-        max_steps = 3
-        val_every = 0
-        ckpt_every = 1
-        compile = false
-        dtype = "float32"
-        [log]
-        out_dir = "{out_dir}"
-        """))
-    return str(path)
+    """test_train's small config, checkpointing every step, no validation, writing to `out_dir`."""
+    return [small_config(tmp_path, data_dir), "--train.val_every=0", f"--log.out_dir={out_dir}"]
 
 
 @pytest.mark.parametrize("content,message", [
@@ -193,7 +174,7 @@ def test_train_config_that_is_not_a_text_file(content, message, tmp_path):
 def test_train_output_folder_under_a_file_is_one_line(tmp_path, shards):
     import train
     (tmp_path / "runs").write_text("a file, not a folder")
-    line, _ = one_error_line(train.main, [tiny_config(tmp_path, shards, tmp_path / "runs" / "x")])
+    line, _ = one_error_line(train.main, tiny_config(tmp_path, shards, tmp_path / "runs" / "x"))
     assert f"{tmp_path / 'runs'} is a file, not a directory" in line
 
 
@@ -211,7 +192,7 @@ def test_disk_full_while_training_keeps_the_previous_checkpoint(tmp_path, shards
         real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", save)
-    line, _ = one_error_line(train.main, [tiny_config(tmp_path, shards, run_dir)])
+    line, _ = one_error_line(train.main, tiny_config(tmp_path, shards, run_dir))
     second = run_dir / "checkpoints" / "step_00000002.pt"
     assert line == (f"error: cannot write {second}: the disk is full (no space left on device); the previous checkpoint "
                     f"{run_dir / 'checkpoints' / 'step_00000001.pt'} is intact; make room and rerun with --resume")
