@@ -294,7 +294,8 @@ def plot_passkey_lines(runs, path):
     import matplotlib.pyplot as plt
 
     many = len(runs) > 6  # then the legend goes to the right of the axes, where it hides no line
-    fig, ax = plt.subplots(figsize=(10.0 if many else 7.5, 4.5 if many else 4.0))
+    # ... and the figure grows with it (about 0.15 inch per legend entry), so no entry is cut off
+    fig, ax = plt.subplots(figsize=(10.0, max(4.5, 0.15 * len(runs) + 1.2)) if many else (7.5, 4.0))
     drawn = False
     for i, r in enumerate(runs):
         res = r["passkey"].get("passkey") or next(iter(r["passkey"].values()), None)
@@ -302,7 +303,7 @@ def plot_passkey_lines(runs, path):
             continue
         xs = [x["length"] for x in res["results"]]
         color = plt.get_cmap("tab10")(i % 10)
-        style = ("-", "--", ":")[i // 10 % 3]  # tab10 has ten colours: more runs change the line
+        style = ("-", "--", ":", "-.")[i // 10 % 4]  # tab10 has ten colours: more runs change the line
         ax.plot(xs, [100 * x["accuracy"] for x in res["results"]], marker="o", label=r["name"], color=color,
                 linestyle=style)
         if block_size(r):
