@@ -60,7 +60,7 @@ def main(argv=None):
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     # Every sample draws from one generator, so a seed fixes all of them (and they still differ)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    label = overrides_label(info["config"]["pe"], args.model_overrides, info["config"]["ssmax"])
+    label = overrides_label(info["config"], args.model_overrides)
     factor = f" (rope_factor {model.config.rope_factor:g})" if args.model_overrides.get("rope_factor") == "auto" else ""
     print(f"{info['name']}: {label}{factor}, {info['num_params']:,} parameters; {len(ids)} prompt tokens",
           file=sys.stderr)

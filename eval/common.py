@@ -178,12 +178,15 @@ def plain_number(value):
 SCALING_NAMES = {"yarn": "YaRN", "ntk": "NTK", "dynamic_ntk": "dynamic NTK", "linear": "PI", "pi": "PI"}  # as papers write them
 
 
-def overrides_label(pe, overrides, ssmax=False):
-    """How a report names an evaluation with model overrides: "rope + YaRN x16", "rope + YaRN auto",
-    "rope-local (W=512)"; other overridden keys follow in the brackets as key=value."""
+def overrides_label(config, overrides):
+    """How a report names an evaluation of a model (its `config` dict) with model overrides: "rope + YaRN x16",
+    "rope + YaRN auto", "rope-local (W=512)"; other overridden keys follow in the brackets as key=value. A factor
+    given alone scales by the model's own method (a run fine-tuned with YaRN), so it is named after it."""
     rest = dict(overrides or {})
     window, scaling, factor = rest.pop("attn_window", 0), rest.pop("rope_scaling", None), rest.pop("rope_factor", None)
-    label = f"{pe}{'-local' if window else ''}{' + ssmax' if ssmax else ''}"
+    if factor is not None and scaling is None:
+        scaling = config.get("rope_scaling")
+    label = f"{config.get('pe', '?')}{'-local' if window else ''}{' + ssmax' if config.get('ssmax') else ''}"
     if scaling and scaling != "none":
         label += f" + {SCALING_NAMES.get(scaling, scaling)}"
     if factor is not None:
@@ -196,7 +199,7 @@ def evaluated_name(results):
     """The model's name in an evaluator's table and plot title, with its overrides when there are any."""
     overrides = results["settings"].get("model_overrides")
     config = results["model"].get("config") or {}
-    label = f" as {overrides_label(config.get('pe'), overrides, config.get('ssmax'))}" if overrides else ""
+    label = f" as {overrides_label(config, overrides)}" if overrides else ""
     return results["model"]["name"] + label
 
 

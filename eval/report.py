@@ -74,10 +74,7 @@ def load_runs(path):
     for run in runs:
         if run["overrides"]:
             config = (run["model"] or {}).get("config") or {}
-            shown = dict(run["overrides"])
-            if "rope_factor" in shown and config.get("rope_scaling", "none") != "none":
-                shown.setdefault("rope_scaling", config["rope_scaling"])  # a factor for the run's own method
-            run["name"] = f"{name}: {overrides_label(config.get('pe', '?'), shown, config.get('ssmax'))}"
+            run["name"] = f"{name}: {overrides_label(config, run['overrides'])}"
         add_training_state(run, path)
     if not any(r[k] for r in runs for k in KNOWN):
         print(f"report: no evaluation results in {folder} (run python -m eval.passkey {path} first)", file=sys.stderr)
@@ -162,7 +159,7 @@ def runs_section(runs):
     rows = []
     for r in runs:
         c = (r["model"] or {}).get("config") or {}
-        encoding = overrides_label(c["pe"], r["overrides"], c.get("ssmax")) if c else DASH
+        encoding = overrides_label(c, r["overrides"]) if c else DASH
         shape = f"{c['n_layer']} x {c['n_embd']}, {c['n_head']} heads" if c else DASH
         m = r["model"] or {}
         rows.append([r["name"], encoding, shape, c.get("block_size", DASH), human(m.get("num_params")),

@@ -485,11 +485,13 @@ def test_override_names_and_labels():
     assert common.results_name("niah", {"rope_factor": "auto", "rope_scaling": "yarn"}) == "niah_yarn_auto"
     assert common.results_name("passkey", {"attn_window": 512}) == "passkey_window512"
     assert common.overrides_suffix({"rope_theta": 1e6, "attn_window": 64}) == "window64_rope_theta1000000"
-    assert common.overrides_label("rope", {"rope_scaling": "yarn", "rope_factor": 16.0}) == "rope + YaRN x16"
-    assert common.overrides_label("rope", {"rope_scaling": "yarn", "rope_factor": "auto"}) == "rope + YaRN auto"
-    assert common.overrides_label("rope", {"rope_scaling": "dynamic_ntk"}) == "rope + dynamic NTK"
-    assert common.overrides_label("rope", {"attn_window": 512}) == "rope-local (W=512)"
-    assert common.overrides_label("bam", {}, ssmax=True) == "bam + ssmax"
+    assert common.overrides_label({"pe": "rope"}, {"rope_scaling": "yarn", "rope_factor": 16.0}) == "rope + YaRN x16"
+    assert common.overrides_label({"pe": "rope"}, {"rope_scaling": "yarn", "rope_factor": "auto"}) == "rope + YaRN auto"
+    assert common.overrides_label({"pe": "rope"}, {"rope_scaling": "dynamic_ntk"}) == "rope + dynamic NTK"
+    assert common.overrides_label({"pe": "rope"}, {"attn_window": 512}) == "rope-local (W=512)"
+    # a factor alone scales by the run's own method, and is named after it
+    assert common.overrides_label({"pe": "rope", "rope_scaling": "yarn"}, {"rope_factor": "auto"}) == "rope + YaRN auto"
+    assert common.overrides_label({"pe": "bam", "ssmax": True}, {}) == "bam + ssmax"
 
 
 def test_overrides_reach_the_model_are_recorded_and_named(workspace, tmp_path, capsys, monkeypatch):
