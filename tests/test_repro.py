@@ -26,6 +26,19 @@ def test_repro_pipeline_smoke(tmp_path):
     report = (runs / "report.md").read_text()
     assert "rope_seed1" in report and "bam_ssmax_seed2" in report
 
+    # The same command again carries the grid on: finished training resumes to its end, complete passkey
+    # results are kept (not recomputed), and a result for other settings is redone.
+    kept = (runs / "rope_seed1" / "eval" / "passkey.json").read_bytes()
+    (runs / "bam_ssmax_seed2" / "eval" / "passkey.json").write_text(
+        (runs / "bam_ssmax_seed2" / "eval" / "passkey.json").read_text().replace('"samples": 2', '"samples": 3'))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "run.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "complete in" in (runs / "rope_seed1.log").read_text()
+    assert (runs / "rope_seed1" / "eval" / "passkey.json").read_bytes() == kept
+    assert "complete in" not in (runs / "bam_ssmax_seed2.log").read_text()
+    assert json.loads((runs / "bam_ssmax_seed2" / "eval" / "passkey.json").read_text())["settings"]["samples"] == 2
+
     # configs/repro/rope_extensions.sh on the same grid: RoPE's scaling methods at evaluation time, and a
     # YaRN fine-tune at 4x the context from the seed-1 weights (train.init_from)
     env.update(FT_STEPS="2", FT_TOKENS="200000", FT_DATA=str(tmp_path / "data512"))

@@ -8,6 +8,10 @@
 #   RUNS="nope bam_ssmax_prior_lr" DIGITS=5 STEPS=2000 TOKENS=8388608 DATA=data/repro5 OUT=runs/repro5 \
 #       bash configs/repro/run.sh            # 5-digit keys: an induction copy, not only a lookup
 #
+# Every step resumes: a run with checkpoints continues from the newest one (train.py --resume), and a
+# passkey result that is complete for the same lengths, samples and digits is kept, so the same
+# command carries a grid across interruptions and sessions.
+#
 # JOBS runs train at a time, each on (cores / JOBS) threads: two single-threaded runs get more done
 # on 2 cores than one run on both. With JOBS > 1 each run's progress bar goes to $OUT/<run>.log
 # (`tail -f runs/repro/*.log` to watch); with JOBS=1 it goes to the terminal.
@@ -35,6 +39,18 @@ TOKENS=${TOKENS:-4194304}
 python prepare_fineweb.py --source retrieval --retrieval_length 128 --retrieval_min_length 128 \
     --retrieval_filler garbage --key_digits "$DIGITS" --max_tokens "$TOKENS" --out_dir "$DATA"
 
+passkey_done() {  # results file: complete, and at the lengths, samples and digits asked for now
+  python - "$1" "$LENGTHS" "$SAMPLES" "$DIGITS" <<'PY' 2>/dev/null
+import json, sys
+path, lengths, samples, digits = sys.argv[1:]
+r = json.load(open(path))
+s = r["settings"]
+asked = sorted(round(float(x[:-1]) * s["block_size"]) if x.endswith("x") else int(x) for x in lengths.split(","))
+sys.exit(0 if r["complete"] and s["lengths"] == asked and s["samples"] == int(samples)
+         and s["digits"] == int(digits) and s["seed"] == 0 else 1)
+PY
+}
+
 one_run() {  # name seed dir: train, then passkey and the learned priors; stops at the first failure
   local name=$1 seed=$2 dir=$3
   local extra=(--data.data_dir="$DATA" --train.seed="$seed" --log.out_dir="$dir")
@@ -43,10 +59,14 @@ one_run() {  # name seed dir: train, then passkey and the learned priors; stops 
   export OMP_NUM_THREADS=$THREADS
   # `|| return 1` on every step: bash ignores set -e inside a function called from an `if`.
   echo "== train $name (seed $seed) -> $dir"
-  python train.py "configs/repro/$name.toml" "${extra[@]}" || return 1
-  echo "== passkey $name (seed $seed)"
-  python -m eval.passkey "$dir" --lengths "$LENGTHS" --samples "$SAMPLES" --digits "$DIGITS" \
-      --depths equidistant --stop_after_zero 0 --seed 0 || return 1
+  python train.py "configs/repro/$name.toml" "${extra[@]}" --resume || return 1
+  if passkey_done "$dir/eval/passkey.json"; then
+    echo "== passkey $name (seed $seed): complete in $dir/eval/passkey.json, kept"
+  else
+    echo "== passkey $name (seed $seed)"
+    python -m eval.passkey "$dir" --lengths "$LENGTHS" --samples "$SAMPLES" --digits "$DIGITS" \
+        --depths equidistant --stop_after_zero 0 --seed 0 || return 1
+  fi
   python -m eval.priors "$dir" || return 1  # NoPE/RoPE/sinusoidal have no prior: it says so, exits 0
 }
 
