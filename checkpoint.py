@@ -24,6 +24,7 @@ import os
 import shutil
 import socket
 import tempfile
+import zipfile
 from contextlib import contextmanager
 
 import torch
@@ -211,6 +212,31 @@ def find_checkpoint(path):
     return path
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (missing, not a checkpoint, torn, foreign); the message names the file."""
+
+
+def load_checkpoint(path, mmap=True):
+    """(file, checkpoint dict) of a checkpoint file or of a run directory's newest checkpoint (find_checkpoint):
+    the one place the repository reads the format. With mmap the tensors stay on disk until read, so loading
+    the weights of a training checkpoint never pages its optimizer state in; a resume that keeps the tensors
+    (the optimizer state) loads without it. Anything unusable is a CheckpointError of one line."""
+    try:
+        file = find_checkpoint(path)
+    except FileNotFoundError as e:
+        raise CheckpointError(str(e)) from None
+    if not zipfile.is_zipfile(file):  # torch.save's format; anything else would fail with a puzzling message
+        raise CheckpointError(f"{file} is not a checkpoint (torch.save writes a zip archive; this file is not one)")
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # a torn zip, a truncated pickle, a file of something else: all unusable
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load the checkpoint {file}: {reason[:200]}") from None
+    if not isinstance(ckpt, dict) or not {"model_config", "model"} <= set(ckpt):
+        raise CheckpointError(f"{file} is not a checkpoint of this repository (it has no model_config and model)")
+    return file, ckpt
+
+
 def keep_last(run_dir, k):
     """Delete all but the newest k step checkpoints (best.pt is not one of them)."""
     for old in step_checkpoints(run_dir)[:-k]:
@@ -235,10 +261,9 @@ def load_newest(paths, warn=print):
     named through `warn` with the reason. (None, None) when none does."""
     for path in reversed(paths):
         try:
-            return path, torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # a torn zip, a truncated pickle, a file of something else: all unusable
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            warn(f"warning: cannot load {path} ({reason[:200]}); trying the one before it")
+            return load_checkpoint(path, mmap=False)
+        except CheckpointError as e:
+            warn(f"warning: {e}; trying the one before it")
     return None, None
 
 

@@ -63,22 +63,14 @@ def check_self_contained(path):
 
 def load_checkpoint(source):
     """(ModelConfig, state dict, checkpoint path) of a run directory or checkpoint file."""
-    from eval.common import EvalError, resolve_checkpoint
+    from checkpoint import CheckpointError, load_checkpoint as load
     from model import ModelConfig
 
-    if not os.path.exists(source):
-        raise ExportError(f"no checkpoint file or run directory at {source}")
     try:
-        path = resolve_checkpoint(source)
-    except EvalError as e:
+        path, ckpt = load(source)
+    except CheckpointError as e:
         raise ExportError(str(e)) from None
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        saved = ckpt["model_config"]
-        state = ckpt["model"]
-    except Exception as e:  # a torn or foreign file: say which, not a traceback
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ExportError(f"cannot read the checkpoint {path}: {reason}") from None
+    saved, state = ckpt["model_config"], ckpt["model"]
     known = {f for f in ModelConfig.__dataclass_fields__}
     unknown = sorted(set(saved) - known)
     if unknown:  # a checkpoint from a newer model.py: exporting would silently drop these settings

@@ -5,7 +5,7 @@ A Llama-style decoder with pluggable positional encodings, read top to bottom:
     registry ENCODINGS -> attention (flex / sdpa / eager)
     -> blocks -> Transformer -> conveniences (optimizer groups, generation, checkpoint loading)
 
-Every additive positional encoding is a *log-prior over relative position* (PAPER.md §1): a bias
+Every additive positional encoding is a *log-prior over relative position* (docs/paper.md §1): a bias
 g_h(i - j) added to the attention logit of head h, query position i and key position j. That bias is
 written once, as a plain torch expression on broadcastable tensors (`positional_scores`), and the
 same expression serves the FlexAttention `score_mod`, the dense bias of the `sdpa` path and the
@@ -25,7 +25,7 @@ ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")
 BAM_INITS = ("alibi", "uniform", "constant", "sampled", "linear")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
 
-# The paper's model sizes (PAPER.md §4), named by their parameter count with the paper's 32,768-token
+# The paper's model sizes (docs/paper.md §4), named by their parameter count with the paper's 32,768-token
 # vocabulary; with GPT-2's 50,257 tokens the counts are higher (`Transformer.num_params` says by how much).
 PRESETS = {
     "49m": dict(n_embd=512, n_layer=6, n_head=16),
@@ -58,12 +58,12 @@ class ModelConfig:
     yarn_beta_fast: float = 32.0  # YaRN's ramp bounds, in rotations per original context (Peng et al. 2023)
     yarn_beta_slow: float = 1.0
     # Sliding-window attention: query i sees key j only if 0 <= i - j < attn_window (and the same
-    # document); 0 is off. RoPE-local (PAPER.md §4) is pe = "rope" with attn_window = block_size.
+    # document); 0 is off. RoPE-local (docs/paper.md §4) is pe = "rope" with attn_window = block_size.
     attn_window: int = 0
     sinusoidal_base: float = 10_000.0
-    ssmax: bool = False  # Scalable-Softmax (Nakanishi 2025), PAPER.md §3
+    ssmax: bool = False  # Scalable-Softmax (Nakanishi 2025), docs/paper.md §3
     attn_impl: str = "auto"  # auto | flex | sdpa | eager
-    # BAM's Generalized-Gaussian prior (PAPER.md §2). The official code and the paper's runs start
+    # BAM's Generalized-Gaussian prior (docs/paper.md §2). The official code and the paper's runs start
     # from `alibi` (shape 1, scale = ALiBi slopes), so BAM begins training exactly as ALiBi.
     bam_per_layer: bool = True  # one prior per layer (the paper's 2 x heads x layers parameters)
     bam_init: str = "alibi"  # alibi | uniform | constant | sampled | linear
@@ -177,7 +177,7 @@ class Encoding:
 
 
 class NoPE(Encoding):
-    """No positional signal but the causal mask: a uniform prior over positions (PAPER.md §1)."""
+    """No positional signal but the causal mask: a uniform prior over positions (docs/paper.md §1)."""
 
 
 def inverse_frequencies(dim, base, device=None):
@@ -284,7 +284,7 @@ class Sinusoidal(Encoding):
 
 
 class AdditivePrior(Encoding, nn.Module):
-    """A log-prior over relative position (PAPER.md §1): `bias_fn(dist, head, *tensors())` is the bias
+    """A log-prior over relative position (docs/paper.md §1): `bias_fn(dist, head, *tensors())` is the bias
     g_h(i - j), a plain broadcastable torch expression (scalars inside FlexAttention's score_mod,
     (H, Tq, Tk) or (H, D) tensors on the dense paths). `summary()` gives every head's parameters
     ({name: [value per head]}, logged to metrics.jsonl); `head_columns()` the same for eval.priors'
@@ -312,7 +312,7 @@ class AdditivePrior(Encoding, nn.Module):
 
 # Every bias function takes the distance i - j (float), the head index and the prior's tensors.
 
-GGD_EPS = 1e-5  # PAPER.md §2: keeps distance 0 finite when the shape is negative
+GGD_EPS = 1e-5  # docs/paper.md §2: keeps distance 0 finite when the shape is negative
 # exp(50) ~ 5e21: far past anything softmax can tell from -inf, far below fp32's overflow even after the
 # SSMax factor, so an extreme negative shape at distance 0 (the only key of a document's first token)
 # gives a finite logit instead of -inf - -inf = NaN. The shape itself is never clamped.
@@ -334,12 +334,12 @@ def alibi_slopes(n_head):
 
 
 def alibi_bias(dist, head, slopes):
-    """Laplace log-prior: -m_h |i - j| (PAPER.md §1)."""
+    """Laplace log-prior: -m_h |i - j| (docs/paper.md §1)."""
     return -slopes[head] * dist.abs()
 
 
 def ggd_bias(dist, head, shape, log_scale, loc):
-    """BAM's Generalized-Gaussian log-prior (PAPER.md §2):
+    """BAM's Generalized-Gaussian log-prior (docs/paper.md §2):
 
         -exp(a_h) * (|i - j - mu_h| + eps) ** b_h,    mu_h = exp(l_h) - exp(-l_h)
 
@@ -389,7 +389,7 @@ class BAMPrior(AdditivePrior):
     """Per-head shape b, log-scale a and location parameter l of one GGD prior."""
 
     bias_fn = staticmethod(ggd_bias)
-    # After training, heads cluster by shape (PAPER.md §2).
+    # After training, heads cluster by shape (docs/paper.md §2).
     RETRIEVAL_FLOOR = -0.6
     GROUPS = {"local": "b > 0", "retrieval": "-0.6 <= b <= 0", "aggressive": "b < -0.6"}
     GROUP_PARAMETER, SECOND_PARAMETER = "shape", "log_scale"  # what eval.priors plots the groups against
@@ -505,7 +505,7 @@ def positional_scores(scores, head, q_pos, k_pos, log_n, prior, ssmax_scale):
 
         ((q.k / sqrt(d) + g_h(i - j)) * s_h * log(n_i))
 
-    PAPER.md §3: for every additive prior the SSMax factor multiplies the content score *and* the prior
+    docs/paper.md §3: for every additive prior the SSMax factor multiplies the content score *and* the prior
     (the official ALiBi+SSMax baseline scales only q.k; we are consistent across encodings instead).
     `prior` is (bias_fn, tensors) or None; `ssmax_scale` is the per-head s_h or None; `log_n` is
     log(number of keys query i may attend to)."""
@@ -790,7 +790,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
         self.wv = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
-        # SSMax's s_h, per head and per layer, init 1 (PAPER.md §3)
+        # SSMax's s_h, per head and per layer, init 1 (docs/paper.md §3)
         self.ssmax_scale = nn.Parameter(torch.ones(cfg.n_head)) if cfg.ssmax else None
 
     def forward(self, x, ctx: AttnContext, prior_module, layer, kv_cache=None):
@@ -906,7 +906,7 @@ class Transformer(nn.Module):
             starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
             pos_in_doc = idx - torch.where(starts, idx, 0).cummax(dim=1).values
         log_n = None
-        if cfg.ssmax:  # n_i = the keys query i can see (PAPER.md §3): in-document position + 1, window-capped
+        if cfg.ssmax:  # n_i = the keys query i can see (docs/paper.md §3): in-document position + 1, window-capped
             n_keys = pos_in_doc + 1
             log_n = torch.log(n_keys.clamp(max=cfg.attn_window).float() if cfg.attn_window else n_keys.float())
         rope = self.encoding.rotation(q_pos, cfg, length=start_pos + T)
@@ -978,13 +978,13 @@ class Transformer(nn.Module):
     # -- conveniences ------------------------------------------------------------------------------
 
     def prior_parameters(self):
-        """BAM's prior and SSMax's scales: trained in their own optimizer group (PAPER.md §4)."""
+        """BAM's prior and SSMax's scales: trained in their own optimizer group (docs/paper.md §4)."""
         params = [p for prior in self.priors for p in prior.parameters()]
         params += [b.attn.ssmax_scale for b in self.blocks if b.attn.ssmax_scale is not None]
         return params
 
     def optim_groups(self, weight_decay, decay_embeddings=True):
-        """Weight decay on matrices only (PAPER.md §4); none on norms, prior or SSMax parameters."""
+        """Weight decay on matrices only (docs/paper.md §4); none on norms, prior or SSMax parameters."""
         prior_ids = {id(p) for p in self.prior_parameters()}
         embeddings = {id(self.tok_emb.weight)}
         decay, no_decay, prior = [], [], []
@@ -1043,10 +1043,9 @@ def model_from_checkpoint(ckpt, device="cpu", **overrides):
 
 def load_model(path, device="cpu", **overrides):
     """The model of a checkpoint file, or of a run directory's newest checkpoint."""
-    from checkpoint import find_checkpoint
+    from checkpoint import load_checkpoint
 
-    ckpt = torch.load(find_checkpoint(path), map_location="cpu", weights_only=True)
-    return model_from_checkpoint(ckpt, device, **overrides)
+    return model_from_checkpoint(load_checkpoint(path)[1], device, **overrides)
 
 
 def save_model(model, path):

@@ -1,5 +1,5 @@
 """
-Synthetic passkey-retrieval documents for training, in the paper's passkey wording (PAPER.md §5):
+Synthetic passkey-retrieval documents for training, in the paper's passkey wording (docs/paper.md §5):
 task description, filler, the information line with a random key at a random depth, the question and
 the answer. The wording lives here, with the documents that train on it; `eval.passkey` builds its
 prompts from the same strings, so training never has to import the evaluators.
@@ -20,7 +20,7 @@ import torch
 
 from data import EOT
 
-# The paper's passkey texts, verbatim (PAPER.md §5)
+# The paper's passkey texts, verbatim (docs/paper.md §5)
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
 GARBAGE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."

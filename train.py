@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (CONFIG, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, checkpoint_step, config_path,
-                        find_checkpoint, keep_last, load_newest, metrics_path, reject_after, remove_temp_files,
+from checkpoint import (CONFIG, CheckpointError, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, checkpoint_step, config_path,
+                        keep_last, load_checkpoint, load_newest, metrics_path, reject_after, remove_temp_files,
                         run_dir_lock, save_atomic, step_checkpoints, step_path, write_text)
 from cli import Parser, UserError, os_reason, user_errors
 from config import SHAPE_FREE_MODEL_KEYS, ConfigError, check, describe, load_config, to_dict, to_toml
@@ -479,12 +479,10 @@ def load_init_weights(cfg, master):
     if not source:
         return None
     try:
-        path = find_checkpoint(source)
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        saved = ckpt["model_config"]
-    except (FileNotFoundError, OSError, RuntimeError, KeyError, TypeError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({reason})") from None
+        path, ckpt = load_checkpoint(source)
+    except CheckpointError as e:
+        raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({e})") from None
+    saved = ckpt["model_config"]
     current = dataclasses.asdict(cfg.model)
     changed = [f"model.{k}: {saved[k]!r} -> {v!r}" for k, v in current.items() if k in saved and saved[k] != v]
     forbidden = [c for c in changed if c.split(":")[0].removeprefix("model.") not in SHAPE_FREE_MODEL_KEYS]

@@ -16,7 +16,6 @@ import math
 import os
 import re
 import sys
-import zipfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from checkpoint import atomic_file, check_writable, find_checkpoint, write_text
+from checkpoint import CheckpointError, atomic_file, check_writable, find_checkpoint, load_checkpoint, write_text
 from cli import Parser, UserError, WriteError, describe_os_error, os_reason, run_cli  # noqa: F401  (the evaluators' command lines)
 from config import SHAPE_FREE_MODEL_KEYS, ConfigError, parse_model_override
 from data import EOT
@@ -345,16 +344,14 @@ def load_for_eval(source, device="auto", attn_impl=None, overrides=None):
         return apply_overrides(source, overrides).eval(), info
     if not os.path.exists(source):
         raise EvalError(f"no checkpoint file or run directory at {source}")
-    path = resolve_checkpoint(source)
-    if not zipfile.is_zipfile(path):  # torch.save's format; anything else would fail with a puzzling message
-        raise EvalError(f"{path} is not a checkpoint (torch.save writes a zip archive; this file is not one)")
     try:
-        # mmap: a training checkpoint also holds the optimizer state, which we never page in
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        path, ckpt = load_checkpoint(source)
         model = model_from_checkpoint(ckpt, pick_device(device), **({"attn_impl": attn_impl} if attn_impl else {}))
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
     except EvalError:
         raise
-    except Exception as e:  # a torn or foreign file: say which, not a traceback
+    except Exception as e:  # weights that do not fit their config, a config this model.py refuses: say which
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise EvalError(f"cannot load the checkpoint {path}: {reason}") from None
     if model.config.vocab_size <= EOT:

@@ -4,7 +4,7 @@ Downstream tasks through lm-evaluation-harness (its Python API), on the run's ow
     python -m eval.downstream runs/bam_ssmax_512 --tasks hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai
     python -m eval.downstream runs/bam_ssmax_512 --tasks my_task --include_path my_tasks/ --limit 100
 
-The paper's reviewers asked for these short-context scores next to the retrieval results (PAPER.md §7).
+The paper's reviewers asked for these short-context scores next to the retrieval results (docs/paper.md §7).
 `ProjectLM` hands lm-eval the project model and tokenizer directly (no export needed; `export_hf.py` makes
 a folder that lm-eval's own `hf` model type also loads): a choice's score is the sum of the log-probabilities
 of its tokens after the context, as lm-eval's HF model computes it, with the context cut from the left to

@@ -1,5 +1,5 @@
 """
-Passkey retrieval (PAPER.md §5): can the model find a 5-digit key hidden at some depth of a long prompt?
+Passkey retrieval (docs/paper.md §5): can the model find a 5-digit key hidden at some depth of a long prompt?
 
     python -m eval.passkey runs/bam_ssmax_512                          # 0.5x ... 64x the training context
     python -m eval.passkey runs/bam_ssmax_512 --max_factor 500 --samples 10 --depths beginning

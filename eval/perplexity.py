@@ -1,5 +1,5 @@
 """
-Perplexity by position (PAPER.md §5): the loss in consecutive windows of a long held-out sequence, so that
+Perplexity by position (docs/paper.md §5): the loss in consecutive windows of a long held-out sequence, so that
 what happens past the training context shows up window by window instead of vanishing in one average.
 
     python -m eval.perplexity runs/bam_ssmax_512                       # 64x the context, 512-token windows

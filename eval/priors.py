@@ -9,7 +9,7 @@ For every layer and head, the prior's logit bias g(d) against the distance d = i
 the longest evaluated length), computed with each prior module's own bias function (model.py); a table
 of every head's parameters as the prior names them (BAM: shape b, log-scale a, scale, location mu;
 KERPLE: r1, r2; ALiBi: its slope) and SSMax scale s; for BAM, the paper's three groups of shapes
-(PAPER.md §2): local (b > 0), retrieval (-0.6 <= b <= 0) and aggressive retrieval (b < -0.6); and, from
+(docs/paper.md §2): local (b > 0), retrieval (-0.6 <= b <= 0) and aggressive retrieval (b < -0.6); and, from
 RUN/metrics.jsonl, how those parameters moved during training.
 
 The bias shown is the prior alone. With SSMax the whole logit, prior included, is then multiplied by
@@ -35,7 +35,7 @@ GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
 
 
 def group_colors(model):
-    """{group: colour} for a prior whose heads fall into named groups (BAM's shapes, PAPER.md §2)."""
+    """{group: colour} for a prior whose heads fall into named groups (BAM's shapes, docs/paper.md §2)."""
     groups = type(model.priors[0]).GROUPS if len(model.priors) else {}
     return dict(zip(groups, GROUP_COLORS))
 

@@ -266,7 +266,7 @@ def priors_section(runs):
         shapes = sorted(h["shape"] for h in p["heads"])
         rows.append([r["name"], g["local"], g["retrieval"], g["aggressive"],
                      f"{shapes[0]:.2f} / {shapes[len(shapes) // 2]:.2f} / {shapes[-1]:.2f}"])
-    return lines + ["BAM heads per shape group (PAPER.md §2): local b > 0, retrieval -0.6 <= b <= 0, "
+    return lines + ["BAM heads per shape group (docs/paper.md §2): local b > 0, retrieval -0.6 <= b <= 0, "
                     "aggressive b < -0.6.", ""] + table(["run", "local", "retrieval", "aggressive",
                                                           "shape min / median / max"], rows)
 

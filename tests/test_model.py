@@ -100,7 +100,7 @@ def test_flex_gradients_match_eager_on_gpu(pe, ssmax):
 
 
 def test_ggd_bias_is_the_papers_formula():
-    """Against PAPER.md §2 written out independently: -exp(a) * (|d - mu| + eps) ** b, mu = e^l - e^-l."""
+    """Against docs/paper.md §2 written out independently: -exp(a) * (|d - mu| + eps) ** b, mu = e^l - e^-l."""
     dist = torch.arange(0, 3000, 7, dtype=torch.float64)
     for b, a, l in [(1.0, -2.0, 0.0), (0.0, 0.5, 0.0), (-0.6, 0.1, 0.0), (2.3, -5.0, 0.2), (-1.7, 1.0, -0.1)]:
         mu = math.exp(l) - math.exp(-l)
@@ -199,7 +199,7 @@ def test_bam_reduces_to_nope(setting):
 
 
 def test_negative_shape_prefers_distant_tokens():
-    """b < 0: with no content signal, a head gives more weight to far keys than to near ones (PAPER.md §2)."""
+    """b < 0: with no content signal, a head gives more weight to far keys than to near ones (docs/paper.md §2)."""
     from model import AttnContext, eager_attention
     H, T, hd = 1, 64, 8
     q = torch.zeros(1, H, T, hd)  # q.k = 0: attention is the prior alone
@@ -208,7 +208,7 @@ def test_negative_shape_prefers_distant_tokens():
     dist = torch.arange(T, dtype=torch.float32)
     bias = ggd_bias(dist, 0, shape, log_scale, loc)
     assert torch.all(bias[1:] > bias[:-1]), "bias must increase (less negative) with distance"
-    assert bias[0] == pytest.approx(-1e3, rel=1e-3)  # eps = 1e-5 ** -0.6 = 1000 (PAPER.md §2)
+    assert bias[0] == pytest.approx(-1e3, rel=1e-3)  # eps = 1e-5 ** -0.6 = 1000 (docs/paper.md §2)
     pos = torch.arange(T)
     ctx = AttnContext("eager", pos, pos, None, None, None, None)
     # attention weights of the last query over its keys, via v = identity
@@ -297,7 +297,7 @@ def test_parameter_count_matches_formula(pe, ssmax, per_layer, kv):
 
 
 def test_paper_prior_parameter_count():
-    """384 trainable prior parameters for the 12-layer, 16-head model (PAPER.md §2)."""
+    """384 trainable prior parameters for the 12-layer, 16-head model (docs/paper.md §2)."""
     model = Transformer(ModelConfig.preset("121m", vocab_size=128, n_embd=64, pe="bam"))
     trainable = sum(p.numel() for prior in model.priors for p in prior.parameters() if p.requires_grad)
     assert trainable == 2 * 16 * 12 == 384
