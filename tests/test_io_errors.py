@@ -380,8 +380,8 @@ def eval_argv(name, run_dir, *extra):
 @pytest.mark.parametrize("name", list(EVAL_ARGS))
 def test_unwritable_output_folder_fails_before_computing(name, run_dir, tmp_path, monkeypatch):
     module = evaluator(name)
-    import eval.common
-    monkeypatch.setattr(eval.common, "predict_spans", lambda *a, **k: pytest.fail("computed before checking --out"))
+    import eval.scoring
+    monkeypatch.setattr(eval.scoring, "predict_spans", lambda *a, **k: pytest.fail("computed before checking --out"))
     (tmp_path / "results").write_text("a file")
     out = tmp_path / "results" / "eval"
     line, stdout = one_error_line(run_cli, module.main, eval_argv(name, run_dir, "--out", str(out)))
@@ -452,7 +452,7 @@ def test_sample_prompt_file_is_read_as_utf8(run_dir, tmp_path, capsys):
     assert "not both" in line
 
 
-@pytest.mark.parametrize("name", ["passkey", "niah", "perplexity", "priors"])
+@pytest.mark.parametrize("name", list(EVAL_ARGS))
 @pytest.mark.parametrize("source,message", [
     ("binary.pt", "binary.pt is not a checkpoint (torch.save writes a zip archive"),
     ("torn.pt", "cannot load the checkpoint"),
