@@ -5,6 +5,7 @@
     perplexity   loss per position window over held-out validation text, past the training context
     downstream   lm-evaluation-harness tasks on the run's own model
     priors       the learned positional priors (BAM shapes and scales, ALiBi slopes, SSMax scales)
+    attention    where each head looks as prompts grow: entropy, distance, mass past the training context
     report       one markdown report comparing several runs from their saved results
 
 Results land in RUN/eval/<name>.json (+ .png) unless --out says otherwise; docs/evaluation.md
@@ -25,6 +26,7 @@ EVALUATORS = [
     "eval.perplexity",
     "eval.downstream",
     "eval.priors",
+    "eval.attention",
 ]
 
 

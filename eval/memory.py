@@ -66,10 +66,11 @@ def forward_bytes(model, batch, length, scored):
     return need
 
 
-def plan_batch(model, want, length, scored, device):
-    """The largest batch <= want whose forward fits now; OutOfMemory if not even one sequence does."""
+def plan_batch(model, want, length, scored, device, extra_per_sequence=0):
+    """The largest batch <= want whose forward (plus `extra_per_sequence` bytes of the evaluator's own per
+    sequence) fits now; OutOfMemory if not even one sequence does."""
     def need(batch):
-        return forward_bytes(model, batch, length, scored)
+        return forward_bytes(model, batch, length, scored) + batch * extra_per_sequence
 
     avail = available_bytes(device)
     batch = max(1, want)

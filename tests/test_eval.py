@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import data
 from cli import run_cli
-from eval import EvalError, downstream, memory, niah, passkey, perplexity, priors, report
+from eval import EvalError, attention, downstream, memory, niah, passkey, perplexity, priors, report
 from eval.contract import Evaluator
 from eval.loading import autocast
 from eval.options import EvalOptions, overrides_label, overrides_suffix, results_name
@@ -292,7 +292,7 @@ def test_the_sweep_saves_every_length_and_stops_after_zeros_or_when_memory_runs_
 
 def test_evaluators_take_their_options_by_keyword_only():
     for evaluate in (passkey.evaluate_passkey, niah.evaluate_niah, perplexity.evaluate_perplexity,
-                     priors.evaluate_priors, downstream.evaluate_downstream,
+                     priors.evaluate_priors, downstream.evaluate_downstream, attention.evaluate_attention,
                      report.write_report):
         first, *options = inspect.signature(evaluate).parameters.values()
         assert first.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, evaluate.__name__

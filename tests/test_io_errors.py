@@ -370,6 +370,7 @@ EVAL_ARGS = {
              "--no_progress"],
     "perplexity": ["--length", "128", "--num_seqs", "1", "--data_dir", "{data}", "--no_progress"],
     "priors": ["--max_distance", "256"],
+    "attention": ["--lengths", "128", "--samples", "1", "--queries", "2", "--data_dir", "{data}", "--no_progress"],
 }
 
 
@@ -402,7 +403,8 @@ def test_disk_full_at_the_end_still_prints_the_results(name, run_dir, tmp_path, 
     out = tmp_path / "eval"
     line, stdout = one_error_line(run_cli, module.main, eval_argv(name, run_dir, "--out", str(out)))
     assert f"cannot write {out / name}.json: the disk is full" in line
-    table_marker = {"passkey": "| 128 |", "niah": "| 200 |", "perplexity": "| 0-64 |", "priors": "layer"}[name]
+    table_marker = {"passkey": "| 128 |", "niah": "| 200 |", "perplexity": "| 0-64 |", "priors": "layer",
+                    "attention": "| 128 |"}[name]
     assert table_marker in stdout  # what was computed is on the screen
     assert not temp_files(tmp_path)
 
