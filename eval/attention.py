@@ -327,10 +327,11 @@ def section(runs, report_options):
     """Per metric, a row per run and a column per length: the mean over heads (the highest head)."""
     present = [r for r in runs if r.get("attention")]
     lengths = sorted({x["length"] for r in present for x in r.get("attention")["results"]})
-    lines = ["Attention of sampled queries (evenly over the last half of each prompt), per prompt length: the "
-             "mean over every layer and head, and in brackets the highest head. Entropy in nats (spread evenly "
-             "over the visible keys it would be the `uniform` row); far mass: the share on keys further back "
-             "than the training context.", ""]
+    kinds = " and ".join(sorted({r.get("attention")["settings"]["prompts"] for r in present}))
+    lines = [f"Attention of sampled queries (evenly over the last half of each prompt; {kinds} prompts), per "
+             "prompt length: the mean over every layer and head, and in brackets the highest head. Entropy in "
+             "nats (spread evenly over the visible keys it would be the `uniform` row); far mass: the share on "
+             "keys further back than the training context.", ""]
     for metric, title in METRICS.items():
         rows = []
         for r in present:
@@ -338,7 +339,9 @@ def section(runs, report_options):
             rows.append([r.name] + ["{} ({})".format(*(format_value(metric, v) for v in head_summary(cells[n], metric)))
                                     if n in cells else DASH for n in lengths])
         if metric == "entropy":
-            uniform = {x["length"]: x["uniform_entropy"] for r in present for x in r.get("attention")["results"]}
+            uniform = {}  # the first run's at each length: the same for every run without a window
+            for x in (x for r in present for x in r.get("attention")["results"]):
+                uniform.setdefault(x["length"], x["uniform_entropy"])
             rows.append(["uniform"] + [f"{uniform[n]:.2f}" for n in lengths])
         lines += [f"**{title}**", ""] + table(["run"] + [length_label(n, runs) for n in lengths], rows) + [""]
     return lines
