@@ -793,7 +793,9 @@ class Attention(nn.Module):
         # SSMax's s_h, per head and per layer, init 1 (docs/paper.md §3)
         self.ssmax_scale = nn.Parameter(torch.ones(cfg.n_head)) if cfg.ssmax else None
 
-    def forward(self, x, ctx: AttnContext, prior_module, layer, kv_cache=None):
+    def project(self, x, ctx: AttnContext):
+        """q, k, v of x, (B, heads, T, head_dim), as every attention implementation receives them (q and
+        k rotated for a rotary encoding); eval.attention scores its sampled queries with the same ones."""
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)
@@ -801,6 +803,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         if ctx.rope is not None:
             q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+        return q, k, v
+
+    def forward(self, x, ctx: AttnContext, prior_module, layer, kv_cache=None):
+        B, T, _ = x.shape
+        q, k, v = self.project(x, ctx)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, int(ctx.q_pos[0]), k, v)
         prior = None if prior_module is None else (prior_module.bias_fn, prior_module.tensors())

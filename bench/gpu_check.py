@@ -57,7 +57,7 @@ from bench.peak_memory import PeakMemory  # noqa: E402
 from checkpoint import write_text  # noqa: E402
 from config import load_config  # noqa: E402
 from data import EOT  # noqa: E402
-from eval.common import Sample, predict_spans  # noqa: E402
+from eval.scoring import Sample, predict_spans  # noqa: E402
 from model import PE_CHOICES, Transformer  # noqa: E402
 from train import PEAK_BF16_TFLOPS  # noqa: E402
 
