@@ -267,7 +267,7 @@ def load_newest(paths, warn=print):
         try:
             return load_checkpoint(path, mmap=False)
         except CheckpointError as e:
-            warn(f"warning: {e}; trying the one before it")
+            warn(f"warning: cannot load {path} ({e}); trying the one before it")
     return None, None
 
 
