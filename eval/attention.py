@@ -38,7 +38,6 @@ per length with each metric as a [layer][head] table; attention.png, per metric 
 import math
 import sys
 import time
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -53,7 +52,7 @@ from eval.prompts import validation_tokens
 from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.sweep import add_length_arguments, format_length, length_arguments, sweep, sweep_lengths
-from model import _allowed, positional_scores
+from model import dense_mask, positional_scores
 
 PROMPTS = ("text", "passkey")
 METRICS = {"entropy": "entropy (nats)", "mean_distance": "mean distance attended (tokens)",
@@ -80,15 +79,14 @@ def attention_stats(attn, x, ctx, prior_module, positions, context):
     stats = []
     for start in range(0, len(positions), chunk):
         rows = torch.as_tensor(positions[start:start + chunk], device=q.device)
-        sampled = replace(ctx, q_pos=ctx.q_pos[rows], doc_ids=None)
+        q_pos = ctx.q_pos[rows]
         log_n = None if ctx.log_n is None else ctx.log_n[:, rows][:, None, :, None]
         scores = q[:, :, rows].float() @ k.transpose(-2, -1) / math.sqrt(head_dim)
-        scores = positional_scores(scores, head, sampled.q_pos[:, None], ctx.k_pos[None, :], log_n, prior,
-                                   attn.ssmax_scale)
-        visible = _allowed(sampled)  # (1, 1, rows, T): causal and in the window, as the model masks
+        scores = positional_scores(scores, head, q_pos[:, None], ctx.k_pos[None, :], log_n, prior, attn.ssmax_scale)
+        visible = dense_mask(q_pos, ctx.k_pos, attn.cfg.attn_window)  # (1, 1, rows, T), as the model masks
         log_p = scores.masked_fill(~visible, float("-inf")).log_softmax(dim=-1)
         p = log_p.exp()
-        distance = (sampled.q_pos[:, None] - ctx.k_pos[None, :]).float()
+        distance = (q_pos[:, None] - ctx.k_pos[None, :]).float()
         entropy = -(p * log_p.masked_fill(~visible, 0.0)).sum(dim=-1)
         stats.append(torch.stack([entropy, (p * distance).sum(dim=-1), (p * (distance >= context)).sum(dim=-1)]))
     return torch.cat(stats, dim=-1)

@@ -47,13 +47,13 @@ def group_colors(model):
 
 def head_table(model):
     """One row per (layer, head) with every positional parameter that head has, as each prior module
-    names them (`head_columns`), its group if the prior defines groups, and its SSMax scale."""
+    names them (`head_parameters`), its group if the prior defines groups, and its SSMax scale."""
     cfg = model.config
     ssmax = [b.attn.ssmax_scale for b in model.blocks if b.attn.ssmax_scale is not None]
     rows = []
     for layer in range(cfg.n_layer):
         prior = model._prior_of_layer(layer)
-        columns = prior.head_columns() if prior is not None else {}
+        columns = prior.head_parameters() if prior is not None else {}
         for head in range(cfg.n_head):
             row = {"layer": layer, "head": head, **{name: values[head] for name, values in columns.items()}}
             if prior is not None and prior.GROUPS:
@@ -166,7 +166,7 @@ def write_files(results, model, folder, dist, curves, history, written):
     if curves:
         plot_curves(results, dist, curves, os.path.join(folder, "priors.png"), colors)
         written.append("priors.png")
-    if any(k not in ("layer", "head", "group", "bias_at", "alibi_slope") for k in results["heads"][0]):  # something learned
+    if any(k not in ("layer", "head", "group", "bias_at", "slope") for k in results["heads"][0]):  # something learned
         plot_shapes(results, os.path.join(folder, "priors_shapes.png"), prior_cls, colors)
         written.append("priors_shapes.png")
     if history:
@@ -241,7 +241,7 @@ def plot_shapes(results, path, prior_cls, colors):
     heads = results["heads"]
     name = results["model"]["name"]
     grouped = prior_cls is not None and prior_cls.GROUPS
-    learned = [c for c in heads[0] if c not in ("layer", "head", "group", "bias_at", "alibi_slope")]
+    learned = [c for c in heads[0] if c not in ("layer", "head", "group", "bias_at", "slope")]
     if not grouped:
         fig, axes = plt.subplots(1, len(learned), figsize=(4.2 * len(learned), 3.5), squeeze=False)
         for ax, column in zip(axes[0], learned):
