@@ -150,7 +150,7 @@ class ModelConfig:
 # ---------------------------------------------------------------------------------------------------
 # Positional encodings. Each one is a small class registered once in ENCODINGS (below); everything else
 # (the config's choices, the attention path, the evaluators, benchmarks and tests) reads the registry.
-# An encoding plays at most these roles (DESIGN.md): rotate q and k (RoPE), add to the token embeddings
+# An encoding plays at most these roles (docs/INTERFACES.md): rotate q and k (RoPE), add to the token embeddings
 # (sinusoidal), or add a prior g_h(i - j) to every attention logit (ALiBi, BAM, KERPLE).
 
 
