@@ -216,6 +216,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used (missing, not a checkpoint, torn, foreign); the message names the file."""
 
 
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No checkpoint at that path (also a FileNotFoundError, as find_checkpoint's)."""
+
+
 def load_checkpoint(path, mmap=True):
     """(file, checkpoint dict) of a checkpoint file or of a run directory's newest checkpoint (find_checkpoint):
     the one place the repository reads the format. With mmap the tensors stay on disk until read, so loading
@@ -224,7 +228,7 @@ def load_checkpoint(path, mmap=True):
     try:
         file = find_checkpoint(path)
     except FileNotFoundError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointNotFound(str(e)) from None
     if not zipfile.is_zipfile(file):  # torch.save's format; anything else would fail with a puzzling message
         raise CheckpointError(f"{file} is not a checkpoint (torch.save writes a zip archive; this file is not one)")
     try:
@@ -263,7 +267,7 @@ def load_newest(paths, warn=print):
         try:
             return load_checkpoint(path, mmap=False)
         except CheckpointError as e:
-            warn(f"warning: {e}; trying the one before it")
+            warn(f"warning: cannot load {path} ({e}); trying the one before it")
     return None, None
 
 

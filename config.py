@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 
 # Model settings that leave every parameter's shape alone, so one set of weights serves any value of
-# them: an evaluator may override them on a trained model (eval/common.py), and train.init_from may
+# them: an evaluator may override them on a trained model (eval/loading.py), and train.init_from may
 # change them between the checkpoint and the fine-tuning run. ssmax, pe or bam_per_layer are not
 # among them: they add or reshape parameters.
 SHAPE_FREE_MODEL_KEYS = ("block_size", "attn_impl", "attn_window", "rope_theta", "rope_scaling", "rope_factor",

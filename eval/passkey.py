@@ -25,10 +25,15 @@ import time
 import numpy as np
 
 from data import EOT
-from eval.common import (add_sweep_args, autocast, binomial_interval, draw_heatmap, encode_template, EvalError,
-                         evaluated_name, format_length, load_for_eval, model_device, output_dir, parse_eval_args,
-                         Parser, pick_dtype, repeat_haystack, results_name, run_cli, Sample, save_figure,
-                         score_length, set_length, settings_block, sweep, sweep_lengths, sweep_options, tokenizer)
+from eval import EvalError
+from eval.contract import Evaluator
+from eval.loading import load_for_eval
+from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
+from eval.prompts import encode_template, repeat_haystack, tokenizer
+from eval.reporting import DASH, binomial_interval, length_label, rate, table
+from eval.results import Output, evaluated_name, new_results, stopped_note
+from eval.scoring import Sample, score_length
+from eval.sweep import add_length_arguments, format_length, length_arguments, sweep, sweep_lengths
 from retrieval import GARBAGE, INFO, QUESTION, TASK
 
 DEPTH_MODES = ("equidistant", "beginning", "end", "random")
@@ -103,23 +108,24 @@ def depth_bins(records, bins):
     return out
 
 
-def evaluate_passkey(source, *, lengths=None, max_factor=None, samples=20, depths="equidistant", bins=10, seed=0,
-                     given_tokens=0, digits=5, batch_size=8, stop_after_zero=2, out=None, name=None, device="auto",
-                     dtype="auto", attn_impl=None, model_overrides=None, progress=True, verbose=True):
+def evaluate_passkey(source, *, options=None, lengths=None, max_factor=None, samples=20, depths="equidistant",
+                     bins=10, given_tokens=0, digits=5, stop_after_zero=2):
     """Passkey accuracy per length and depth for a run dir, checkpoint file or model object. `lengths` is
     a list of token counts or a --lengths string. Writes <out>/<name>.json after every length (and the
-    .png at the end) when there is an output folder: `out`, or next to the run or checkpoint.
-    `model_overrides` (eval.common.check_overrides) change shape-free model settings, e.g.
-    {"rope_scaling": "yarn", "rope_factor": "auto"}; the default name then ends with them (passkey_yarn_auto)."""
+    .png at the end) when there is an output folder: options.out, or next to the run or checkpoint.
+    options.model_overrides change shape-free model settings, e.g. {"rope_scaling": "yarn", "rope_factor":
+    "auto"}; the default name then ends with them (passkey_yarn_auto)."""
+    options = options or EvalOptions()
+    seed = 0 if options.seed is None else options.seed
+    batch_size = options.batch_size or 8
     if depths not in DEPTH_MODES:
         raise EvalError(f"unknown depth mode {depths!r}; allowed: {', '.join(DEPTH_MODES)}")
     for label, value, low in (("samples", samples, 1), ("bins", bins, 1), ("digits", digits, 1),
-                              ("batch_size", batch_size, 1), ("given_tokens", given_tokens, 0),
-                              ("stop_after_zero", stop_after_zero, 0)):
+                              ("given_tokens", given_tokens, 0), ("stop_after_zero", stop_after_zero, 0)):
         if value < low:
             raise EvalError(f"{label} must be at least {low}, got {value}")
-    model, info = load_for_eval(source, device, attn_impl, model_overrides)
-    block_size = info["config"]["block_size"] if info["config"] else None
+    evaluated = load_for_eval(source, options)
+    block_size = evaluated.block_size
     default = lengths is None and not max_factor
     lengths = sweep_lengths(lengths, max_factor, block_size)
     prompts = PasskeyPrompts(digits, given_tokens)
@@ -129,14 +135,13 @@ def evaluate_passkey(source, *, lengths=None, max_factor=None, samples=20, depth
     elif too_short:
         raise EvalError(f"length {too_short[0]} is too short for a passkey prompt: "
                         f"use at least {prompts.min_length()} tokens")
-    dev = model_device(model)
-    amp_dtype = pick_dtype(dtype, dev)
+    output = Output.of(EVALUATOR, source, options, default_name(depths, given_tokens))
 
     def measure(length, bar):
-        per_length = set_length(model, model_overrides, length, block_size)  # e.g. the factor of rope_factor=auto
+        model, per_length = evaluated.at_length(length)  # e.g. the factor of rope_factor=auto
         batch = prompts.samples(length, samples, depths, seed)
         t0 = time.perf_counter()
-        scored = score_length(model, batch, batch_size, autocast(dev, amp_dtype), bar)
+        scored = score_length(model, batch, batch_size, evaluated.autocast(), bar)
         records = [{**sample.meta, "correct": correct, "predicted": prompts.enc.decode(guess)}
                    for sample, [(correct, guess)] in zip(batch, scored)]
         correct = sum(r["correct"] for r in records)
@@ -146,15 +151,12 @@ def evaluate_passkey(source, *, lengths=None, max_factor=None, samples=20, depth
                **per_length, "records": records}
         return [row], row["accuracy"]
 
-    settings = settings_block(dev, amp_dtype, getattr(getattr(model, "config", None), "attn_impl", None),
-                              lengths=lengths, samples=samples, depth_mode=depths, depth_bins=bins, seed=seed,
-                              digits=digits, given_tokens=given_tokens, batch_size=batch_size,
-                              stop_after_zero=stop_after_zero, block_size=block_size, model_overrides=model_overrides)
-    folder = output_dir(source, out) if (out or isinstance(source, str)) else None
-    name = name or results_name(default_name(depths, given_tokens), model_overrides)
-    return sweep("passkey", lengths, measure, info=info, settings=settings, work_per_length=samples,
-                 stop_after_zero=stop_after_zero, folder=folder, name=name,
-                 plot=plot_passkey, table=format_table, progress=progress, verbose=verbose)
+    settings = evaluated.settings(lengths=lengths, samples=samples, depth_mode=depths, depth_bins=bins, seed=seed,
+                                  digits=digits, given_tokens=given_tokens, batch_size=batch_size,
+                                  stop_after_zero=stop_after_zero, block_size=block_size)
+    results = new_results("passkey", evaluated.info, settings, results=[])
+    return sweep(lengths, measure, results, output, work_per_length=samples, stop_after_zero=stop_after_zero,
+                 progress=options.progress)
 
 
 def default_name(depths, given_tokens):
@@ -175,13 +177,11 @@ def format_table(results):
         low, high = binomial_interval(r["correct"], r["samples"])
         lines.append(f"| {r['length']:,} | {factor} | {100 * r['accuracy']:.0f}% | {100 * low:.0f}-{100 * high:.0f}% | "
                      f"`{by_depth}` | {r['seconds']:.1f} |")
-    if results["stopped"]:
-        lines.append(f"\nstopped before length {results['stopped']['length']:,}: {results['stopped']['reason']}")
-    return "\n".join(lines)
+    return "\n".join(lines + stopped_note(results))
 
 
 def plot_passkey(results, path):
-    import matplotlib.pyplot as plt
+    from eval.plotting import draw_heatmap, plt, save_figure
 
     rows = results["results"]
     bins = results["settings"]["depth_bins"]
@@ -207,8 +207,7 @@ def plot_passkey(results, path):
     save_figure(fig, path, dpi=120)
 
 
-def main(argv=None):
-    ap = Parser(prog="eval.passkey", description=__doc__.split("\n\n")[0].strip())
+def add_arguments(ap):
     ap.add_argument("source", help="run directory or checkpoint file")
     ap.add_argument("--samples", type=int, default=20, help="prompts per length (default %(default)s)")
     ap.add_argument("--depths", default="equidistant", choices=DEPTH_MODES,
@@ -217,12 +216,85 @@ def main(argv=None):
     ap.add_argument("--given_tokens", type=int, default=0,
                     help="leading key tokens given and not scored; 1 = the paper's first-digit variant")
     ap.add_argument("--digits", type=int, default=5)
-    add_sweep_args(ap, None, "results file name (default: passkey[_<depths>][_given<N>][_<overrides>])")
-    args = parse_eval_args(ap, argv)
-    evaluate_passkey(args.source, samples=args.samples, depths=args.depths, bins=args.depth_bins,
-                     given_tokens=args.given_tokens, digits=args.digits, **sweep_options(args))
-    return 0
+    add_length_arguments(ap)
+    add_prompt_arguments(ap, batch_size=8)
+    add_model_arguments(ap)
+    add_output_arguments(ap, "results file name (default: passkey[_<depths>][_given<N>][_<overrides>])")
 
+
+def run(args, options):
+    evaluate_passkey(args.source, options=options, samples=args.samples, depths=args.depths, bins=args.depth_bins,
+                     given_tokens=args.given_tokens, digits=args.digits, **length_arguments(args))
+
+
+# ---------------------------------------------------------------------------------------------------
+# eval.report
+
+
+def section(runs, report_options):
+    """One table per passkey variant (passkey, passkey_given1, ...): a row per run, a column per length."""
+    names = sorted({name for r in runs for name in r.all("passkey")}, key=lambda n: (n != "passkey", n))
+    lines = []
+    for name in names:
+        present = [r.all("passkey")[name] for r in runs if name in r.all("passkey")]
+        s = present[0]["settings"]
+        given = f", first {s['given_tokens']} key token(s) given" if s["given_tokens"] else ""
+        lines += [f"**{name}** — accuracy (%) by prompt length, with its Wilson 95% interval and the number of "
+                  f"prompts; {s['samples']} samples per length, {s['depth_mode']} depths{given}.", ""]
+        lengths = sorted({x["length"] for res in present for x in res["results"]})
+        # One row per run and one column per length, as the paper's tables: many runs stay readable.
+        rows = []
+        for r in (r for r in runs if name in r.all("passkey")):
+            cells = {x["length"]: x for x in r.all("passkey")[name]["results"]}
+            rows.append([r.name] + [rate(cells[n]["correct"], cells[n]["samples"]) if n in cells else DASH
+                                    for n in lengths])
+        lines += table(["run"] + [length_label(n, runs) for n in lengths], rows) + [""]
+    return lines
+
+
+def plot_runs(runs, path):
+    """Accuracy against length, one line per run (its main passkey results)."""
+    from eval.plotting import log2_length_axis, plt, save_figure
+
+    many = len(runs) > 6  # then the legend goes to the right of the axes, where it hides no line
+    # ... and the figure grows with it (about 0.15 inch per legend entry), so no entry is cut off
+    fig, ax = plt.subplots(figsize=(10.0, max(4.5, 0.15 * len(runs) + 1.2)) if many else (7.5, 4.0))
+    drawn = False
+    for i, r in enumerate(runs):
+        res = r.get("passkey")
+        if not res or not res["results"]:
+            continue
+        xs = [x["length"] for x in res["results"]]
+        color = plt.get_cmap("tab10")(i % 10)
+        style = ("-", "--", ":", "-.")[i // 10 % 4]  # tab10 has ten colours: more runs change the line
+        ax.plot(xs, [100 * x["accuracy"] for x in res["results"]], marker="o", label=r.name, color=color,
+                linestyle=style)
+        if r.block_size:
+            ax.axvline(r.block_size, color=color, linestyle=":", linewidth=1)
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return False
+    log2_length_axis(ax)
+    ax.set_ylim(-3, 103)
+    ax.set_xlabel("prompt length (tokens); dotted: training context")
+    ax.set_ylabel("passkey accuracy (%)")
+    ax.set_title("passkey retrieval, one line per run", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    if many:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+    return True
+
+
+EVALUATOR = Evaluator(
+    name="passkey", title="Passkey retrieval", description=__doc__,
+    add_arguments=add_arguments, run=run, table=format_table, plot=plot_passkey, section=section,
+    summary_plot=plot_runs, interrupted="passkey: interrupted; the lengths finished so far are saved")
+main = EVALUATOR.main
 
 if __name__ == "__main__":
-    run_cli(main, interrupted="passkey: interrupted; the lengths finished so far are saved")
+    EVALUATOR.cli()

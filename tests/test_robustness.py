@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -70,12 +71,26 @@ def assert_same_weights(a, b):
 STOP_ARGS = ["--train.ckpt_every=0", "--train.max_steps=5"]  # no checkpoint but the stop's and the last
 
 
+@contextmanager
+def one_thread():
+    """Bitwise equality needs the same number of threads: CPU kernels (the embedding's backward among them)
+    split their sums by thread. The signalled runs are subprocesses on one thread (OMP_NUM_THREADS=1), so the
+    runs in this process that they are compared with use one thread too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, synthetic):
     """The uninterrupted run the stopped ones must end up identical to."""
     path = tmp_path_factory.mktemp("straight")
     run = str(path / "run")
-    train.main([small_config(path, synthetic), *STOP_ARGS, f"--log.out_dir={run}"])
+    with one_thread():
+        train.main([small_config(path, synthetic), *STOP_ARGS, f"--log.out_dir={run}"])
     return run
 
 
@@ -92,7 +107,8 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(tmp
            "continue with --resume" in proc.stderr
     assert [os.path.basename(p) for p in checkpoint.step_checkpoints(stopped)] == ["step_00000003.pt"]
 
-    train.main([*common, f"--log.out_dir={stopped}", "--resume"])
+    with one_thread():
+        train.main([*common, f"--log.out_dir={stopped}", "--resume"])
     assert_same_weights(model_of(stopped), model_of(straight))
     assert [r["step"] for r in rows(stopped)] == [r["step"] for r in rows(straight)]
 
