@@ -30,6 +30,7 @@ from contextlib import contextmanager
 import torch
 
 from cli import WriteError
+from config import upgrade
 
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
@@ -213,7 +214,12 @@ def find_checkpoint(path):
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (missing, not a checkpoint, torn, foreign); the message names the file."""
+    """A checkpoint that cannot be used (missing, not a checkpoint, torn, foreign); the message names the file,
+    `reason` says what is wrong with it in a few words."""
+
+    def __init__(self, message, reason=None):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class CheckpointNotFound(CheckpointError, FileNotFoundError):
@@ -230,14 +236,18 @@ def load_checkpoint(path, mmap=True):
     except FileNotFoundError as e:
         raise CheckpointNotFound(str(e)) from None
     if not zipfile.is_zipfile(file):  # torch.save's format; anything else would fail with a puzzling message
-        raise CheckpointError(f"{file} is not a checkpoint (torch.save writes a zip archive; this file is not one)")
+        raise CheckpointError(f"{file} is not a checkpoint (torch.save writes a zip archive; this file is not one)",
+                              "not a whole zip archive, as torch.save writes: cut short, or not a checkpoint")
     try:
         ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # a torn zip, a truncated pickle, a file of something else: all unusable
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot load the checkpoint {file}: {reason[:200]}") from None
+        reason = (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)[:200]
+        raise CheckpointError(f"cannot load the checkpoint {file}: {reason}", reason) from None
     if not isinstance(ckpt, dict) or not {"model_config", "model"} <= set(ckpt):
-        raise CheckpointError(f"{file} is not a checkpoint of this repository (it has no model_config and model)")
+        raise CheckpointError(f"{file} is not a checkpoint of this repository (it has no model_config and model)",
+                              "not a checkpoint of this repository")
+    if "config" in ckpt:  # train.py's run config, with the keys older versions kept elsewhere moved
+        ckpt["config"] = upgrade(ckpt["config"])
     return file, ckpt
 
 
@@ -267,7 +277,7 @@ def load_newest(paths, warn=print):
         try:
             return load_checkpoint(path, mmap=False)
         except CheckpointError as e:
-            warn(f"warning: cannot load {path} ({e}); trying the one before it")
+            warn(f"warning: cannot load {path} ({e.reason}); trying the one before it")
     return None, None
 
 

@@ -31,12 +31,75 @@ class ConfigError(ValueError):
     pass
 
 
-# Model settings that leave every parameter's shape alone, so one set of weights serves any value of
-# them: an evaluator may override them on a trained model (eval/loading.py), and train.init_from may
-# change them between the checkpoint and the fine-tuning run. ssmax, pe or bam_per_layer are not
-# among them: they add or reshape parameters.
-SHAPE_FREE_MODEL_KEYS = ("block_size", "attn_impl", "attn_window", "rope_theta", "rope_scaling", "rope_factor",
-                         "rope_original_context", "yarn_beta_fast", "yarn_beta_slow")
+# What may differ between a checkpoint's settings and a run that loads it: one table for train.py's resume
+# check, train.init_from and the evaluators' model overrides (eval/loading.py).
+#   "resume"  the resumed run is still the same experiment, only computed, logged or stopped differently,
+#             so `train.py --resume` accepts the change (and lists it);
+#   "weights" a model setting that shapes no parameter: the checkpoint's weights serve any value of it, so
+#             train.init_from and an evaluator may change it, but a resumed run would be another experiment.
+# A model key that may change on resume shapes no parameter either. Every setting not named here must stay:
+# it adds or reshapes parameters (pe, ssmax, bam_per_layer, sizes) or changes what is optimised.
+CHECKPOINT_CHANGES = {
+    "model": {"block_size": "weights", "attn_impl": "resume", "attn_window": "weights", "rope_theta": "weights",
+              "rope_scaling": "weights", "rope_factor": "weights", "rope_original_context": "weights",
+              "yarn_beta_fast": "weights", "yarn_beta_slow": "weights"},
+    # The loader's state is a position in tokens, valid for any batch size and number of ranks.
+    "data": {"data_dir": "resume", "batch_size": "resume"},
+    "train": dict.fromkeys(("max_steps", "lr", "prior_lr", "grad_clip", "val_every", "val_tokens", "ckpt_every",
+                            "keep_last", "compile", "dtype", "seed", "spike_window", "spike_threshold",
+                            "spike_grad_factor"), "resume"),
+    "log": dict.fromkeys(("out_dir", "log_every", "wandb", "wandb_project", "run_name", "peak_tflops"), "resume"),
+}
+CHANGEABLE_ON_RESUME = {section: tuple(key for key, kind in keys.items() if kind == "resume")
+                        for section, keys in CHECKPOINT_CHANGES.items()}
+SHAPE_FREE_MODEL_KEYS = tuple(CHECKPOINT_CHANGES["model"])
+
+def checkpoint_differences(saved, current, allowed):
+    """The settings of `current` that differ from `saved` (both as to_dict gives them: a checkpoint's "config"
+    and the run's), split into (not allowed, allowed), each "section.key: old -> new". `allowed` maps a section
+    to the keys that may differ (CHANGEABLE_ON_RESUME, or {"model": SHAPE_FREE_MODEL_KEYS}). A key that
+    `saved` lacks is newer than the checkpoint: its default is what the checkpoint's run had."""
+    forbidden, changed = [], []
+    for section, table in current.items():
+        for key, value in table.items():
+            if key not in saved.get(section, {}):
+                continue
+            old = saved[section][key]
+            if isinstance(value, tuple):
+                old = tuple(old)
+            if old != value:
+                change = f"{section}.{key}: {old!r} -> {value!r}"
+                (changed if key in allowed.get(section, ()) else forbidden).append(change)
+    return forbidden, changed
+
+
+# Keys that moved, (old section, key) -> (new section, key). Config files, command lines and the configs that
+# older versions saved in run directories and checkpoints are all read through upgrade() and upgrade_key(),
+# so an old run resumes, serves as train.init_from and compares with a new run as if written today.
+MOVED_KEYS = {("train", "doc_mask"): ("data", "doc_mask")}
+
+
+def upgrade_key(section, key):
+    return MOVED_KEYS.get((section, key), (section, key))
+
+
+def upgrade(values):
+    """A config as nested dicts ({section: {key: value}}: a TOML file's tables, a checkpoint's "config")
+    with every moved key at its new place; a copy, the input is left alone. Both names at once is a
+    ConfigError unless they agree."""
+    values = {section: dict(table) if isinstance(table, dict) else table for section, table in values.items()}
+    for (old_section, old_key), (section, key) in MOVED_KEYS.items():
+        table = values.get(old_section)
+        if not isinstance(table, dict) or old_key not in table:
+            continue
+        value = table.pop(old_key)
+        target = values.setdefault(section, {})
+        if isinstance(target, dict):
+            if key in target and target[key] != value:
+                raise ConfigError(f"{old_section}.{old_key} is the old name of {section}.{key}, and both are set "
+                                  f"({value!r}, {target[key]!r}); keep only {section}.{key}")
+            target.setdefault(key, value)
+    return values
 
 
 @dataclass
@@ -49,6 +112,9 @@ class DataConfig:
     # documents that copy their key (retrieval.passkey_answer_targets): a supervised retrieval task
     # whose output layer runs at those few positions only (docs/repro.md).
     loss_on: Literal["all", "passkey_answers"] = "all"
+    # A token attends only inside its own document (the EOT-separated ids the loader derives), as in the
+    # paper. (Older versions called it train.doc_mask; MOVED_KEYS still reads that name.)
+    doc_mask: bool = True
 
 
 @dataclass
@@ -65,7 +131,6 @@ class TrainConfig:
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_frac: float = 0.1  # the schedule ends at min_lr_frac x lr
     grad_clip: float = 1.0  # 0 = no clipping
-    doc_mask: bool = True  # a token attends only inside its own document, as in the paper
     val_every: int = 500  # steps between validation losses; 0 = never
     val_tokens: int = 10_485_760  # rounded down to a multiple of batch_size x block_size x world size
     ckpt_every: int = 1000  # steps between checkpoints; one is always written at the end
@@ -128,6 +193,10 @@ def _read_file(path, values, chain):
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from None
     base = file_values.pop("base", None)
+    try:
+        file_values = upgrade(file_values)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     if base is not None:
         if not isinstance(base, str):
             raise ConfigError(f"base in {path} must be the path of another config file, got {base!r}")
@@ -278,6 +347,7 @@ def _parse_override(arg):
                           f"sections: {', '.join(SECTIONS)}")
     if section not in SECTIONS:
         raise ConfigError(f"unknown section in {arg!r}; allowed sections: {', '.join(SECTIONS)}")
+    section, key = upgrade_key(section, key)
     typ = _check_key(section, key, "command line")
     if _takes_text(typ):
         value = raw

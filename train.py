@@ -18,7 +18,7 @@ Exit status: 0 when max_steps are done; 1 for a mistake the user can fix (one `e
 including a diverged run (non-finite loss or a loss spike: the line says which checkpoint to resume
 from and how); 143 after SIGTERM or SIGUSR1 (a preempted job: the current step is finished and
 checkpointed, `--resume` continues exactly); 130 after Ctrl-C (the same; a second Ctrl-C quits at
-once). docs/training.md, "Preemption and recovery", has the commands.
+once). docs/training.md, "Preemption and recovery", has the commands; recovery.py the guards behind them.
 """
 
 import argparse
@@ -30,7 +30,6 @@ import os
 import random
 import signal
 import sys
-import threading
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 
@@ -40,28 +39,20 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (CONFIG, CheckpointError, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, checkpoint_step, config_path,
-                        keep_last, load_checkpoint, load_newest, metrics_path, reject_after, remove_temp_files,
-                        run_dir_lock, save_atomic, step_checkpoints, step_path, write_text)
+from checkpoint import (CheckpointError, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, config_path, keep_last,
+                        load_checkpoint, metrics_path, remove_temp_files, run_dir_lock, save_atomic, step_checkpoints,
+                        step_path, write_text)
 from cli import Parser, UserError, os_reason, user_errors
-from config import SHAPE_FREE_MODEL_KEYS, ConfigError, check, describe, load_config, to_dict, to_toml
+from config import (SHAPE_FREE_MODEL_KEYS, ConfigError, check, checkpoint_differences, describe, load_config, to_dict,
+                    to_toml)
 from data import EOT, ShardLoader, check_shard_tokens, check_token_ids, get_tokenizer
 from model import Transformer
+from recovery import (Diverged, StopRequest, Stopped, check_step, follow_moved_run_dir, interrupted, load_resume_state,
+                      metrics_rows_until, rng_state, set_rng_state)
 from retrieval import passkey_answer_targets
 
 # Dense bf16 tensor-core peaks per GPU in TFLOPs, matched against the CUDA device name in this order.
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
-
-# Settings that may differ between a checkpoint and the run that resumes from it; any other
-# difference would make the resumed run a different experiment (or not load at all).
-CHANGEABLE_ON_RESUME = {
-    "model": {"attn_impl"},
-    # The loader's state is a position in tokens, valid for any batch size and number of ranks.
-    "data": {"data_dir", "batch_size"},
-    "train": {"max_steps", "lr", "prior_lr", "grad_clip", "val_every", "val_tokens", "ckpt_every",
-              "keep_last", "compile", "dtype", "seed", "spike_window", "spike_threshold", "spike_grad_factor"},
-    "log": {"out_dir", "log_every", "wandb", "wandb_project", "run_name", "peak_tflops"},
-}
 
 
 def lr_multiplier(step, train):
@@ -83,39 +74,6 @@ def peak_flops(device, bf16, override_tflops):
         return None
     name = torch.cuda.get_device_name(device)
     return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
-
-
-def rng_state():
-    # Plain lists and tensors only, so that checkpoints load with torch.load(weights_only=True).
-    _, key, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [key.tolist(), pos, has_gauss, gauss],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    key, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def resume_conflicts(saved, current):
-    """Settings that differ from the checkpoint's, split into (not allowed, allowed)."""
-    forbidden, allowed = [], []
-    for section, table in current.items():
-        for key, value in table.items():
-            if key not in saved.get(section, {}):
-                continue  # a setting newer than the checkpoint: its default is what the run had
-            old = saved[section][key]
-            if isinstance(value, tuple):
-                old = tuple(old)
-            if old != value:
-                change = f"{section}.{key}: {old!r} -> {value!r}"
-                (allowed if key in CHANGEABLE_ON_RESUME.get(section, ()) else forbidden).append(change)
-    return forbidden, allowed
 
 
 def next_batch(loader, loss_on, device, vocab_size=None):
@@ -179,14 +137,6 @@ def evaluate(model, loader, batches, autocast, device, doc_mask, loss_on, ddp):
     return (total[0] / total[1].clamp_min(1)).item()
 
 
-def metrics_step(line):
-    # A line cut short by a kill reads as past every checkpoint, so it is dropped on resume.
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
-
-
 def rounded(tree):
     # Six significant digits keep metrics.jsonl small with hundreds of prior parameters per row.
     if isinstance(tree, dict):
@@ -194,94 +144,6 @@ def rounded(tree):
     if isinstance(tree, (list, tuple)):
         return [rounded(v) for v in tree]
     return float(f"{tree:.6g}") if isinstance(tree, float) else tree
-
-
-# ---------------------------------------------------------------------------------------------------
-# Stopping early: preemption signals, Ctrl-C, divergence.
-
-EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: what a process ended by SIGTERM reports; also after SIGUSR1
-EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: Ctrl-C
-
-
-class StopRequest:
-    """While installed, SIGTERM (SLURM, Kubernetes), SIGUSR1 (`sbatch --signal`) and a first Ctrl-C only set
-    a flag, which the loop reads after each step: the step is finished and checkpointed, then the run stops.
-    A second Ctrl-C quits at once (KeyboardInterrupt). One within a second of the first is the same
-    keypress arriving twice: under torchrun the terminal sends it to every process and torchrun forwards it."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-    def __init__(self, speak):
-        self.signum, self.speak, self.previous, self.since = None, speak, {}, 0.0
-
-    def handle(self, signum, frame):
-        if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            if time.monotonic() - self.since > 1.0:
-                raise KeyboardInterrupt
-            return
-        if self.signum is None:
-            self.signum, self.since = signum, time.monotonic()
-            if self.speak:
-                again = "; Ctrl-C again to quit at once" if signum == signal.SIGINT else ""
-                print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint{again}",
-                      file=sys.stderr, flush=True)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
-            self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-    @property
-    def exit_code(self):
-        return EXIT_INTERRUPTED if self.signum == signal.SIGINT else EXIT_PREEMPTED
-
-
-class Stopped(Exception):
-    """The loop stopped on a signal after checkpointing step `step`."""
-
-
-class Diverged(UserError):
-    """A non-finite or spiking step, seen alike by every rank (the loss and gradient norm are all-reduced)."""
-
-
-def spike(history, loss, grad_norm, train, vocab_size):
-    """Why this step's (loss, grad norm) is a divergence by the spike rules of config.TrainConfig, or None.
-    Medians and the median absolute deviation are robust to the odd noisy step in the window; the
-    deviation has a floor (1% of the median) so that a very flat loss curve does not turn noise into
-    spikes. Loss twice that of uniform guessing means the model is broken whatever its history."""
-    if train.spike_threshold and loss > 2 * math.log(vocab_size):
-        return f"loss {loss:.4g} is more than twice that of uniform guessing ({math.log(vocab_size):.2f})"
-    if len(history) < train.spike_window:
-        return None  # not enough history yet to know what normal is
-    losses, norms = np.array(history[-train.spike_window:]).T
-    median = float(np.median(losses))
-    sigma = max(1.4826 * float(np.median(np.abs(losses - median))), 0.01 * abs(median))
-    if train.spike_threshold and loss > median + train.spike_threshold * sigma:
-        return (f"loss {loss:.4g} is more than {train.spike_threshold:g} robust standard deviations above the "
-                f"median {median:.4g} of the last {train.spike_window} steps")
-    median_norm = float(np.median(norms))
-    if train.spike_grad_factor and grad_norm > train.spike_grad_factor * median_norm:
-        return (f"gradient norm {grad_norm:.4g} is more than {train.spike_grad_factor:g} x the median "
-                f"{median_norm:.4g} of the last {train.spike_window} steps")
-    return None
-
-
-def diverged(run, step, why):
-    """Stop before update `step` is applied. Its loss and gradient were computed on the weights of step - 1,
-    so those are suspect too: the newest checkpoint that can be trusted is from step - 2 or before. Newer ones
-    are set aside (renamed *.pt.rejected, not deleted), so that `--resume` continues from the good one."""
-    run_dir, lr = run.cfg.log.out_dir, run.cfg.train.lr
-    good = [p for p in step_checkpoints(run_dir) if checkpoint_step(p) <= step - 2]
-    if run.procs.master:
-        reject_after(run_dir, checkpoint_step(good[-1]) if good else -1)
-    start = f"continues from {good[-1]}" if good else "starts over (no checkpoint predates it)"
-    raise Diverged(f"diverged at step {step}: {why}; stopped without applying it. `--resume --train.lr={lr / 2:.3g}` "
-                   f"{start}; lowering train.lr further, raising train.warmup_steps or setting train.grad_clip "
-                   "also help (newer checkpoints are kept as *.pt.rejected)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -405,20 +267,6 @@ def load_checked_config(path, overrides, world_size, master):
     return cfg
 
 
-def follow_moved_run_dir(cfg, path, overrides, master):
-    """`train.py RUN/config.toml --resume` continues the run in RUN, also when RUN was moved or copied since
-    its config.toml was written (the log.out_dir inside still names the old place). An explicit
-    --log.out_dir wins."""
-    run_dir = os.path.dirname(os.path.abspath(path))
-    is_run_dir = os.path.basename(path) == CONFIG and os.path.isdir(checkpoint_dir(run_dir))
-    if not is_run_dir or any(arg.startswith("--log.out_dir=") for arg in overrides):
-        return
-    if os.path.abspath(cfg.log.out_dir) != run_dir:
-        if master:
-            print(f"{path} names log.out_dir = {cfg.log.out_dir!r}, but it lies in {run_dir}: using {run_dir}")
-        cfg.log.out_dir = run_dir
-
-
 def build_data(cfg, procs):
     """(train loader, validation loader or None, validation batches per evaluation)."""
     d, t = cfg.data, cfg.train
@@ -447,30 +295,6 @@ def build_data(cfg, procs):
     return train_loader, val_loader, min(t.val_tokens // per_batch, val_loader.batches_per_epoch)
 
 
-def load_resume_state(cfg, resume, master):
-    """The checkpoint to continue from, or None for a fresh run. A run directory that holds another run's
-    checkpoints, or settings that would make the resumed run a different experiment, are refused."""
-    run_dir = cfg.log.out_dir
-    existing = step_checkpoints(run_dir)
-    if existing and not resume:
-        raise UserError(f"{run_dir} already holds checkpoints (newest {os.path.basename(existing[-1])}); "
-                        "pass --resume to continue that run or choose another --log.out_dir")
-    if not existing:
-        return None
-    path, ckpt = load_newest(existing, warn=print if master else lambda message: None)
-    if ckpt is None:
-        raise UserError(f"no checkpoint in {checkpoint_dir(run_dir)} can be loaded (all {len(existing)} are damaged); "
-                        "move them away to start over")
-    forbidden, changed = resume_conflicts(ckpt["config"], to_dict(cfg))
-    if forbidden:
-        allowed = ", ".join(f"{s}.{k}" for s, ks in CHANGEABLE_ON_RESUME.items() for k in sorted(ks))
-        raise UserError(f"cannot resume {path} with different settings ({'; '.join(forbidden)}); "
-                        f"only these may change: {allowed}")
-    if master and changed:
-        print(f"resuming with changed settings: {'; '.join(changed)}")
-    return ckpt
-
-
 def load_init_weights(cfg, master):
     """The weights train.init_from names (a state dict), or None. Only for a fresh run: a run directory
     with checkpoints of its own resumes from them (load_resume_state), whatever init_from says. Model
@@ -482,10 +306,8 @@ def load_init_weights(cfg, master):
         path, ckpt = load_checkpoint(source)
     except CheckpointError as e:
         raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({e})") from None
-    saved = ckpt["model_config"]
-    current = dataclasses.asdict(cfg.model)
-    changed = [f"model.{k}: {saved[k]!r} -> {v!r}" for k, v in current.items() if k in saved and saved[k] != v]
-    forbidden = [c for c in changed if c.split(":")[0].removeprefix("model.") not in SHAPE_FREE_MODEL_KEYS]
+    forbidden, changed = checkpoint_differences({"model": ckpt["model_config"]}, {"model": dataclasses.asdict(cfg.model)},
+                                                {"model": SHAPE_FREE_MODEL_KEYS})
     if forbidden:
         raise UserError(f"train.init_from = {source!r} has other parameter shapes ({'; '.join(forbidden)}); only "
                         f"these model settings may change: {', '.join(SHAPE_FREE_MODEL_KEYS)}")
@@ -551,8 +373,7 @@ def setup_run_dir(cfg, state, resumed_step):
     # Rows past the checkpoint belong to steps that are about to be redone.
     rows = []
     if resumed_step is not None and os.path.exists(metrics_path(run_dir)):
-        with open(metrics_path(run_dir)) as f:
-            rows = [line for line in f if metrics_step(line) <= resumed_step]
+        rows = metrics_rows_until(metrics_path(run_dir), resumed_step)
     write_text(metrics_path(run_dir), "".join(rows))
     wandb_run = None
     if log.wandb != "disabled":
@@ -634,7 +455,7 @@ def train_step(run, step):
         sync = run.model.no_sync() if procs.ddp and micro_step < run.accum_steps - 1 else nullcontext()
         with sync:
             with run.autocast:
-                loss = loss_of(run.model, batch, t.doc_mask, loss_on)
+                loss = loss_of(run.model, batch, run.cfg.data.doc_mask, loss_on)
             # Summed gradients of weighted mean losses (1 / accum_steps each when every token counts):
             # the mean over the whole step, the same as one big batch.
             (loss * weight).backward()
@@ -655,22 +476,11 @@ def train_step(run, step):
     return loss_value, grad_norm_value, lr_scale, stop > 0
 
 
-def check_step(run, step, loss, grad_norm):
-    """Diverged (on every rank alike: the values are all-reduced) for a non-finite or spiking step; a healthy
-    one joins the history the spike rules compare against."""
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        diverged(run, step, f"non-finite loss or gradient (loss {loss}, grad norm {grad_norm})")
-    why = spike(run.state.recent, loss, grad_norm, run.cfg.train, run.cfg.model.vocab_size)
-    if why:
-        diverged(run, step, why)
-    run.state.recent = (run.state.recent + [[loss, grad_norm]])[-run.cfg.train.spike_window:]
-
-
 def validate(run, row):
     """Adds the validation loss to `row` (the metrics row of step row["step"]); a new best is saved."""
     cfg, procs = run.cfg, run.procs
     row["val_loss"] = evaluate(run.model, run.val_loader, run.val_batches, run.autocast, procs.device,
-                               cfg.train.doc_mask, cfg.data.loss_on, procs.ddp)
+                               cfg.data.doc_mask, cfg.data.loss_on, procs.ddp)
     if row["val_loss"] < run.state.best_val_loss:
         run.state.best_val_loss = row["val_loss"]
         if procs.master:
@@ -773,16 +583,6 @@ def finish(run, exit_code=0, together=True):
         # can hang at exit.
         dist.barrier()
         dist.destroy_process_group()
-
-
-def interrupted(run_dir, master):
-    """Ctrl-C twice (or during setup): no traceback, but where the run can continue from."""
-    newest = step_checkpoints(run_dir) if run_dir else []
-    if master:
-        where = (f"the last checkpoint is {newest[-1]}, continue with --resume" if newest else
-                 "no checkpoint was written" if run_dir else "before training started")
-        print(f"\ninterrupted; {where}", file=sys.stderr)
-    raise SystemExit(EXIT_INTERRUPTED)
 
 
 def main(argv=None):

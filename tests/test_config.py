@@ -1,13 +1,14 @@
 """config.py: defaults are the paper's run, file and command line override them in that order,
 every mistake is one ConfigError naming what is allowed, and every shipped config resolves."""
 
+import dataclasses
 import glob
 import os
 import tomllib
 
 import pytest
 
-from config import ConfigError, check, load_config, to_toml
+from config import ConfigError, check, load_config, to_dict, to_toml, upgrade
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "paper", "**", "*.toml"), recursive=True))
@@ -37,12 +38,12 @@ def write(tmp_path, text, name="run.toml"):
 
 def test_defaults_are_the_papers_headline_run():
     cfg = load_config()
-    m, t = cfg.model, cfg.train
+    m, d, t = cfg.model, cfg.data, cfg.train
     assert (m.n_layer, m.n_embd, m.n_head, m.block_size) == (12, 768, 16, 512)
     assert (m.pe, m.bam_init, m.bam_per_layer) == ("bam", "alibi", True)
     assert (t.optimizer, t.betas, t.weight_decay, t.lr, t.warmup_steps) == ("radam", (0.9, 0.95), 0.1, 1e-3, 0)
     assert (t.decay, t.min_lr_frac, t.grad_clip) == ("cosine", 0.1, 1.0)
-    assert (t.tokens_per_step, t.max_steps, t.doc_mask, t.prior_lr) == (589_824, 20_000, True, None)
+    assert (t.tokens_per_step, t.max_steps, d.doc_mask, t.prior_lr) == (589_824, 20_000, True, None)
     assert cfg.log.wandb == "disabled"
     check(cfg, world_size=8)  # the default batch fits one 8-GPU node
 
@@ -50,9 +51,9 @@ def test_defaults_are_the_papers_headline_run():
 def test_file_then_command_line_override_defaults(tmp_path):
     path = write(tmp_path, '[model]\npe = "rope"\nn_layer = 4\n[train]\nlr = 3e-4\nbetas = [0.8, 0.9]\n')
     cfg = load_config(path, ["--model.n_layer=2", "--train.prior_lr=1e-2", "--log.run_name=007",
-                             "--train.doc_mask=false", "--model.ssmax=true"])
+                             "--data.doc_mask=false", "--model.ssmax=true"])
     assert (cfg.model.pe, cfg.model.n_layer, cfg.model.ssmax) == ("rope", 2, True)
-    assert (cfg.train.lr, cfg.train.betas, cfg.train.prior_lr, cfg.train.doc_mask) == (3e-4, (0.8, 0.9), 1e-2, False)
+    assert (cfg.train.lr, cfg.train.betas, cfg.train.prior_lr, cfg.data.doc_mask) == (3e-4, (0.8, 0.9), 1e-2, False)
     assert cfg.log.run_name == "007"  # text fields take the command line verbatim
     assert cfg.log.out_dir == os.path.join("runs", "run")  # one run dir per config file by default
     assert load_config(path, ["--train.prior_lr=none"]).train.prior_lr is None
@@ -91,6 +92,33 @@ def test_mistakes_are_one_clear_error(tmp_path, text, overrides, expected):
     with pytest.raises(ConfigError, match=expected) as info:
         load_config(write(tmp_path, text), overrides)
     assert "\n" not in str(info.value)
+
+
+def test_the_old_train_doc_mask_reads_as_data_doc_mask(tmp_path):
+    """Before data.doc_mask it was train.doc_mask: an old config file, command line or saved config (a run
+    directory's config.toml, a checkpoint's "config") resolves to the config a new run writes."""
+    new = load_config(None, ["--data.doc_mask=false", "--log.out_dir=runs/x"])
+    old_text = to_toml(new).replace("doc_mask = false\n", "", 1).replace("[train]\n", "[train]\ndoc_mask = false\n")
+    assert "[train]\ndoc_mask = false" in old_text and old_text.count("doc_mask") == 1
+    assert load_config(write(tmp_path, old_text)) == new
+    assert load_config(None, ["--train.doc_mask=false", "--log.out_dir=runs/x"]) == new
+    saved = to_dict(new)
+    saved["train"]["doc_mask"] = saved["data"].pop("doc_mask")
+    assert upgrade(saved) == to_dict(new) and "doc_mask" in saved["train"]  # a copy: the input is left alone
+    with pytest.raises(ConfigError, match=r"train.doc_mask is the old name of data.doc_mask, and both are set"):
+        load_config(write(tmp_path, "[train]\ndoc_mask = false\n[data]\ndoc_mask = true\n"))
+    assert not load_config(write(tmp_path, "[train]\ndoc_mask = false\n[data]\ndoc_mask = false\n")).data.doc_mask
+
+
+def test_the_checkpoint_changes_table_names_real_keys():
+    """One table says what may differ from a checkpoint; both views of it (resume, same weights) come from it."""
+    from config import CHANGEABLE_ON_RESUME, CHECKPOINT_CHANGES, SECTIONS, SHAPE_FREE_MODEL_KEYS
+
+    for section, keys in CHECKPOINT_CHANGES.items():
+        assert set(keys) <= {f.name for f in dataclasses.fields(SECTIONS[section])}, section
+        assert set(keys.values()) <= {"resume", "weights"}
+    assert "block_size" in SHAPE_FREE_MODEL_KEYS and "block_size" not in CHANGEABLE_ON_RESUME["model"]
+    assert set(CHANGEABLE_ON_RESUME["model"]) <= set(SHAPE_FREE_MODEL_KEYS)
 
 
 def test_missing_file_is_a_clear_error(tmp_path):

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 import checkpoint
 import data
+import recovery
 import train
 from test_train import ROOT, newest, rows, small_config, synthetic  # noqa: F401 (synthetic is a fixture)
 
@@ -49,7 +49,10 @@ def run_with_signals(tmp_path, args, signals, rank=0, torchrun=False):
     script.write_text(SIGNALLER.format(signals=signals, rank=rank))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
         else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    # One thread per torchrun worker (two share the cores); a lone process uses this one's thread count, so
+    # that its steps are bit for bit those of the uninterrupted run made in this process.
+    threads = 1 if torchrun else torch.get_num_threads()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": ROOT}
     return subprocess.run([*launcher, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
 
@@ -71,26 +74,12 @@ def assert_same_weights(a, b):
 STOP_ARGS = ["--train.ckpt_every=0", "--train.max_steps=5"]  # no checkpoint but the stop's and the last
 
 
-@contextmanager
-def one_thread():
-    """Bitwise equality needs the same number of threads: CPU kernels (the embedding's backward among them)
-    split their sums by thread. The signalled runs are subprocesses on one thread (OMP_NUM_THREADS=1), so the
-    runs in this process that they are compared with use one thread too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, synthetic):
     """The uninterrupted run the stopped ones must end up identical to."""
     path = tmp_path_factory.mktemp("straight")
     run = str(path / "run")
-    with one_thread():
-        train.main([small_config(path, synthetic), *STOP_ARGS, f"--log.out_dir={run}"])
+    train.main([small_config(path, synthetic), *STOP_ARGS, f"--log.out_dir={run}"])
     return run
 
 
@@ -107,8 +96,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(tmp
            "continue with --resume" in proc.stderr
     assert [os.path.basename(p) for p in checkpoint.step_checkpoints(stopped)] == ["step_00000003.pt"]
 
-    with one_thread():
-        train.main([*common, f"--log.out_dir={stopped}", "--resume"])
+    train.main([*common, f"--log.out_dir={stopped}", "--resume"])
     assert_same_weights(model_of(stopped), model_of(straight))
     assert [r["step"] for r in rows(stopped)] == [r["step"] for r in rows(straight)]
 
@@ -276,13 +264,13 @@ def test_spike_rules():
     assert train.load_config(None, []).train.spike_grad_factor == 0  # off unless asked for
     t = train.load_config(None, ["--train.spike_window=4", "--train.spike_grad_factor=10"]).train
     history = [[3.0, 1.0], [3.1, 1.2], [2.9, 0.8], [3.0, 1.0]]
-    assert train.spike(history, 3.2, 1.5, t, 50304) is None
-    assert "robust standard deviations" in train.spike(history, 4.0, 1.0, t, 50304)
-    assert "gradient norm 20 is more than 10 x the median 1" in train.spike(history, 3.0, 20.0, t, 50304)
-    assert train.spike(history[:3], 4.0, 20.0, t, 50304) is None  # too little history to judge
-    assert "twice that of uniform guessing" in train.spike([], 30.0, 1.0, t, 50304)  # no history needed
+    assert recovery.spike(history, 3.2, 1.5, t, 50304) is None
+    assert "robust standard deviations" in recovery.spike(history, 4.0, 1.0, t, 50304)
+    assert "gradient norm 20 is more than 10 x the median 1" in recovery.spike(history, 3.0, 20.0, t, 50304)
+    assert recovery.spike(history[:3], 4.0, 20.0, t, 50304) is None  # too little history to judge
+    assert "twice that of uniform guessing" in recovery.spike([], 30.0, 1.0, t, 50304)  # no history needed
     t.spike_threshold = t.spike_grad_factor = 0  # off
-    assert train.spike(history, 1e9, 1e9, t, 50304) is None
+    assert recovery.spike(history, 1e9, 1e9, t, 50304) is None
 
 
 def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, synthetic,
@@ -376,14 +364,14 @@ def test_token_ids_outside_the_vocabulary_are_one_line(tmp_path, capsys):
 
 def test_one_ctrl_c_delivered_twice_is_one_stop_request():
     """Under torchrun a keypress reaches each worker from the terminal and again from torchrun."""
-    stop = train.StopRequest(speak=False)
+    stop = recovery.StopRequest(speak=False)
     stop.handle(signal.SIGINT, None)
     stop.handle(signal.SIGINT, None)  # the same keypress: still a graceful stop
     assert stop.signum == signal.SIGINT and stop.exit_code == 130
     stop.since -= 2
     with pytest.raises(KeyboardInterrupt):
         stop.handle(signal.SIGINT, None)
-    term = train.StopRequest(speak=False)
+    term = recovery.StopRequest(speak=False)
     term.handle(signal.SIGTERM, None)
     term.handle(signal.SIGINT, None)  # Ctrl-C after a SIGTERM: the stop already under way goes on
     assert term.signum == signal.SIGTERM and term.exit_code == 143

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import data
+import recovery
 import train
 from config import load_config, to_dict
 from model import Transformer, load_model
@@ -107,7 +109,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, synthetic, monkeypatc
     monkeypatch.setattr(train, "save_atomic", save_then_stop)
     with pytest.raises(SystemExit) as info:
         train.main([cfg, f"--log.out_dir={resumed}"])
-    assert info.value.code == train.EXIT_INTERRUPTED
+    assert info.value.code == recovery.EXIT_INTERRUPTED
     monkeypatch.setattr(train, "save_atomic", save_atomic)
 
     # Resuming seeks the loader: it reads only the batches of the remaining steps.
@@ -128,6 +130,31 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, synthetic, monkeypatc
         for key in state:
             assert torch.equal(state[key], b["optimizer"]["state"][i][key]), (i, key)
     assert a["loader"] == b["loader"] and a["step"] == b["step"] == 6 and a["tokens_seen"] == 6 * ACCUM * 64
+
+
+def test_an_old_run_with_train_doc_mask_resumes_initialises_and_reads_as_a_new_one(tmp_path, synthetic, capsys):
+    """Runs written before data.doc_mask kept it as train.doc_mask, in config.toml and in every checkpoint."""
+    cfg = small_config(tmp_path, synthetic)
+    old, tuned = str(tmp_path / "old"), str(tmp_path / "tuned")
+    short = ["--data.doc_mask=false", "--train.val_every=0", "--train.warmup_steps=0"]
+    train.main([cfg, f"--log.out_dir={old}", "--train.max_steps=2", *short])
+    new_layout = load_config(os.path.join(old, "config.toml"))
+    for path in glob.glob(os.path.join(old, "checkpoints", "step_*.pt")):  # rewrite the run as the old code wrote it
+        ckpt = torch.load(path, weights_only=True)
+        ckpt["config"]["train"]["doc_mask"] = ckpt["config"]["data"].pop("doc_mask")
+        torch.save(ckpt, path)
+    text = open(os.path.join(old, "config.toml")).read().replace("doc_mask = false\n", "")
+    open(os.path.join(old, "config.toml"), "w").write(text.replace("[train]\n", "[train]\ndoc_mask = false\n"))
+
+    assert load_config(os.path.join(old, "config.toml")) == new_layout
+    assert checkpoint.load_checkpoint(old)[1]["config"] == to_dict(new_layout)
+    capsys.readouterr()
+    train.main([os.path.join(old, "config.toml"), "--resume", "--train.max_steps=3"])
+    assert "changed settings: train.max_steps: 2 -> 3\n" in capsys.readouterr().out  # and nothing else
+    assert newest(old)["step"] == 3
+    assert not newest(old)["config"]["data"]["doc_mask"] and "doc_mask" not in newest(old)["config"]["train"]
+    train.main([cfg, f"--log.out_dir={tuned}", f"--train.init_from={old}", "--train.max_steps=1", *short])
+    assert newest(tuned)["step"] == 1
 
 
 def test_run_directory_checkpoints_and_metrics(tmp_path, synthetic):
