@@ -1,69 +1,68 @@
 """eval.stats against references computed another way: a closed-form variance and exact enumerations."""
 
 import itertools
-import math
 
 import numpy as np
 import pytest
 
-from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap, seed_means, wilson_interval
+from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap, seed_means
 
 
-def test_wilson_interval_known_values():
-    # Wilson's interval for 0/20, 10/20 and 20/20 (z = 1.96), computed from the formula by hand
-    assert wilson_interval(0, 20) == pytest.approx((0.0, 0.16113), abs=1e-4)
-    assert wilson_interval(10, 20) == pytest.approx((0.29930, 0.70070), abs=1e-4)
-    assert wilson_interval(20, 20) == pytest.approx((0.83887, 1.0), abs=1e-4)
-    assert wilson_interval(0, 0) == (None, None)
+def jeffreys(seeds):
+    """(a, b) of each seed's Beta(k + 1/2, n - k + 1/2)."""
+    return np.array([(k + 0.5, n - k + 0.5) for k, n in seeds])
 
 
-def test_two_level_bootstrap_variance_matches_the_closed_form():
-    # One replicate averages S draws of "pick a seed uniformly, then a Binomial(n_s, p_s) / n_s", so its
-    # variance is (mean_s p_s (1 - p_s) / n_s + population variance of p_s) / S.
+def test_two_level_bootstrap_mean_and_variance_match_the_closed_form():
+    # One replicate averages S independent draws of "pick a seed uniformly, then its accuracy from its
+    # Beta(a_s, b_s)", so its mean is the mean of the Beta means m_s and its variance is
+    # (mean_s Var_s + population variance of m_s) / S.
     seeds = [(3, 10), (8, 10), (5, 20), (20, 20)]
-    p = np.array([c / n for c, n in seeds])
-    n = np.array([n for _, n in seeds])
-    closed = (np.mean(p * (1 - p) / n) + p.var()) / len(seeds)
-    replicates = seed_means(seeds, draws=200_000)
-    assert replicates.mean() == pytest.approx(p.mean(), abs=2e-3)
-    assert replicates.var() == pytest.approx(closed, rel=0.03)
+    a, b = jeffreys(seeds).T
+    m, v = a / (a + b), a * b / ((a + b) ** 2 * (a + b + 1))
+    replicates = seed_means(seeds, draws=400_000)
+    assert replicates.mean() == pytest.approx(m.mean(), abs=1e-3)
+    assert replicates.var() == pytest.approx((v.mean() + m.var()) / len(seeds), rel=0.02)
 
 
-def exact_bootstrap_distribution(seeds):
-    """Every outcome of the two-level bootstrap with its probability: all S^S ordered draws of seeds, then
-    every count each drawn seed can show."""
-    S = len(seeds)
-    outcomes = {}
+def exact_cdf(seeds, x, bins=4000):
+    """The replicates' CDF at `x`, computed another way: over every one of the S^S equally likely ordered draws
+    of seeds, the distribution of the mean of their independent Betas, each discretised into `bins` cells of
+    its CDF and summed by convolution."""
+    from scipy.stats import beta
+
+    S, step = len(seeds), 1.0 / bins
+    masses = [np.diff(beta.cdf(np.linspace(0, 1, bins + 1), a, b_)) for a, b_ in jeffreys(seeds)]
+    cdf = np.zeros(len(x))
     for picked in itertools.product(range(S), repeat=S):
-        per_seed = [[(k / seeds[s][1], math.comb(seeds[s][1], k) * (seeds[s][0] / seeds[s][1]) ** k
-                      * (1 - seeds[s][0] / seeds[s][1]) ** (seeds[s][1] - k)) for k in range(seeds[s][1] + 1)]
-                    for s in picked]
-        for combo in itertools.product(*per_seed):
-            mean = round(sum(a for a, _ in combo) / S, 9)
-            outcomes[mean] = outcomes.get(mean, 0.0) + math.prod(w for _, w in combo) / S ** S
-    return outcomes
+        total = masses[picked[0]]
+        for s in picked[1:]:
+            total = np.convolve(total, masses[s])  # the sum's cells: cell k holds sums near (k + S / 2) step
+        means = (np.arange(len(total)) + S / 2) * step / S
+        cdf += np.interp(x, means, np.cumsum(total)) / S ** S
+    return cdf
 
 
-def test_two_level_bootstrap_matches_an_exact_enumeration():
+def test_two_level_bootstrap_matches_a_computed_distribution():
     seeds = [(1, 3), (3, 3), (0, 2)]
-    exact = exact_bootstrap_distribution(seeds)
-    assert sum(exact.values()) == pytest.approx(1.0)
-    replicates = np.round(seed_means(seeds, draws=200_000), 9)
-    for value in sorted(exact):  # the CDF at every support point
-        cdf = sum(w for v, w in exact.items() if v <= value)
-        assert np.mean(replicates <= value) == pytest.approx(cdf, abs=5e-3)
-    support = sorted(exact)
-    cdf = np.cumsum([exact[v] for v in support])
-    low = support[int(np.searchsorted(cdf, 0.025))]
-    high = support[int(np.searchsorted(cdf, 0.975))]
-    interval = seed_bootstrap(seeds)
-    assert interval[0] == pytest.approx(low, abs=1e-9) and interval[1] == pytest.approx(high, abs=1e-9)
+    x = np.linspace(0.05, 0.95, 19)
+    replicates = seed_means(seeds, draws=200_000)
+    assert [np.mean(replicates <= v) for v in x] == pytest.approx(list(exact_cdf(seeds, x)), abs=6e-3)
+    low, high = seed_bootstrap(seeds)
+    assert exact_cdf(seeds, np.array([low, high])) == pytest.approx([0.025, 0.975], abs=3e-3)
 
 
-def test_one_seed_sees_prompt_noise_only_and_differences_are_signed():
-    assert seed_bootstrap([(20, 20)]) == (1.0, 1.0)  # nothing varies: no seed spread, no prompt noise
-    low, high = seed_bootstrap([(10, 20)])
-    assert 0.25 < low < 0.35 and 0.65 < high < 0.75  # about Wilson's 0.30-0.70
+def test_one_seed_is_the_jeffreys_interval():
+    from scipy.stats import beta
+
+    for k, n in [(20, 20), (10, 20), (0, 20), (3, 7)]:
+        expected = tuple(beta.ppf([0.025, 0.975], k + 0.5, n - k + 0.5))
+        assert seed_bootstrap([(k, n)]) == pytest.approx(expected, abs=4e-3)
+
+
+def test_intervals_at_the_edge_and_differences_are_signed():
+    low, high = seed_bootstrap([(20, 20), (20, 20)])  # every prompt right in both seeds: still not certain
+    assert 0.9 < low < 0.97 and high == pytest.approx(1.0, abs=1e-3)  # Wilson's for 40 of 40 prompts: 91-100
     low, high = difference_bootstrap([(18, 20), (19, 20)], [(2, 20), (5, 20)])
     assert 0.5 < low < 0.75 < high < 0.95  # around the observed 0.925 - 0.175
     low, high = difference_bootstrap([(2, 20), (5, 20)], [(18, 20), (19, 20)])
