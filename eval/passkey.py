@@ -30,9 +30,10 @@ from eval.contract import Evaluator
 from eval.loading import load_for_eval
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
 from eval.prompts import encode_template, repeat_haystack, tokenizer
-from eval.reporting import DASH, binomial_interval, length_label, rate, table
+from eval.reporting import DASH, binomial_interval, by_variant, length_label, rate, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
+from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap
 from eval.sweep import add_length_arguments, format_length, length_arguments, sweep, sweep_lengths
 from retrieval import GARBAGE, INFO, QUESTION, TASK
 
@@ -231,69 +232,132 @@ def run(args, options):
 # eval.report
 
 
+def seed_counts(variant_runs, name, length):
+    """(correct, prompts) at `length` of each seed of a variant that has it, from results file `name`."""
+    counts = []
+    for r in variant_runs:
+        row = next((x for x in r.all("passkey").get(name, {"results": []})["results"] if x["length"] == length), None)
+        if row is not None:
+            counts.append((row["correct"], row["samples"]))
+    return counts
+
+
+def variant_cell(counts):
+    """Mean accuracy over seeds, the seeds' own values (their range past four seeds) in brackets, and the
+    two-level bootstrap interval over seeds and prompts; one seed: its rate with the Wilson interval."""
+    if not counts:
+        return DASH
+    if len(counts) == 1:
+        return rate(*counts[0])
+    accuracy = [c / n for c, n in counts]
+    spread = " ".join(f"{100 * a:.0f}" for a in accuracy) if len(accuracy) <= 4 else \
+        f"{100 * min(accuracy):.0f}-{100 * max(accuracy):.0f}"
+    low, high = seed_bootstrap(counts)
+    return f"{100 * np.mean(accuracy):.0f} [{spread}] ({100 * low:.0f}-{100 * high:.0f})"
+
+
+def comparison(name, a, b, variants, lengths, runs):
+    """Variant a against variant b at every length both have: the difference of mean accuracy, its two-level
+    bootstrap interval, and the permutation test over their seeds."""
+    rows = []
+    for n in lengths:
+        ca, cb = seed_counts(variants[a], name, n), seed_counts(variants[b], name, n)
+        if not ca or not cb:
+            continue
+        sa, sb = [c / t for c, t in ca], [c / t for c, t in cb]
+        low, high = difference_bootstrap(ca, cb)
+        rows.append([length_label(n, runs), f"{100 * np.mean(sa):.0f} ({len(sa)})", f"{100 * np.mean(sb):.0f} ({len(sb)})",
+                     f"{100 * (np.mean(sa) - np.mean(sb)):+.0f} ({100 * low:+.0f} to {100 * high:+.0f})",
+                     f"{permutation_test(sa, sb):.3g}"])
+    return [f"**{a}** against **{b}** ({name}): mean accuracy (%) with its number of seeds, the difference with its "
+            "95% two-level bootstrap interval, and the two-sided p-value of a permutation test over the seeds' "
+            "accuracies (exact over every relabelling; with n and m seeds it cannot go below 1 / C(n + m, n), or 2 / C(2n, n) for n against n).", ""] + \
+        table(["length", a, b, "difference", "p"], rows) + [""]
+
+
 def section(runs, report_options):
-    """One table per passkey variant (passkey, passkey_given1, ...): a row per run, a column per length."""
+    """Per passkey results file (passkey, passkey_given1, ...): a table of variants (seeds aggregated), the
+    comparisons asked for (--compare A B), then every run on its own (its Wilson interval)."""
     names = sorted({name for r in runs for name in r.all("passkey")}, key=lambda n: (n != "passkey", n))
     lines = []
     for name in names:
-        present = [r.all("passkey")[name] for r in runs if name in r.all("passkey")]
-        s = present[0]["settings"]
+        present = [r for r in runs if name in r.all("passkey")]
+        s = present[0].all("passkey")[name]["settings"]
         given = f", first {s['given_tokens']} key token(s) given" if s["given_tokens"] else ""
-        lines += [f"**{name}** — accuracy (%) by prompt length, with its Wilson 95% interval and the number of "
-                  f"prompts; {s['samples']} samples per length, {s['depth_mode']} depths{given}.", ""]
-        lengths = sorted({x["length"] for res in present for x in res["results"]})
+        lengths = sorted({x["length"] for r in present for x in r.all("passkey")[name]["results"]})
+        variants = by_variant(present)
+        lines += [f"**{name}** by variant — mean accuracy (%) over the variant's seeds, the seeds' own accuracies in "
+                  f"brackets (their range past four seeds), and in parentheses the 95% interval of the mean over "
+                  f"seeds and prompts (two-level bootstrap, docs/evaluation.md); a variant of one seed shows its "
+                  f"Wilson interval and prompt count instead. {s['samples']} prompts per length and seed, "
+                  f"{s['depth_mode']} depths{given}.", ""]
+        rows = [[variant, len(members)] + [variant_cell(seed_counts(members, name, n)) for n in lengths]
+                for variant, members in variants.items()]
+        lines += table(["variant", "seeds"] + [length_label(n, runs) for n in lengths], rows) + [""]
+        for a, b in report_options.get("compare") or []:
+            if a in variants and b in variants:
+                lines += comparison(name, a, b, variants, lengths, runs)
         # One row per run and one column per length, as the paper's tables: many runs stay readable.
         rows = []
-        for r in (r for r in runs if name in r.all("passkey")):
+        for r in present:
             cells = {x["length"]: x for x in r.all("passkey")[name]["results"]}
             rows.append([r.name] + [rate(cells[n]["correct"], cells[n]["samples"]) if n in cells else DASH
                                     for n in lengths])
+        lines += [f"**{name}**, every run — accuracy (%) with its Wilson 95% interval and the number of prompts.", ""]
         lines += table(["run"] + [length_label(n, runs) for n in lengths], rows) + [""]
     return lines
 
 
-def plot_runs(runs, path):
-    """Accuracy against length, one line per run (its main passkey results)."""
+def plot_variants(runs, path):
+    """Accuracy against length (the plain passkey results) in small multiples, one panel per family of
+    encodings (model.ENCODINGS' `family`): a line per variant through its mean over seeds, a band over its
+    seeds' range."""
     from eval.plotting import log2_length_axis, plt, save_figure
+    from model import ENCODINGS
 
-    many = len(runs) > 6  # then the legend goes to the right of the axes, where it hides no line
-    # ... and the figure grows with it (about 0.15 inch per legend entry), so no entry is cut off
-    fig, ax = plt.subplots(figsize=(10.0, max(4.5, 0.15 * len(runs) + 1.2)) if many else (7.5, 4.0))
-    drawn = False
-    for i, r in enumerate(runs):
-        res = r.get("passkey")
-        if not res or not res["results"]:
-            continue
-        xs = [x["length"] for x in res["results"]]
-        color = plt.get_cmap("tab10")(i % 10)
-        style = ("-", "--", ":", "-.")[i // 10 % 4]  # tab10 has ten colours: more runs change the line
-        ax.plot(xs, [100 * x["accuracy"] for x in res["results"]], marker="o", label=r.name, color=color,
-                linestyle=style)
-        if r.block_size:
-            ax.axvline(r.block_size, color=color, linestyle=":", linewidth=1)
-        drawn = True
-    if not drawn:
-        plt.close(fig)
+    families = {}
+    for variant, members in by_variant([r for r in runs if r.all("passkey").get("passkey", {}).get("results")]).items():
+        pe = ((members[0].model or {}).get("config") or {}).get("pe")
+        families.setdefault(getattr(ENCODINGS.get(pe), "family", "other"), {})[variant] = members
+    if not families:
         return False
-    log2_length_axis(ax)
-    ax.set_ylim(-3, 103)
-    ax.set_xlabel("prompt length (tokens); dotted: training context")
-    ax.set_ylabel("passkey accuracy (%)")
-    ax.set_title("passkey retrieval, one line per run", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    if many:
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    else:
-        ax.legend(fontsize=8)
+    columns = min(2, len(families))
+    rows = -(-len(families) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7.0 * columns, 4.2 * rows), squeeze=False, sharey=True)
+    for ax, (family, variants) in zip(axes.flat, families.items()):
+        for i, (variant, members) in enumerate(variants.items()):
+            lengths = sorted({x["length"] for r in members for x in r.all("passkey")["passkey"]["results"]})
+            per_seed = [[c / n for c, n in seed_counts(members, "passkey", L)] for L in lengths]
+            color = plt.get_cmap("tab10")(i % 10)
+            style = ("-", "--", ":")[i // 10 % 3]
+            ax.plot(lengths, [100 * np.mean(a) for a in per_seed], marker="o", markersize=3, color=color,
+                    linestyle=style, label=f"{variant} ({len(members)} seed{'s' if len(members) > 1 else ''})")
+            if len(members) > 1:
+                ax.fill_between(lengths, [100 * min(a) for a in per_seed], [100 * max(a) for a in per_seed],
+                                color=color, alpha=0.15, linewidth=0)
+        context = {r.block_size for v in variants.values() for r in v if r.block_size}
+        for c in context:
+            ax.axvline(c, color="grey", linestyle=":", linewidth=1)
+        log2_length_axis(ax)
+        ax.set_ylim(-3, 103)
+        ax.set_title(family, fontsize=10)
+        ax.set_xlabel("prompt length (tokens); dotted: training context")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")  # accuracy falls with length: short and low is empty
+    for ax in axes[:, 0]:
+        ax.set_ylabel("passkey accuracy (%)")
+    for ax in list(axes.flat)[len(families):]:
+        ax.set_axis_off()
+    fig.suptitle("passkey retrieval by variant: mean over seeds, band = the seeds' range", fontsize=11)
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path, dpi=110)
     return True
 
 
 EVALUATOR = Evaluator(
     name="passkey", title="Passkey retrieval", description=__doc__,
     add_arguments=add_arguments, run=run, table=format_table, plot=plot_passkey, section=section,
-    summary_plot=plot_runs, interrupted="passkey: interrupted; the lengths finished so far are saved")
+    summary_plot=plot_variants, interrupted="passkey: interrupted; the lengths finished so far are saved")
 main = EVALUATOR.main
 
 if __name__ == "__main__":

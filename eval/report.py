@@ -21,11 +21,13 @@ from noise.
 import glob
 import json
 import os
+import re
 import sys
 
-from checkpoint import write_text
+from checkpoint import CONFIG, write_bytes, write_text
 from cli import Parser, run_cli
-from eval import EvalError, evaluators
+from config import ConfigError, load_config, to_dict
+from eval import EvalError, evaluators, variants
 from eval.loading import output_dir
 from eval.options import overrides_label, overrides_suffix
 from eval.reporting import DASH, Run, human, table
@@ -66,7 +68,9 @@ def load_runs(path):
         run.model = run.model or results.get("model")
     runs = [variants.pop(json.dumps({}), None)] + [variants[k] for k in sorted(variants)]
     runs = [r for r in runs if r] or [Run(path, folder, name, {})]
+    config = run_config(path)
     for run in runs:
+        run.config = config
         if run.overrides:
             run.name = f"{name}: {overrides_label((run.model or {}).get('config') or {}, run.overrides)}"
         add_training_state(run, path)
@@ -94,6 +98,35 @@ def results_files(folder):
         yield file, results
 
 
+def run_config(path):
+    """The resolved config of the run at `path` (RUN/config.toml) as a run started today reads it: old key
+    names moved, settings newer than the file at their defaults. None for a checkpoint or eval folder
+    outside a run directory (its variant is then told by its model config alone)."""
+    run_dir = run_dir_of(path)
+    file = os.path.join(run_dir, CONFIG) if run_dir else None
+    if not file or not os.path.isfile(file):
+        return None
+    try:
+        return to_dict(load_config(file))
+    except ConfigError as e:
+        print(f"report: {e}; {path} is grouped with other runs by its model config alone", file=sys.stderr)
+        return None
+
+
+def assign_variants(runs):
+    """Name every run's variant (eval.variants): the runs that differ only in seed and folder share one."""
+    def config_of(run):
+        return run.config or (run.model or {}).get("config") or {}
+
+    groups = variants.group(runs, config_of, lambda r: r.overrides)
+    labels = [overrides_label(((g[0].model or {}).get("config") or {}), g[0].overrides) for g in groups]
+    defaults = variants.flatten(to_dict(load_config()))  # what a config file that sets nothing gets
+    for group, name in zip(groups, variants.names(labels, [config_of(g[0]) for g in groups], defaults)):
+        for run in group:
+            run.variant = name
+            run.seed = variants.flatten(config_of(run)).get("train.seed")
+
+
 def add_training_state(run, path):
     """The step and tokens trained, from the results or else from the run's metrics.jsonl."""
     if run.model:
@@ -110,14 +143,16 @@ def runs_section(runs):
     rows = []
     for r in runs:
         c = (r.model or {}).get("config") or {}
-        encoding = overrides_label(c, r.overrides) if c else DASH
         shape = f"{c['n_layer']} x {c['n_embd']}, {c['n_head']} heads" if c else DASH
         m = r.model or {}
-        rows.append([r.name, encoding, shape, c.get("block_size", DASH), human(m.get("num_params")),
-                     human(m.get("num_params_non_embedding")), human(r.tokens),
+        rows.append([r.name, r.variant or DASH, DASH if r.seed is None else r.seed, shape, c.get("block_size", DASH),
+                     human(m.get("num_params")), human(m.get("num_params_non_embedding")), human(r.tokens),
                      DASH if r.step is None else f"{r.step:,}"])
-    return ["## Runs", ""] + table(["run", "encoding", "layers x width", "training context", "parameters",
-                                    "non-embedding", "tokens trained", "step"], rows)
+    return ["## Runs", "", "A variant is the runs whose configs differ only in the seed (and where they were written); "
+            "evaluator overrides make variants of their own. Its name is the encoding, then what sets its config "
+            "apart from the variants of the same encoding.", ""] + \
+        table(["run", "variant", "seed", "layers x width", "training context", "parameters", "non-embedding",
+               "tokens trained", "step"], rows)
 
 
 def evaluator_section(evaluator, runs, options):
@@ -128,14 +163,37 @@ def evaluator_section(evaluator, runs, options):
     return lines + evaluator.section(runs, options)
 
 
-def plots_section(runs, out_dir, summary, run_plots=True):
-    def link(path):
-        return f"![]({os.path.relpath(path, out_dir)})" if path and os.path.isfile(path) else DASH
+def plots_section(runs, out, summary, run_plots=True):
+    """The summary plots (drawn next to the report) and, with run_plots, every run's own plots, copied into
+    <report>_plots/ beside the report so that the report and its images move (or are committed) together."""
+    out_dir, copies = os.path.dirname(os.path.abspath(out)), os.path.splitext(os.path.abspath(out))[0] + "_plots"
 
-    rows = [[label] + [link(r.plot_path(evaluator.name, suffix)) for r in runs]
-            for evaluator in evaluators().values() for label, suffix in evaluator.plots()]
+    def link(path, run=None):
+        if not path or not os.path.isfile(path):
+            return DASH
+        if run is not None:  # a run's own plot: a copy named after the run, since every run has a passkey.png
+            copy = os.path.join(copies, re.sub(r"[^A-Za-z0-9_.+-]+", "-", run.name) + "_" + os.path.basename(path))
+            os.makedirs(copies, exist_ok=True)
+            with open(path, "rb") as f:
+                write_bytes(copy, [f.read()])
+            path = copy
+        return f"![]({os.path.relpath(path, out_dir)})"
+
     lines = ["## Plots", ""] + [link(path) for path in summary] + [""]
-    return lines + (table(["plot"] + [r.name for r in runs], rows) if run_plots else [])
+    if not run_plots:
+        return lines
+    rows = [[label] + [link(r.plot_path(evaluator.name, suffix), r) for r in runs]
+            for evaluator in evaluators().values() for label, suffix in evaluator.plots()]
+    return lines + table(["plot"] + [r.name for r in runs], rows)
+
+
+def check_comparisons(runs, pairs):
+    """--compare A B names two variants of the report; one line listing them otherwise."""
+    known = sorted({r.variant for r in runs})
+    for name in (n for pair in pairs for n in pair):
+        if name not in known:
+            raise EvalError(f"--compare {name!r}: no such variant in this report; its variants are: "
+                            + "; ".join(repr(k) for k in known))
 
 
 def write_report(sources, *, out="report.md", title="Evaluation report", run_plots=True, options=None):
@@ -150,11 +208,13 @@ def write_report(sources, *, out="report.md", title="Evaluation report", run_plo
     for i, r in enumerate(runs):  # two runs called "eval" or "best" must still be told apart
         if names.count(r.name) > 1:
             r.name = f"{r.name} ({i + 1})"
+    assign_variants(runs)
+    options = dict(options or {})
+    check_comparisons(runs, options.get("compare") or [])
     out_dir = writable_folder(os.path.dirname(os.path.abspath(out)))  # before any plot is drawn
     if os.path.isdir(out):
         raise EvalError(f"--out {out} is a directory; give the markdown file to write, e.g. {os.path.join(out, 'report.md')}")
     stem = os.path.splitext(os.path.abspath(out))[0]
-    options = dict(options or {})
     summary = []
     for evaluator in evaluators().values():
         path = f"{stem}_{evaluator.name}.png"
@@ -164,7 +224,7 @@ def write_report(sources, *, out="report.md", title="Evaluation report", run_plo
     lines = [f"# {title}", "", f"Runs: {listed}. Built by `python -m eval.report` from the "
              f"saved results (`RUN/eval/*.json`); rerun an evaluator to refresh its numbers.", ""]
     sections = [runs_section(runs)] + [evaluator_section(e, runs, options) for e in evaluators().values()]
-    for section in sections + [plots_section(runs, out_dir, summary, run_plots)]:
+    for section in sections + [plots_section(runs, out, summary, run_plots)]:
         lines += section + [""]
     write_text(out, "\n".join(lines))
     return out
@@ -175,6 +235,10 @@ def main(argv=None):
     ap.add_argument("sources", nargs="+", help="run directories (or checkpoint files, or eval folders)")
     ap.add_argument("--out", default="report.md", help="markdown file to write (default %(default)s)")
     ap.add_argument("--title", default="Evaluation report")
+    ap.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"), default=[],
+                    help="two variants (as the runs table names them) to test against each other: per length the "
+                         "difference of their mean accuracy, its interval and a permutation test over seeds; "
+                         "may be given more than once")
     ap.add_argument("--no_run_plots", action="store_true",
                     help="leave out the table of each run's own plots: for a report kept apart from the run "
                          "folders (e.g. committed under docs/), the summary plots only")

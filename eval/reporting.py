@@ -20,6 +20,9 @@ class Run:
     model: dict | None = None  # the "model" block of its results
     tokens: int | None = None  # tokens trained
     step: int | None = None
+    config: dict | None = None  # the run's resolved config (RUN/config.toml as a new run reads it), if any
+    variant: str = ""  # the name of its variant: the runs whose configs differ only in the seed (eval.variants)
+    seed: int | None = None
 
     def all(self, schema):
         """{file stem: results} of one evaluator (passkey keeps several: passkey, passkey_given1, ...)."""
@@ -38,6 +41,14 @@ class Run:
         """<results file stem><suffix>.png of the main results of `schema`, or None."""
         results = self.get(schema)
         return os.path.splitext(results["_file"])[0] + suffix + ".png" if results else None
+
+
+def by_variant(runs):
+    """{variant name: [its runs, one per seed]}, in the order the variants first appear."""
+    variants = {}
+    for run in runs:
+        variants.setdefault(run.variant or run.name, []).append(run)
+    return variants
 
 
 def table(header, rows):
