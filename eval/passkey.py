@@ -276,8 +276,9 @@ def comparison(name, a, b, variants, lengths, runs):
 
 
 def section(runs, report_options):
-    """Per passkey results file (passkey, passkey_given1, ...): a table of variants (seeds aggregated), the
-    comparisons asked for (--compare A B), then every run on its own (its Wilson interval)."""
+    """Per passkey results file (passkey, passkey_given1, ...): a table of variants (seeds aggregated; only
+    when some variant has several seeds), the comparisons asked for (--compare A B), then every run on its
+    own (its Wilson interval)."""
     names = sorted({name for r in runs for name in r.all("passkey")}, key=lambda n: (n != "passkey", n))
     lines = []
     for name in names:
@@ -286,14 +287,15 @@ def section(runs, report_options):
         given = f", first {s['given_tokens']} key token(s) given" if s["given_tokens"] else ""
         lengths = sorted({x["length"] for r in present for x in r.all("passkey")[name]["results"]})
         variants = by_variant(present)
-        lines += [f"**{name}** by variant — mean accuracy (%) over the variant's seeds, the seeds' own accuracies in "
-                  f"brackets (their range past four seeds), and in parentheses the 95% interval of the mean over "
-                  f"seeds and prompts (two-level bootstrap, docs/evaluation.md); a variant of one seed shows its "
-                  f"Wilson interval and prompt count instead. {s['samples']} prompts per length and seed, "
-                  f"{s['depth_mode']} depths{given}.", ""]
-        rows = [[variant, len(members)] + [variant_cell(seed_counts(members, name, n)) for n in lengths]
-                for variant, members in variants.items()]
-        lines += table(["variant", "seeds"] + [length_label(n, runs) for n in lengths], rows) + [""]
+        protocol = f"{s['samples']} prompts per length and seed, {s['depth_mode']} depths{given}"
+        if any(len(members) > 1 for members in variants.values()):  # else the table of runs says it all
+            lines += [f"**{name}** by variant — mean accuracy (%) over the variant's seeds, the seeds' own accuracies "
+                      f"in brackets (their range past four seeds), and in parentheses the 95% interval of the mean "
+                      f"over seeds and prompts (two-level bootstrap, docs/evaluation.md); a variant of one seed shows "
+                      f"its Wilson interval and prompt count instead. {protocol}.", ""]
+            rows = [[variant, len(members)] + [variant_cell(seed_counts(members, name, n)) for n in lengths]
+                    for variant, members in variants.items()]
+            lines += table(["variant", "seeds"] + [length_label(n, runs) for n in lengths], rows) + [""]
         for a, b in report_options.get("compare") or []:
             if a in variants and b in variants:
                 lines += comparison(name, a, b, variants, lengths, runs)
@@ -303,7 +305,8 @@ def section(runs, report_options):
             cells = {x["length"]: x for x in r.all("passkey")[name]["results"]}
             rows.append([r.name] + [rate(cells[n]["correct"], cells[n]["samples"]) if n in cells else DASH
                                     for n in lengths])
-        lines += [f"**{name}**, every run — accuracy (%) with its Wilson 95% interval and the number of prompts.", ""]
+        lines += [f"**{name}**, every run — accuracy (%) by prompt length, with its Wilson 95% interval and the "
+                  f"number of prompts; {protocol}.", ""]
         lines += table(["run"] + [length_label(n, runs) for n in lengths], rows) + [""]
     return lines
 
