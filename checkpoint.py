@@ -256,6 +256,10 @@ class CheckpointError(ValueError):
         self.reason = reason or message
 
 
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No checkpoint at that path (also a FileNotFoundError, as find_checkpoint's)."""
+
+
 def load_checkpoint(path, mmap=True, optimizer=False, join_shards=True):
     """(file, checkpoint dict) of a checkpoint or of a run directory's newest checkpoint (find_checkpoint):
     the one place the repository reads the format. With mmap the tensors of a .pt file stay on disk until
@@ -267,7 +271,7 @@ def load_checkpoint(path, mmap=True, optimizer=False, join_shards=True):
     try:
         file = find_checkpoint(path)
     except FileNotFoundError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointNotFound(str(e)) from None
     if os.path.isdir(file):
         ckpt = load_sharded_whole(file, optimizer) if join_shards else check_sharded(file)
     else:

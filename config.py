@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 
 # What may differ between a checkpoint's settings and a run that loads it: one table for train.py's resume
-# check, train.init_from and the evaluators' model overrides (eval/common.py).
+# check, train.init_from and the evaluators' model overrides (eval/loading.py).
 #   "resume"  the resumed run is still the same experiment, only computed, logged or stopped differently,
 #             so `train.py --resume` accepts the change (and lists it);
 #   "weights" a model setting that shapes no parameter: the checkpoint's weights serve any value of it, so

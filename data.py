@@ -234,6 +234,13 @@ def check_shard_tokens(paths, vocab_size: int, chunk: int = 1 << 24) -> None:
                                  f"re-tokenize with the GPT-2 tokenizer")
 
 
+def document_ids(tokens, eot=EOT):
+    """(..., T) tokens -> the document of each token, counted along the last dimension: an EOT opens a
+    document, so positions with equal ids are one document, and 0 marks tokens before the row's first
+    EOT (the tail of a document that began earlier)."""
+    return torch.cumsum(tokens == eot, dim=-1)
+
+
 def shard_paths(data_dir: str, split: str) -> list:
     """The shards of one split, in stream order: any `*_<split>_*.bin` (ours, llm.c's, modded-nanogpt's)."""
     if split not in ("train", "val"):
@@ -255,8 +262,8 @@ class ShardLoader:
     ends (the short remainder is skipped) and the stream starts over from the beginning.
 
     The state is a position in the stream, the same on every rank, so any rank's `state_dict()`
-    restores all ranks, also under a different world size. doc_ids count EOTs along each row
-    (an EOT opens a document), so positions with equal doc_ids belong to the same document.
+    restores all ranks, also under a different world size. doc_ids are `document_ids(x)`: positions
+    with equal ids belong to the same document.
     """
 
     def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1):
@@ -317,8 +324,7 @@ class ShardLoader:
         self.position += self.world_size * self.window
         B, T = self.batch_size, self.seq_len
         x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
-        doc_ids = torch.cumsum(x == EOT, dim=1)
-        return x, y, doc_ids
+        return x, y, document_ids(x)
 
     def state_dict(self) -> dict:
         shard = bisect.bisect_right(self.starts, self.position) - 1

@@ -2,18 +2,20 @@
 A Llama-style decoder with pluggable positional encodings, read top to bottom:
 
     config -> positional encodings (NoPE, RoPE, sinusoidal; the priors ALiBi, BAM, KERPLE) and their
-    registry ENCODINGS -> attention (flex / sdpa / eager)
-    -> blocks -> Transformer -> conveniences (optimizer groups, generation, checkpoint loading)
+    registry ENCODINGS -> attention: its scores and its mask, then flex / sdpa / eager -> blocks
+    -> Transformer.forward (in-document positions, embeddings, attention context, blocks, logits)
+    -> conveniences (optimizer groups, generation, checkpoint loading)
 
 Every additive positional encoding is a *log-prior over relative position* (docs/paper.md §1): a bias
 g_h(i - j) added to the attention logit of head h, query position i and key position j. That bias is
-written once, as a plain torch expression on broadcastable tensors (`positional_scores`), and the
-same expression serves the FlexAttention `score_mod`, the dense bias of the `sdpa` path and the
+written once, as a plain torch expression on broadcastable tensors (`positional_scores`), and so is
+the mask, causal, within the window and within the document (`visible`); the same two expressions
+serve FlexAttention (score_mod, mask_mod and BlockMask), the dense bias of the `sdpa` path and the
 materialised `eager` reference, so the three cannot drift apart.
 """
 
+import functools
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, fields
 
 import torch
@@ -60,10 +62,10 @@ class ModelConfig:
     rope_original_context: int = 0  # the context the RoPE model was trained at; 0 means block_size
     yarn_beta_fast: float = 32.0  # YaRN's ramp bounds, in rotations per original context (Peng et al. 2023)
     yarn_beta_slow: float = 1.0
+    sinusoidal_base: float = 10_000.0  # the sinusoidal encoding's theta (Vaswani et al. 2017)
     # Sliding-window attention: query i sees key j only if 0 <= i - j < attn_window (and the same
     # document); 0 is off. RoPE-local (docs/paper.md §4) is pe = "rope" with attn_window = block_size.
     attn_window: int = 0
-    sinusoidal_base: float = 10_000.0
     ssmax: bool = False  # Scalable-Softmax (Nakanishi 2025), docs/paper.md §3
     attn_impl: str = "auto"  # auto | flex | sdpa | eager
     # BAM's Generalized-Gaussian prior (docs/paper.md §2). The official code and the paper's runs start
@@ -75,13 +77,6 @@ class ModelConfig:
     bam_train_shape: bool = True
     bam_train_scale: bool = True
     bam_train_loc: bool = False  # the paper keeps the location at 0
-    # Sliding window and RoPE context extension (behaviour comes from the model-baselines branch)
-    attn_window: int = 0
-    rope_scaling: str = "none"
-    rope_factor: float = 1.0
-    rope_original_context: int = 0
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
 
     def __post_init__(self):
         def bad(msg):
@@ -120,7 +115,7 @@ class ModelConfig:
         if self.rope_scaling == "none" and self.rope_factor != 1.0:
             bad(f"rope_factor={self.rope_factor} has no effect with rope_scaling='none'; choose one of "
                 f"{', '.join(ROPE_SCALINGS[1:])}")
-        if self.rope_scaling != "none" and ENCODINGS[self.pe].rotation is Encoding.rotation:
+        if self.rope_scaling != "none" and ENCODINGS[self.pe].rotation is None:
             bad(f"rope_scaling needs a rotary encoding (pe = 'rope'), got pe={self.pe!r}")
         if self.rope_scaling in ("ntk", "dynamic_ntk") and self.head_dim <= 2:
             bad(f"rope_scaling={self.rope_scaling!r} needs head_dim > 2 (its exponent is d / (d - 2)), "
@@ -152,31 +147,25 @@ class ModelConfig:
 
 # ---------------------------------------------------------------------------------------------------
 # Positional encodings. Each one is a small class registered once in ENCODINGS (below); everything else
-# (the config's choices, the attention path, the evaluators, benchmarks and tests) reads the registry.
+# (the config's choices, the attention paths, the evaluators, benchmarks and tests) reads the registry.
 # An encoding plays at most these roles (docs/INTERFACES.md): rotate q and k (RoPE), add to the token embeddings
 # (sinusoidal), or add a prior g_h(i - j) to every attention logit (ALiBi, BAM, KERPLE).
 
 
 class Encoding:
-    """The hooks an encoding may override; the defaults do nothing, which is NoPE."""
+    """What an encoding may set; a role it does not play stays None, and with none at all it is NoPE."""
 
     even_width = None  # a ModelConfig field this encoding needs even (rotation pairs, sin/cos pairs)
+    # rotation(positions, cfg, length=None) -> (cos, sin) that rotate q and k at these positions; `length`
+    # is how many positions the forward reaches (for a rotation that depends on it, as dynamic NTK does)
+    rotation = None
+    # embedding(positions, cfg) -> (..., T, n_embd) added to the token embeddings at these in-document positions
+    embedding = None
 
     @classmethod
-    def build_priors(cls, cfg):
-        """The modules holding an additive prior's tensors: one per layer, or one shared by all layers."""
-        return []
-
-    @staticmethod
-    def rotation(positions, cfg, length=None):
-        """(cos, sin) that rotate q and k at these positions, or None; `length` is how many positions
-        the forward reaches (for a rotation that depends on it; default: the last position + 1)."""
-        return None
-
-    @staticmethod
-    def embedding(positions, cfg):
-        """(..., T, n_embd) added to the token embeddings at these in-document positions, or None."""
-        return None
+    def copies(cls, cfg):
+        """How many prior modules the model holds (AdditivePrior: one per layer, or one shared)."""
+        return 0
 
 
 class NoPE(Encoding):
@@ -186,16 +175,6 @@ class NoPE(Encoding):
 def inverse_frequencies(dim, base, device=None):
     """theta^(-2i/d) for the d/2 rotation pairs, in float64."""
     return base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
-
-
-def _angles(positions, dim, base):
-    # float64: at 500K positions fp32 angles would be off by ~0.03 rad before the cosine.
-    return positions.to(torch.float64)[..., None] * inverse_frequencies(dim, base, positions.device)
-
-
-def rope_cos_sin(positions, head_dim, theta):
-    angles = _angles(positions, head_dim, theta)
-    return angles.cos().float(), angles.sin().float()
 
 
 def yarn_ramp(cfg):
@@ -253,12 +232,6 @@ def apply_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
-def sinusoidal_embedding(positions, dim, base):
-    """Vaswani et al.'s absolute encoding, (..., T) positions -> (..., T, dim): sin on even, cos on odd."""
-    angles = _angles(positions, dim, base)
-    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).float()
-
-
 class RoPE(Encoding):
     """Rotary embedding (Su et al. 2021), theta 500K as the paper's baseline; computed from positions on
     the fly, so no table runs out past the training length."""
@@ -269,8 +242,15 @@ class RoPE(Encoding):
     def rotation(positions, cfg, length=None):
         length = int(positions[-1]) + 1 if length is None else length
         inv_freq, factor = rope_frequencies(cfg, length)
+        # float64: at 500K positions fp32 angles would be off by ~0.03 rad before the cosine.
         angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
         return (factor * angles.cos()).float(), (factor * angles.sin()).float()
+
+
+def sinusoidal_embedding(positions, dim, base):
+    """Vaswani et al.'s absolute encoding, (..., T) positions -> (..., T, dim): sin on even, cos on odd."""
+    angles = positions.to(torch.float64)[..., None] * inverse_frequencies(dim, base, positions.device)
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).float()
 
 
 class Sinusoidal(Encoding):
@@ -289,25 +269,23 @@ class Sinusoidal(Encoding):
 class AdditivePrior(Encoding, nn.Module):
     """A log-prior over relative position (docs/paper.md §1): `bias_fn(dist, head, *tensors())` is the bias
     g_h(i - j), a plain broadcastable torch expression (scalars inside FlexAttention's score_mod,
-    (H, Tq, Tk) or (H, D) tensors on the dense paths). `summary()` gives every head's parameters
-    ({name: [value per head]}, logged to metrics.jsonl); `head_columns()` the same for eval.priors'
-    table. A prior whose heads fall into named groups (BAM's shapes) sets GROUPS and `head_group`."""
+    (H, Tq, Tk) grids on eager, (H, D) tables on sdpa). `head_parameters()` gives every head's
+    parameters, {name: [value per head]}: eval.priors' table under these names, metrics.jsonl under
+    "METRICS_PREFIX_name". A prior whose heads fall into named groups (BAM's shapes) sets GROUPS,
+    GROUP_SPANS and `head_group`."""
 
+    METRICS_PREFIX = None  # e.g. "bam": metrics.jsonl logs bam_shape, bam_log_scale, ...
     GROUPS = {}  # group name -> rule, in the order they are reported
-
-    @classmethod
-    def build_priors(cls, cfg):
-        return [cls(cfg) for _ in range(cls.copies(cfg))]
 
     @classmethod
     def copies(cls, cfg):
         return cfg.n_layer  # one prior per layer unless the encoding says otherwise
 
-    def summary(self):
+    def tensors(self):
         raise NotImplementedError
 
-    def head_columns(self):
-        return self.summary()
+    def head_parameters(self):
+        raise NotImplementedError
 
     def head_group(self, head):
         return None
@@ -372,6 +350,7 @@ class ALiBiPrior(AdditivePrior):
     """Fixed slopes, the same in every layer."""
 
     bias_fn = staticmethod(alibi_bias)
+    METRICS_PREFIX = "alibi"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -384,20 +363,21 @@ class ALiBiPrior(AdditivePrior):
     def tensors(self):
         return (self.slopes,)
 
-    def summary(self):
-        return {"alibi_slope": self.slopes.tolist()}
+    def head_parameters(self):
+        return {"slope": self.slopes.tolist()}
 
 
 class BAMPrior(AdditivePrior):
     """Per-head shape b, log-scale a and location parameter l of one GGD prior."""
 
     bias_fn = staticmethod(ggd_bias)
-    # After training, heads cluster by shape (docs/paper.md §2).
-    RETRIEVAL_FLOOR = -0.6
-    GROUPS = {"local": "b > 0", "retrieval": "-0.6 <= b <= 0", "aggressive": "b < -0.6"}
+    METRICS_PREFIX = "bam"
+    # After training, heads cluster by shape (docs/paper.md §2): retrieval heads have LOW <= b <= HIGH,
+    # local heads a larger shape, aggressive-retrieval heads a smaller one. Every rule below reads these two.
+    LOW, HIGH = -0.6, 0.0
+    GROUPS = {"local": f"b > {HIGH:g}", "retrieval": f"{LOW:g} <= b <= {HIGH:g}", "aggressive": f"b < {LOW:g}"}
+    GROUP_SPANS = {"local": (HIGH, math.inf), "retrieval": (LOW, HIGH), "aggressive": (-math.inf, LOW)}
     GROUP_PARAMETER, SECOND_PARAMETER = "shape", "log_scale"  # what eval.priors plots the groups against
-    GROUP_SPANS = {"aggressive": (-math.inf, RETRIEVAL_FLOOR), "retrieval": (RETRIEVAL_FLOOR, 0.0),
-                   "local": (0.0, math.inf)}
 
     def __init__(self, cfg: ModelConfig, generator=None):
         super().__init__()
@@ -424,17 +404,13 @@ class BAMPrior(AdditivePrior):
     def tensors(self):
         return (self.shape, self.log_scale, self.loc)
 
-    def summary(self):
-        return {"bam_shape": self.shape.tolist(), "bam_log_scale": self.log_scale.tolist(),
-                "bam_loc": (2.0 * torch.sinh(self.loc)).tolist()}
-
-    def head_columns(self):
+    def head_parameters(self):
         return {"shape": self.shape.tolist(), "log_scale": self.log_scale.tolist(),
                 "scale": self.log_scale.exp().tolist(), "loc": (2.0 * torch.sinh(self.loc)).tolist()}
 
     def head_group(self, head):
         b = float(self.shape[head].detach())
-        return "local" if b > 0 else ("retrieval" if b >= self.RETRIEVAL_FLOOR else "aggressive")
+        return "local" if b > self.HIGH else ("retrieval" if b >= self.LOW else "aggressive")
 
 
 KERPLE_FLOOR = 1e-2  # Chi et al.'s reference code keeps r1, r2 >= 0.01 (by clamping after each step)
@@ -452,6 +428,7 @@ class KerplePrior(AdditivePrior):
     for an exponent bounded above (the power kernel's r2 <= 2), r = 0.01 + (max - 0.01) sigmoid(raw).
     Init as the reference: r1 ~ U(0, R1_INIT) and r2 ~ U(0, R2_INIT), kept strictly inside the bounds."""
 
+    METRICS_PREFIX = "kerple"
     R1_INIT, R2_INIT, R2_MAX = 2.0, 1.0, None
 
     def __init__(self, cfg: ModelConfig):
@@ -471,11 +448,7 @@ class KerplePrior(AdditivePrior):
             return r1, KERPLE_FLOOR + F.softplus(self.raw_r2)
         return r1, KERPLE_FLOOR + (self.R2_MAX - KERPLE_FLOOR) * torch.sigmoid(self.raw_r2)
 
-    def summary(self):
-        r1, r2 = self.tensors()
-        return {"kerple_r1": r1.tolist(), "kerple_r2": r2.tolist()}
-
-    def head_columns(self):
+    def head_parameters(self):
         r1, r2 = self.tensors()
         return {"r1": r1.tolist(), "r2": r2.tolist()}
 
@@ -503,6 +476,24 @@ PE_CHOICES = tuple(ENCODINGS)
 PRIORS = {name: enc for name, enc in ENCODINGS.items() if issubclass(enc, AdditivePrior)}
 
 
+# ---------------------------------------------------------------------------------------------------
+# Attention. What positions do to it is written once, as two plain torch expressions on broadcastable
+# tensors: `positional_scores` (the logits) and `visible` (the mask). FlexAttention evaluates them on
+# scalars (score_mod, mask_mod), the dense paths on whole grids, so the paths cannot drift apart;
+# `eager` is the reference the tests hold the others to.
+
+
+def prior_bias(prior, head, dist):
+    """g_h(i - j): `prior` is (bias_fn, tensors), `dist` the distance i - j."""
+    bias_fn, tensors = prior
+    return bias_fn(dist.to(torch.float32), head, *tensors)
+
+
+def ssmax_factor(ssmax_scale, head, log_n):
+    """SSMax's s_h log(n_i), `log_n` = log(number of keys query i may attend to) (docs/paper.md §3)."""
+    return ssmax_scale[head] * log_n
+
+
 def positional_scores(scores, head, q_pos, k_pos, log_n, prior, ssmax_scale):
     """The one place where positions change attention logits (before masking and softmax):
 
@@ -510,18 +501,120 @@ def positional_scores(scores, head, q_pos, k_pos, log_n, prior, ssmax_scale):
 
     docs/paper.md §3: for every additive prior the SSMax factor multiplies the content score *and* the prior
     (the official ALiBi+SSMax baseline scales only q.k; we are consistent across encodings instead).
-    `prior` is (bias_fn, tensors) or None; `ssmax_scale` is the per-head s_h or None; `log_n` is
-    log(number of keys query i may attend to)."""
+    `prior` is (bias_fn, tensors) or None; `ssmax_scale` is the per-head s_h or None."""
     if prior is not None:
-        bias_fn, tensors = prior
-        scores = scores + bias_fn((q_pos - k_pos).to(torch.float32), head, *tensors)
+        scores = scores + prior_bias(prior, head, q_pos - k_pos)
     if ssmax_scale is not None:
-        scores = scores * (ssmax_scale[head] * log_n)
+        scores = scores * ssmax_factor(ssmax_scale, head, log_n)
     return scores
 
 
-# ---------------------------------------------------------------------------------------------------
-# Attention. Three implementations of one function; `eager` is the reference the tests hold the others to.
+def visible(q_pos, k_pos, window=0, q_doc=None, k_doc=None):
+    """The one place where positions decide which keys a query sees: key j is visible to query i iff
+    j <= i, i - j < window (0: no window) and, given documents, both are in the same one."""
+    dist = q_pos - k_pos
+    seen = dist >= 0
+    if window:
+        seen = seen & (dist < window)
+    if q_doc is not None:
+        seen = seen & (q_doc == k_doc)
+    return seen
+
+
+def dense_mask(q_pos, k_pos, window=0, doc_ids=None):
+    """`visible` on the (Tq, Tk) grid, (B or 1, 1, Tq, Tk) bool; doc_ids (B, T) needs Tq = Tk = T."""
+    if doc_ids is None:
+        return visible(q_pos[:, None], k_pos[None, :], window)[None, None]
+    return visible(q_pos[:, None], k_pos[None, :], window, doc_ids[:, :, None], doc_ids[:, None, :])[:, None]
+
+
+def flex_mask_mod(window=0, doc_ids=None):
+    """`visible` as FlexAttention's mask_mod(b, h, q_idx, kv_idx)."""
+    if doc_ids is None:
+        return lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window)
+    return lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window, doc_ids[b, q_idx], doc_ids[b, kv_idx])
+
+
+# FlexAttention's BlockMask says which 128 x 128 blocks of the score grid to visit at all (in full, or
+# through the mask_mod); the causal and the windowed one are written down directly, because
+# create_block_mask would first evaluate the mask on all T x T pairs (10 bytes each: 640 MiB at 8K
+# tokens, 2.5 TB at 500K).
+
+
+def causal_block_mask(T, device, block=128):
+    """The causal BlockMask: query block i sees key blocks 0..i-1 in full and block i through the mask.
+    O((T / block)^2) small ints."""
+    n = -(-T // block)
+    rows = torch.arange(n, device=device, dtype=torch.int32)
+    diagonal_count = torch.ones(1, 1, n, device=device, dtype=torch.int32)
+    diagonal_index = torch.zeros(1, 1, n, n, device=device, dtype=torch.int32)  # only column 0 is read
+    diagonal_index[..., 0] = rows
+    full_count = rows.view(1, 1, n)  # block i has i full blocks before it
+    full_index = rows.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()  # entries past the count unused
+    return BlockMask.from_kv_blocks(diagonal_count, diagonal_index, full_count, full_index, BLOCK_SIZE=block,
+                                    mask_mod=flex_mask_mod(), seq_lengths=(T, T))
+
+
+# Causal masks kept by (length, device): evaluation calls the model again and again at one length, and a
+# long mask is (T / 128)^2 indices plus their transpose, rebuilt for nothing each time. A few entries only,
+# so a sweep over lengths does not keep every mask; inference-mode tensors are kept apart (the third key)
+# because autograd refuses to save them for a later backward.
+CAUSAL_MASKS_KEPT = 4
+
+
+@functools.lru_cache(maxsize=CAUSAL_MASKS_KEPT)
+def _kept_causal_block_mask(T, device, inference_mode):
+    return causal_block_mask(T, device)
+
+
+def cached_causal_block_mask(T, device):
+    if torch.compiler.is_compiling():  # inside a compiled graph the mask is part of the graph: no cache, no guards
+        return causal_block_mask(T, device)
+    return _kept_causal_block_mask(T, torch.device(device), torch.is_inference_mode_enabled())
+
+
+def window_block_mask(T, window, device, block=128):
+    """The causal sliding-window BlockMask, block-banded: query block i sees the key blocks whose every
+    pair has 0 <= q - k < window in full, and through the mask the diagonal block and the blocks the
+    band's lower edge cuts; the rest is skipped, so the cost grows as T x window. For blocks of B rows,
+    every pair of query block i and key block c < i is inside the window iff (i - c + 1) B <= window,
+    and some pair is iff (i - c - 1) B + 1 < window."""
+    n = -(-T // block)
+    rows = torch.arange(n, device=device, dtype=torch.int64)[:, None]
+    cols = torch.arange(n, device=device, dtype=torch.int64)[None, :]
+    full = (cols < rows) & ((rows - cols + 1) * block <= window)
+    partial = (cols <= rows) & ((rows - cols - 1) * block + 1 < window) & ~full
+    # The index tensors are n x n like causal_block_mask's (BlockMask's transpose for the backward pass
+    # reads their width as the number of key blocks); only the first `count` entries of a row are used.
+    def ordered(blocks):
+        count = blocks.sum(dim=1).to(torch.int32)
+        index = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)  # hits first
+        return count.view(1, 1, n), index.view(1, 1, n, n)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block,
+                                    mask_mod=flex_mask_mod(window), seq_lengths=(T, T))
+
+
+def flex_mask_length(T, device):
+    """The length FlexAttention runs at. torch 2.13's compiled CPU kernel returns wrong values, and not
+    the same ones twice, when the sequence ends inside one of its blocks on an AVX2 CPU (measured on this
+    project's CI machine: T = 8, 24, 40 and 120 wrong, multiples of 16 right). On CPU the sequence is
+    therefore padded to whole 128-token blocks; on GPU it runs as it is."""
+    return T if torch.device(device).type != "cpu" else -(-T // 128) * 128
+
+
+def make_block_mask(doc_ids, T, device, window=0):
+    """The BlockMask of one forward pass over T tokens (causal, within documents, within the window if
+    any), built once per forward and shared by every layer, at flex_mask_length(T): padded positions
+    are a document of their own after the last one."""
+    T_mask = flex_mask_length(T, device)
+    if doc_ids is None:
+        return window_block_mask(T_mask, window, device) if window else cached_causal_block_mask(T_mask, device)
+    if T_mask > T:
+        doc_ids = torch.cat([doc_ids, (doc_ids[:, -1:] + 1).expand(-1, T_mask - T)], dim=1)
+    # Documents are a training-time feature, where T is the training context: the dense evaluation
+    # inside create_block_mask is affordable there.
+    return create_block_mask(flex_mask_mod(window, doc_ids), doc_ids.shape[0], None, T_mask, T_mask, device=device)
 
 
 @dataclass
@@ -531,32 +624,16 @@ class AttnContext:
     impl: str  # flex | sdpa | eager (after `auto` was resolved)
     q_pos: torch.Tensor  # (Tq,) absolute positions of the queries
     k_pos: torch.Tensor  # (Tk,) absolute positions of the keys
-    doc_ids: torch.Tensor | None  # (B, T) document of each token, or None for one document per row
+    # Which keys each query sees, in the form its implementation takes: a BlockMask (flex), a dense
+    # (B or 1, 1, Tq, Tk) bool (eager, sdpa), or None where causality over the same positions is all
+    # there is (sdpa's flash kernel masks by itself: no T x T tensor)
+    mask: torch.Tensor | BlockMask | None
     log_n: torch.Tensor | None  # (B or 1, Tq) log of how many keys each query sees (SSMax)
     rope: tuple | None  # (cos, sin) of the queries' positions
-    block_mask: BlockMask | None  # flex only
-    window: int = 0  # attn_window: key j is visible to query i only if i - j < window (0: no limit)
-
-
-def _allowed(ctx):
-    """Dense causal (+ window) (+ document) mask, (B or 1, 1, Tq, Tk) bool."""
-    distance = ctx.q_pos[:, None] - ctx.k_pos[None, :]
-    allowed = distance >= 0
-    if ctx.window:
-        allowed = allowed & (distance < ctx.window)
-    if ctx.doc_ids is not None:
-        allowed = allowed & (ctx.doc_ids[:, :, None] == ctx.doc_ids[:, None, :])
-    else:
-        allowed = allowed[None]
-    return allowed[:, None]
 
 
 def _head_index(n_head, device):
     return torch.arange(n_head, device=device).view(n_head, 1, 1)
-
-
-def _dense_log_n(ctx):
-    return None if ctx.log_n is None else ctx.log_n[:, None, :, None]
 
 
 def eager_attention(q, k, v, ctx, prior, ssmax_scale):
@@ -564,37 +641,39 @@ def eager_attention(q, k, v, ctx, prior, ssmax_scale):
     H, hd = q.shape[1], q.shape[-1]
     k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
     scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(hd)
+    log_n = None if ctx.log_n is None else ctx.log_n[:, None, :, None]
     scores = positional_scores(scores, _head_index(H, q.device), ctx.q_pos[:, None], ctx.k_pos[None, :],
-                               _dense_log_n(ctx), prior, ssmax_scale)
-    scores = scores.masked_fill(~_allowed(ctx), float("-inf"))
+                               log_n, prior, ssmax_scale)
+    scores = scores.masked_fill(~ctx.mask, float("-inf"))
     return (scores.softmax(dim=-1) @ v.float()).type_as(q)
+
+
+def dense_prior(prior, head, q_pos, k_pos):
+    """g_h(i - j) on the (Tq, Tk) grid, (H, Tq, Tk) for head (H, 1). The prior depends on i - j only, so it
+    is evaluated once per distance (H x (Tq + Tk - 1) values, not H x Tq x Tk) and spread over the grid
+    by indexing, whose backward is a scatter-add."""
+    smallest = q_pos[0] - k_pos[-1]  # a tensor, so no device sync
+    distances = smallest + torch.arange(len(q_pos) + len(k_pos) - 1, device=q_pos.device)
+    table = prior_bias(prior, head, distances[None, :])  # (H, D)
+    return table[:, q_pos[:, None] - k_pos[None, :] - smallest]
 
 
 def sdpa_attention(q, k, v, ctx, prior, ssmax_scale):
     """torch's scaled_dot_product_attention. With nothing positional in the logits it is the flash
-    kernel (O(T) memory). Otherwise the prior and the masks become one dense fp32 bias, and SSMax's
+    kernel (O(T) memory). Otherwise the prior and the mask become one dense fp32 bias, and SSMax's
     factor, which multiplies the whole logit, is folded into q:  (q.k/sqrt(d) + g) c = (c q).k/sqrt(d) + g c.
-    This is the CPU training path (flex has no CPU backward), so the bias is built cheaply: the prior
-    depends on i - j only, so it is evaluated once per distance (H x (Tq + Tk - 1) values, not
-    H x Tq x Tk) and spread over the grid by indexing, whose backward is a scatter-add."""
+    This is the CPU training path (flex has no CPU backward), so the prior is built cheaply (dense_prior)."""
     gqa = k.shape[1] != q.shape[1]
-    plain_causal = ctx.doc_ids is None and not ctx.window and ctx.q_pos.shape == ctx.k_pos.shape
-    if prior is None and ssmax_scale is None and plain_causal:
+    if ctx.mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    H, Tq, Tk = q.shape[1], ctx.q_pos.shape[0], ctx.k_pos.shape[0]
-    head = _head_index(H, q.device)
+    head = _head_index(q.shape[1], q.device)
     bias = torch.zeros((), device=q.device)
     if prior is not None:
-        dist = ctx.q_pos[:, None] - ctx.k_pos[None, :]
-        smallest = ctx.q_pos[0] - ctx.k_pos[-1]  # a tensor, so no device sync
-        distances = smallest + torch.arange(Tq + Tk - 1, device=q.device)
-        table = positional_scores(bias, head[:, 0], distances[None, :], 0, None, prior, None)  # (H, D)
-        bias = table[:, dist - smallest]
+        bias = dense_prior(prior, head[:, 0], ctx.q_pos, ctx.k_pos)
     if ssmax_scale is not None:
-        factor = positional_scores(torch.ones((), device=q.device), head, None, None, _dense_log_n(ctx),
-                                   None, ssmax_scale)  # s_h log n_i, (B, H, Tq, 1)
+        factor = ssmax_factor(ssmax_scale, head, ctx.log_n[:, None, :, None])  # (B or 1, H, Tq, 1)
         bias, q = bias * factor, q.float() * factor
-    bias = torch.where(_allowed(ctx), bias, float("-inf"))
+    bias = torch.where(ctx.mask, bias, float("-inf"))
     y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias, enable_gqa=gqa)
     return y.type_as(v)
 
@@ -625,8 +704,8 @@ _FLEX_KERNELS = {}
 
 
 def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale):
-    """FlexAttention: the prior as score_mod, causal/document masking as a sparse BlockMask; never
-    materialises Tq x Tk. Queries and keys are the same positions 0..T-1 (no KV cache)."""
+    """FlexAttention: the prior as score_mod, the mask as a sparse BlockMask; never materialises Tq x Tk.
+    Queries and keys are the same positions 0..T-1 (no KV cache)."""
     log_n = None
     if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
         log_n = ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1 else ctx.log_n
@@ -634,109 +713,15 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale):
     variant = (bias_fn, ssmax_scale is not None)
     if variant not in _FLEX_KERNELS:
         _FLEX_KERNELS[variant] = _make_flex_kernel(*variant)
-    T, padded = q.shape[2], ctx.block_mask.seq_lengths[0]
+    T, padded = q.shape[2], ctx.mask.seq_lengths[0]
     if padded > T:  # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
         q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
         log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one compiled kernel
-    return _FLEX_KERNELS[variant](q, k, v, ctx.block_mask, log_n, tensors, ssmax_scale)[:, :, :T]
+    return _FLEX_KERNELS[variant](q, k, v, ctx.mask, log_n, tensors, ssmax_scale)[:, :, :T]
 
 
 ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_fused}
-
-
-def _causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def causal_block_mask(T, device, block=128):
-    """The causal BlockMask written down directly: query block i sees key blocks 0..i-1 in full and
-    block i through the mask. O((T / block)^2) small ints, where create_block_mask would first
-    evaluate the mask on all T x T pairs (10 bytes each: 640 MiB at 8K tokens, 2.5 TB at 500K)."""
-    n = -(-T // block)
-    rows = torch.arange(n, device=device, dtype=torch.int32)
-    diagonal_count = torch.ones(1, 1, n, device=device, dtype=torch.int32)
-    diagonal_index = torch.zeros(1, 1, n, n, device=device, dtype=torch.int32)  # only column 0 is read
-    diagonal_index[..., 0] = rows
-    full_count = rows.view(1, 1, n)  # block i has i full blocks before it
-    full_index = rows.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()  # entries past the count unused
-    return BlockMask.from_kv_blocks(diagonal_count, diagonal_index, full_count, full_index, BLOCK_SIZE=block,
-                                    mask_mod=_causal, seq_lengths=(T, T))
-
-
-# Causal masks kept by (length, device): evaluation calls the model again and again at one length, and a
-# long mask is (T / 128)^2 indices plus their transpose, rebuilt for nothing each time. A few entries only,
-# so a sweep over lengths does not keep every mask; inference-mode tensors are kept apart because autograd
-# refuses to save them for a later backward.
-_CAUSAL_MASKS = OrderedDict()
-CAUSAL_MASKS_KEPT = 4
-
-
-def cached_causal_block_mask(T, device):
-    if torch.compiler.is_compiling():  # inside a compiled graph the mask is part of the graph: no dict, no guards
-        return causal_block_mask(T, device)
-    key = (T, torch.device(device), torch.is_inference_mode_enabled())
-    if key in _CAUSAL_MASKS:
-        _CAUSAL_MASKS.move_to_end(key)
-    else:
-        _CAUSAL_MASKS[key] = causal_block_mask(T, device)
-        while len(_CAUSAL_MASKS) > CAUSAL_MASKS_KEPT:
-            _CAUSAL_MASKS.popitem(last=False)
-    return _CAUSAL_MASKS[key]
-
-
-def flex_mask_length(T, device):
-    """The length FlexAttention runs at. torch 2.13's compiled CPU kernel returns wrong values, and not
-    the same ones twice, when the sequence ends inside one of its blocks on an AVX2 CPU (measured on this
-    project's CI machine: T = 8, 24, 40 and 120 wrong, multiples of 16 right). On CPU the sequence is
-    therefore padded to whole 128-token blocks; on GPU it runs as it is."""
-    return T if torch.device(device).type != "cpu" else -(-T // 128) * 128
-
-
-def _sliding_window(window):
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
-    return mask_mod
-
-
-def window_block_mask(T, window, device, block=128):
-    """The causal sliding-window BlockMask written down directly, block-banded: query block i sees the
-    key blocks whose every pair has 0 <= q - k < window in full, and through the mask the diagonal block
-    and the blocks the band's lower edge cuts; the rest is skipped, so the cost grows as T x window.
-    For blocks of B rows, every pair of query block i and key block c < i is inside the window iff
-    (i - c + 1) B <= window, and some pair is iff (i - c - 1) B + 1 < window."""
-    n = -(-T // block)
-    rows = torch.arange(n, device=device, dtype=torch.int64)[:, None]
-    cols = torch.arange(n, device=device, dtype=torch.int64)[None, :]
-    full = (cols < rows) & ((rows - cols + 1) * block <= window)
-    partial = (cols <= rows) & ((rows - cols - 1) * block + 1 < window) & ~full
-    # The index tensors are n x n like causal_block_mask's (BlockMask's transpose for the backward pass
-    # reads their width as the number of key blocks); only the first `count` entries of a row are used.
-    def ordered(blocks):
-        count = blocks.sum(dim=1).to(torch.int32)
-        index = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)  # hits first
-        return count.view(1, 1, n), index.view(1, 1, n, n)
-
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block,
-                                    mask_mod=_sliding_window(window), seq_lengths=(T, T))
-
-
-def make_block_mask(doc_ids, T, device, window=0):
-    """The BlockMask of one forward pass over T tokens (causal, within documents, within the window if
-    any), built once in Transformer._context and shared by every layer, at flex_mask_length(T): padded
-    positions are a document of their own after the last one."""
-    T_mask = flex_mask_length(T, device)
-    if doc_ids is None:
-        return window_block_mask(T_mask, window, device) if window else cached_causal_block_mask(T_mask, device)
-    if T_mask > T:
-        doc_ids = torch.cat([doc_ids, (doc_ids[:, -1:] + 1).expand(-1, T_mask - T)], dim=1)
-
-    def doc_mask_mod(b, h, q_idx, kv_idx):
-        inside = (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
-        return inside & (q_idx - kv_idx < window) if window else inside
-    # Documents are a training-time feature, where T is the training context: the dense evaluation
-    # inside create_block_mask is affordable there.
-    return create_block_mask(doc_mask_mod, doc_ids.shape[0], None, T_mask, T_mask, device=device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -747,6 +732,21 @@ def check_doc_ids(doc_ids):
     """Documents are contiguous runs of a row: ids must never decrease along it."""
     if doc_ids.shape[-1] > 1 and bool((doc_ids[..., 1:] < doc_ids[..., :-1]).any()):
         raise ValueError("doc_ids must be non-decreasing along each row (documents are contiguous)")
+
+
+def positions_in_documents(doc_ids):
+    """(B, T) position of each token inside its document: 0 where its document starts."""
+    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
+
+
+def ssmax_log_n(pos_in_doc, window=0):
+    """log n_i for SSMax, n_i = the keys query i can see (docs/paper.md §3): the count of `visible` keys,
+    its in-document position + 1, capped by the window."""
+    n_keys = pos_in_doc + 1
+    return torch.log(n_keys.clamp(max=window).float() if window else n_keys.float())
 
 
 class KVCache:
@@ -796,7 +796,9 @@ class Attention(nn.Module):
         # SSMax's s_h, per head and per layer, init 1 (docs/paper.md §3)
         self.ssmax_scale = nn.Parameter(torch.ones(cfg.n_head)) if cfg.ssmax else None
 
-    def forward(self, x, ctx: AttnContext, prior_module, layer, kv_cache=None):
+    def project(self, x, ctx: AttnContext):
+        """q, k, v of x, (B, heads, T, head_dim), as every attention implementation receives them (q and
+        k rotated for a rotary encoding); eval.attention scores its sampled queries with the same ones."""
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)
@@ -804,6 +806,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         if ctx.rope is not None:
             q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+        return q, k, v
+
+    def forward(self, x, ctx: AttnContext, prior_module, layer, kv_cache=None):
+        B, T, _ = x.shape
+        q, k, v = self.project(x, ctx)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, int(ctx.q_pos[0]), k, v)
         prior = None if prior_module is None else (prior_module.bias_fn, prior_module.tensors())
@@ -844,7 +851,8 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied, as in the paper
         self.encoding = ENCODINGS[cfg.pe]
-        self.priors = nn.ModuleList(self.encoding.build_priors(cfg))  # empty unless the encoding is a prior
+        # empty unless the encoding is a prior: one module per layer, or one that every layer shares
+        self.priors = nn.ModuleList(self.encoding(cfg) for _ in range(self.encoding.copies(cfg)))
         self.apply(self._init_weights)
         # GPT-2 / nanoGPT: shrink the residual-stream writes with depth so activations stay O(1)
         for name, p in self.named_parameters():
@@ -855,12 +863,61 @@ class Transformer(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
-    # -- positions ---------------------------------------------------------------------------------
+    # -- forward, in the order data flows ------------------------------------------------------------
 
-    def _prior_of_layer(self, layer):
-        if len(self.priors) == 0:
-            return None
-        return self.priors[layer if len(self.priors) > 1 else 0]
+    def forward(self, idx, targets=None, doc_ids=None, last_k=None, kv_cache=None, start_pos=0,
+                sparse_targets=False):
+        """idx (B, T) tokens -> (logits, loss). With `last_k`, logits (and loss) only for the last k
+        positions: long-context evaluation never builds a T x vocab tensor. `doc_ids` (B, T) restricts
+        attention to earlier tokens of the same document. Targets of -1 are ignored by the loss; with
+        `sparse_targets` (most of them -1) the output layer runs only at the N other positions and the
+        logits are (N, vocab): the same loss for a fraction of the output layer's cost."""
+        B, T = idx.shape
+        if doc_ids is not None:
+            self._check_doc_ids(doc_ids, (B, T), start_pos)
+        # Each token's position inside its document: RoPE and the priors only see differences, which are
+        # the same either way; the sinusoidal encoding and SSMax's key count need the in-document position.
+        pos_in_doc = (torch.arange(start_pos, start_pos + T, device=idx.device)[None] if doc_ids is None
+                      else positions_in_documents(doc_ids))
+        x = self._embed(idx, pos_in_doc)
+        ctx = self._attention_context(start_pos, T, pos_in_doc, doc_ids, kv_cache)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, ctx, self._prior_of_layer(layer), layer, kv_cache)
+        return self._logits_and_loss(x, targets, last_k, sparse_targets)
+
+    def _check_doc_ids(self, doc_ids, shape, start_pos):
+        if start_pos:
+            raise ValueError("doc_ids cannot be combined with a KV cache")
+        if doc_ids.shape != shape:
+            raise ValueError(f"doc_ids must have the shape of idx, {shape}, got {tuple(doc_ids.shape)}")
+        # The order check reads the tensor back (a device sync, and a graph break under torch.compile), so it
+        # runs only where that is free: eager calls on CPU tensors. ShardLoader's ids are ordered by
+        # construction (a cumulative count of EOTs); a GPU caller is trusted as the compiled one is.
+        if doc_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+            check_doc_ids(doc_ids)
+
+    def _embed(self, idx, pos_in_doc):
+        x = self.tok_emb(idx)
+        if self.encoding.embedding is not None:
+            x = x + self.encoding.embedding(pos_in_doc, self.config).to(x.dtype)
+        return x
+
+    def _attention_context(self, start_pos, T, pos_in_doc, doc_ids, kv_cache):
+        """What every layer's attention needs about the positions of this forward: built once, shared."""
+        cfg, device = self.config, pos_in_doc.device
+        q_pos = torch.arange(start_pos, start_pos + T, device=device)
+        first_key = kv_cache.first_key(start_pos) if kv_cache is not None else 0
+        k_pos = torch.arange(first_key, start_pos + T, device=device)
+        impl = self.attention_impl(T, len(k_pos), doc_ids is not None)
+        log_n = ssmax_log_n(pos_in_doc, cfg.attn_window) if cfg.ssmax else None
+        rotation = self.encoding.rotation
+        rope = rotation(q_pos, cfg, length=start_pos + T) if rotation is not None else None
+        return AttnContext(impl, q_pos, k_pos, self._mask(impl, q_pos, k_pos, doc_ids), log_n, rope)
+
+    def _plain_causal(self, T_q, T_k, has_docs):
+        """Nothing positional in attention but causality, which sdpa's flash kernel does by itself."""
+        cfg = self.config
+        return T_q == T_k and not (len(self.priors) > 0 or cfg.ssmax or has_docs or cfg.attn_window > 0)
 
     def attention_impl(self, T_q, T_k, has_docs):
         """Which attention implementation a forward over T_q queries and T_k keys will use."""
@@ -875,8 +932,7 @@ class Transformer(nn.Module):
                              "'sdpa', 'eager' or 'auto', or run inference under torch.no_grad()")
         if impl != "auto":
             return impl
-        positional = len(self.priors) > 0 or cfg.ssmax or has_docs or cfg.attn_window > 0
-        if not positional:
+        if self._plain_causal(T_q, T_k, has_docs):
             return "sdpa"  # flash attention with is_causal
         if on_cuda:
             return "flex"
@@ -884,56 +940,21 @@ class Transformer(nn.Module):
         # bias costs less than flex's compile; past that the dense bias grows as T^2 and flex wins.
         return "sdpa" if training or T_q <= 2048 else "flex"
 
-    def _context(self, B, T, device, start_pos, doc_ids, kv_cache=None):
-        cfg = self.config
-        q_pos = torch.arange(start_pos, start_pos + T, device=device)
-        first_key = kv_cache.first_key(start_pos) if kv_cache is not None else 0
-        k_pos = torch.arange(first_key, start_pos + T, device=device)
-        if doc_ids is not None:
-            if start_pos:
-                raise ValueError("doc_ids cannot be combined with a KV cache")
-            if doc_ids.shape != (B, T):
-                raise ValueError(f"doc_ids must have the shape of idx, {(B, T)}, got {tuple(doc_ids.shape)}")
-            # The check reads the tensor back (a device sync, and a graph break under torch.compile), so it
-            # runs only where that is free: eager calls on CPU tensors. ShardLoader's ids are ordered by
-            # construction (a cumulative count of EOTs); a GPU caller is trusted as the compiled one is.
-            if doc_ids.device.type == "cpu" and not torch.compiler.is_compiling():
-                check_doc_ids(doc_ids)
-        impl = self.attention_impl(T, len(k_pos), doc_ids is not None)
-        # position of each token inside its document: RoPE/ALiBi/BAM only see differences, which are the
-        # same either way; the sinusoidal encoding and SSMax's key count need the in-document position.
-        pos_in_doc = q_pos[None]
-        if doc_ids is not None:
-            idx = torch.arange(T, device=device).expand(B, T)
-            starts = torch.ones_like(doc_ids, dtype=torch.bool)
-            starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-            pos_in_doc = idx - torch.where(starts, idx, 0).cummax(dim=1).values
-        log_n = None
-        if cfg.ssmax:  # n_i = the keys query i can see (docs/paper.md §3): in-document position + 1, window-capped
-            n_keys = pos_in_doc + 1
-            log_n = torch.log(n_keys.clamp(max=cfg.attn_window).float() if cfg.attn_window else n_keys.float())
-        rope = self.encoding.rotation(q_pos, cfg, length=start_pos + T)
-        block_mask = make_block_mask(doc_ids, T, device, cfg.attn_window) if impl == "flex" else None
-        ctx = AttnContext(impl, q_pos, k_pos, doc_ids, log_n, rope, block_mask, cfg.attn_window)
-        return ctx, pos_in_doc
+    def _mask(self, impl, q_pos, k_pos, doc_ids):
+        """`visible` in the form `impl` takes (AttnContext.mask)."""
+        window = self.config.attn_window
+        if impl == "flex":
+            return make_block_mask(doc_ids, len(q_pos), q_pos.device, window)
+        if impl == "sdpa" and self._plain_causal(len(q_pos), len(k_pos), doc_ids is not None):
+            return None
+        return dense_mask(q_pos, k_pos, window, doc_ids)
 
-    # -- forward -----------------------------------------------------------------------------------
+    def _prior_of_layer(self, layer):
+        if len(self.priors) == 0:
+            return None
+        return self.priors[layer if len(self.priors) > 1 else 0]
 
-    def forward(self, idx, targets=None, doc_ids=None, last_k=None, kv_cache=None, start_pos=0,
-                sparse_targets=False):
-        """idx (B, T) tokens -> (logits, loss). With `last_k`, logits (and loss) only for the last k
-        positions: long-context evaluation never builds a T x vocab tensor. `doc_ids` (B, T) restricts
-        attention to earlier tokens of the same document. Targets of -1 are ignored by the loss; with
-        `sparse_targets` (most of them -1) the output layer runs only at the N other positions and the
-        logits are (N, vocab): the same loss for a fraction of the output layer's cost."""
-        B, T = idx.shape
-        ctx, pos_in_doc = self._context(B, T, idx.device, start_pos, doc_ids, kv_cache)
-        x = self.tok_emb(idx)
-        pe = self.encoding.embedding(pos_in_doc, self.config)
-        if pe is not None:
-            x = x + pe.to(x.dtype)
-        for layer, block in enumerate(self.blocks):
-            x = block(x, ctx, self._prior_of_layer(layer), layer, kv_cache)
+    def _logits_and_loss(self, x, targets, last_k, sparse_targets):
         if last_k is not None:
             x = x[:, -last_k:]
         if sparse_targets:
@@ -1009,8 +1030,8 @@ class Transformer(nn.Module):
         """Every head's positional parameters, per layer: {name: [[head values] per layer]}."""
         summary = {}
         for prior in self.priors:
-            for name, values in prior.summary().items():
-                summary.setdefault(name, []).append(values)
+            for name, values in prior.head_parameters().items():
+                summary.setdefault(f"{prior.METRICS_PREFIX}_{name}", []).append(values)
         ssmax = [b.attn.ssmax_scale.tolist() for b in self.blocks if b.attn.ssmax_scale is not None]
         if ssmax:
             summary["ssmax_scale"] = ssmax

@@ -30,6 +30,7 @@ re-tokenising them) and produces exactly the shards of an uninterrupted run.
 import argparse
 import ast
 import codecs
+import collections
 import contextlib
 import glob
 import hashlib
@@ -38,6 +39,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import queue
 import random
 import signal
 import sys
@@ -64,7 +66,9 @@ LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".tx
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 MANIFEST = "manifest.json"
 TOKENIZER = "gpt2"
-CHUNKSIZE = 64  # documents per task sent to a worker: fewer, larger messages keep the main process light
+CHUNK_DOCS = 64  # documents per chunk sent to a worker: fewer, larger messages keep the main process light
+CHUNK_CHARS = 1 << 18  # ... and fewer when they are long: a chunk ends once it holds this many characters
+CHUNKS_PER_WORKER = 4  # chunks in flight per worker: enough that it never waits for the main process
 
 
 class PrepareError(UserError):
@@ -279,8 +283,7 @@ def demo_documents(workers: int = 1) -> list:
                     parser.feed(f.read())
                 docs.append("".join(parser.parts))
     if workers > 1:  # parsing ~600 modules takes seconds on one core
-        with multiprocessing.Pool(workers) as pool:
-            docs += pool.map(_module_document, modules, chunksize=8)
+        docs += parallel_map(_module_document, modules, workers, chunk_size=8)
     else:
         docs += map(_module_document, modules)
     docs = [d.strip() for d in docs if d.strip()]
@@ -301,40 +304,155 @@ def tokenize(text: str) -> np.ndarray:
     return tokens.astype(np.uint16)
 
 
-def _ignore_sigint():
-    # Ctrl-C is the main process's to handle: it stops the pool; workers need not print tracebacks.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def tokenized(texts, workers: int):
     """tokenize() over texts, in order, on `workers` processes."""
     if workers == 1:
         yield from map(tokenize, texts)
         return
-    # Pool.imap pulls its input on a background thread as fast as it can; from an endless stream
-    # that would queue the whole corpus in memory. The semaphore caps documents in flight at 16
-    # chunks per worker, enough to keep every worker busy.
-    max_in_flight = 16 * CHUNKSIZE * workers
-    in_flight = threading.Semaphore(max_in_flight)
-    stopping = threading.Event()
-
-    def feed():
-        for text in texts:
-            in_flight.acquire()
-            if stopping.is_set():
-                return
-            yield text
-
     get_tokenizer()  # load once here; forked workers inherit it instead of each loading it
-    with multiprocessing.Pool(workers, initializer=_ignore_sigint) as pool:
+    yield from parallel_map(tokenize, texts, workers, chunk_chars=CHUNK_CHARS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker processes
+#
+# multiprocessing.Pool could hang for ever when a run stopped early (issue 26): its result handler stops
+# reading once the pool is terminated, so a worker sending a result larger than the pipe buffer blocks
+# inside the result queue's write lock, shared by all; terminate() then kills it there, and the pool's
+# task-handler thread, which sends its sentinel through that queue, waits for the dead worker's lock
+# while terminate() waits for the task handler. ProcessPoolExecutor fails alike when a worker dies in
+# the middle of sending a result (the out-of-memory killer): its manager thread waits in recv() for
+# the rest of the message. So here no lock or queue is shared at all: each worker has a pipe from the
+# main process and one back, and each end of a pipe is open in one process only.
+
+class WorkerError(PrepareError):
+    """A worker process raised an exception or died (killed from outside, e.g. by the OOM killer)."""
+
+
+def parallel_map(fn, items, workers: int, chunk_size: int = CHUNK_DOCS, chunk_chars=None):
+    """fn(item) for every item, in order, computed on `workers` processes (a generator).
+
+    Items go to the workers in chunks of `chunk_size` (with `chunk_chars`, a chunk also ends once the
+    len() of its items adds up to that many characters), round robin, at most CHUNKS_PER_WORKER
+    chunks per worker at a time, so what is in flight is bounded whatever the items are. An exception
+    in fn, or a worker that dies, raises WorkerError. However this generator ends (exhausted, closed
+    early, an exception here or in its consumer, Ctrl-C), its workers are gone when it has ended.
+
+    Why nothing here can wait for ever: a pipe end is open in one process only (fork copies the open
+    ends into each new worker: the main process closes the worker's ends once it has started, the
+    worker closes the main process's), so a worker that dies is an end of file when the main process
+    reads from it and a broken pipe when it writes to it, and a main process that dies is an end of
+    file to its workers, which then exit. A send to a live worker always completes, because a thread
+    in the worker does nothing but receive. A receive from the worker of the oldest chunk completes,
+    because that worker computes and sends its chunks in order. And as no lock or queue is shared,
+    killing the workers at any moment leaves nothing locked: stopping kills and reaps them at once.
+    """
+    context = multiprocessing.get_context()
+    processes, to_workers, from_workers = [], [], []
+    try:
+        for _ in range(workers):
+            tasks, to_worker = context.Pipe(duplex=False)
+            from_worker, results = context.Pipe(duplex=False)
+            to_workers.append(to_worker)
+            from_workers.append(from_worker)
+            process = context.Process(target=_worker, args=(fn, tasks, results, to_workers + from_workers),
+                                      daemon=True)
+            try:
+                process.start()
+                processes.append(process)
+            finally:
+                tasks.close()
+                results.close()
+
+        def send(worker, chunk):
+            try:
+                to_workers[worker].send(chunk)
+            except OSError:  # a broken pipe: the worker is dead
+                raise WorkerError(_death(processes[worker])) from None
+
+        def receive(worker):
+            try:
+                ok, value = from_workers[worker].recv()
+            except (EOFError, OSError):  # the worker died, perhaps in the middle of its message
+                raise WorkerError(_death(processes[worker])) from None
+            if not ok:
+                raise WorkerError(f"{fn.__name__}() failed in a worker process: {value}")
+            return value
+
+        in_flight = collections.deque()  # the worker of each chunk sent and not yet received, oldest first
+        for number, chunk in enumerate(_chunks(items, chunk_size, chunk_chars)):
+            if len(in_flight) == CHUNKS_PER_WORKER * workers:
+                yield from receive(in_flight.popleft())
+            send(number % workers, chunk)
+            in_flight.append(number % workers)
+        while in_flight:
+            yield from receive(in_flight.popleft())
+    finally:
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.join()
+        for conn in to_workers + from_workers:
+            conn.close()
+
+
+def _chunks(items, size: int, max_chars=None):
+    """Consecutive items in lists of `size`; with max_chars, a list also ends once its texts' lengths
+    add up to max_chars (one web page can be megabytes)."""
+    chunk, chars = [], 0
+    for item in items:
+        chunk.append(item)
+        if max_chars is not None and isinstance(item, str):
+            chars += len(item)
+        if len(chunk) == size or (max_chars is not None and chars >= max_chars):
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _worker(fn, tasks, results, inherited):
+    """A worker process: fn over each chunk from `tasks`, the results sent back on `results` in order."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the main process's; it stops us
+    for conn in inherited:
+        conn.close()  # the main process's ends of the pipes, copied here by fork (see parallel_map)
+    chunks = queue.SimpleQueue()
+
+    def receive():
+        code = 1  # anything but an end of file (no memory left for a chunk) ends the worker too, audibly
         try:
-            for tokens in pool.imap(tokenize, feed(), chunksize=CHUNKSIZE):
-                in_flight.release()
-                yield tokens
+            while True:
+                chunks.put(tasks.recv())
+        except (EOFError, OSError):  # the main process has gone
+            code = 0
         finally:
-            # Unblock the feeding thread so the pool can shut down when we stop early.
-            stopping.set()
-            in_flight.release(max_in_flight)
+            os._exit(code)  # a worker that cannot receive must not live on deaf, or the main process waits
+
+    threading.Thread(target=receive, daemon=True).start()
+    while True:
+        chunk = chunks.get()
+        try:
+            outcome = (True, [fn(item) for item in chunk])
+        except Exception as e:
+            outcome = (False, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+        try:
+            results.send(outcome)
+        except OSError:  # the main process has gone
+            os._exit(0)
+
+
+def _death(process) -> str:
+    """Why a worker process whose pipe broke is gone, in words."""
+    process.join(timeout=10)  # it closed its pipes by dying: its exit status follows at once
+    code = process.exitcode
+    if code == -signal.SIGKILL:
+        how = "killed by SIGKILL, as the out-of-memory killer does when memory runs out"
+    elif code is not None and code < 0:
+        how = f"killed by signal {-code}"
+    else:
+        how = f"exit status {code}"
+    return f"a worker process died ({how})"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -587,7 +705,32 @@ def passkey_mixture(documents, args):
     return mix(documents, synthetic, args.retrieval_fraction, lambda text: len(text) // 4)
 
 
-INTERRUPTED = "interrupted: the finished shards are kept; run the same command again to resume"
+KEPT = "the finished shards are kept; run the same command again to resume"
+INTERRUPTED = f"interrupted: {KEPT}"
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, the status of a process ended by SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler's time limit) stops a run the way Ctrl-C does; exit status 143."""
+
+
+@contextlib.contextmanager
+def sigterm_stops_like_ctrl_c():
+    """While inside, SIGTERM raises Terminated in the main thread, so the same cleanup runs as for
+    Ctrl-C (the workers are stopped, the finished shards kept); a second SIGTERM cannot cut it short."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live there only
+        yield
+        return
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def make_shards(args):
@@ -646,12 +789,18 @@ def make_shards(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    # A full disk or an unreadable file is one line too (cli.user_errors); Ctrl-C keeps the finished shards.
-    with user_errors(interrupted=INTERRUPTED):
+    # A full disk, an unreadable file or a worker that died is one line too (cli.user_errors); Ctrl-C and
+    # SIGTERM keep the finished shards.
+    with sigterm_stops_like_ctrl_c(), user_errors(interrupted=INTERRUPTED):
         try:
             manifest, seconds = make_shards(args)
         except ShardError as e:  # a shard in out_dir that is not one
             raise PrepareError(e) from None
+        except WorkerError as e:
+            raise PrepareError(f"{e}; {KEPT}") from e
+        except Terminated:
+            print(f"\n{INTERRUPTED}", file=sys.stderr)
+            raise SystemExit(EXIT_TERMINATED)
     shards = manifest["shards"]
     print(f"{args.out_dir}: {manifest['tokens']:,} tokens from {manifest['documents']:,} documents in "
           f"{len(shards)} shards (1 val, {len(shards) - 1} train) [{seconds:.1f}s]")

@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from data import EOT
+from data import document_ids
 
 # The paper's passkey texts, verbatim (docs/paper.md §5)
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -181,7 +181,7 @@ def passkey_answer_targets(x, y, enc):
     """
     question, remember, digits, full_stop = _patterns(enc)
     out = torch.full_like(y, -1)
-    opened = torch.cumsum(x == EOT, dim=1) > 0  # an EOT at or before this position, in this row
+    opened = document_ids(x) > 0  # an EOT at or before this position, in this row
     y_list = y.tolist()
     for pattern, then_full_stop in ((question, True), (remember, False)):
         m = len(pattern)

@@ -18,8 +18,9 @@ import torch
 
 from cli import Parser, UserError, describe_os_error, run_cli
 from data import EOT
-from eval.common import (add_model_args, autocast, load_for_eval, overrides_label, parse_eval_args, pick_device,
-                         pick_dtype, set_length, tokenizer)
+from eval.loading import load_for_eval
+from eval.options import add_model_arguments, overrides_label, parse_arguments
+from eval.prompts import tokenizer
 
 
 def read_prompt(path):
@@ -44,27 +45,26 @@ def main(argv=None):
     ap.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens; 0 = all")
     ap.add_argument("--num_samples", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    add_model_args(ap, out=False)
-    args = parse_eval_args(ap, argv)
+    add_model_arguments(ap)
+    args, options = parse_arguments(ap, argv)
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
         raise UserError("--max_new_tokens and --num_samples must be at least 1, --temperature and --top_k at least 0")
     if args.prompt and args.prompt_file:
         raise UserError("give --prompt or --prompt_file, not both")
     prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
 
-    device = pick_device(args.device)
-    model, info = load_for_eval(args.source, device, args.attn_impl, args.model_overrides)
+    evaluated = load_for_eval(args.source, options)
     enc = tokenizer()
     ids = [EOT] + enc.encode_ordinary(prompt)  # a prompt is the start of a document, as in training
-    set_length(model, args.model_overrides, len(ids) + args.max_new_tokens, info["config"]["block_size"])
-    x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+    model, per_length = evaluated.at_length(len(ids) + args.max_new_tokens)
+    x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=evaluated.device)
     # Every sample draws from one generator, so a seed fixes all of them (and they still differ)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    label = overrides_label(info["config"], args.model_overrides)
-    factor = f" (rope_factor {model.config.rope_factor:g})" if args.model_overrides.get("rope_factor") == "auto" else ""
-    print(f"{info['name']}: {label}{factor}, {info['num_params']:,} parameters; {len(ids)} prompt tokens",
-          file=sys.stderr)
-    with autocast(device, pick_dtype(args.dtype, device)):
+    generator = torch.Generator(device=evaluated.device).manual_seed(args.seed)
+    label = overrides_label(evaluated.info["config"], options.model_overrides)
+    factor = f" (rope_factor {per_length['rope_factor']:g})" if per_length else ""
+    print(f"{evaluated.info['name']}: {label}{factor}, {evaluated.info['num_params']:,} parameters; "
+          f"{len(ids)} prompt tokens", file=sys.stderr)
+    with evaluated.autocast():
         out = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                              generator=generator)
     for i, row in enumerate(out.tolist()):

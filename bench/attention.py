@@ -26,12 +26,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.peak_memory import PeakMemory, fixed_mmap_threshold  # noqa: E402
-from model import ATTENTION, ENCODINGS, PRIORS, AttnContext, Encoding, ModelConfig, apply_rope, make_block_mask  # noqa: E402
+from model import (ATTENTION, ENCODINGS, PRIORS, AttnContext, ModelConfig, apply_rope, dense_mask,  # noqa: E402
+                   make_block_mask, ssmax_log_n)
 
 H, HD = 16, 48  # the paper's 12-layer model: 768 wide, 16 heads
 # Every registered encoding that changes attention (NoPE as the baseline, those that rotate q and k, every
 # additive prior), and every prior with SSMax; sinusoidal acts on the embeddings only, so it costs as NoPE.
-VARIANTS = ["nope"] + [name for name, enc in ENCODINGS.items() if enc.rotation is not Encoding.rotation] \
+VARIANTS = ["nope"] + [name for name, enc in ENCODINGS.items() if enc.rotation is not None] \
     + [f"{name}{ssmax}" for name in PRIORS for ssmax in ("", "+ssmax")]
 # The sdpa path as it runs inside a torch.compile'd model (train.compile = true): inductor fuses the
 # dense bias's elementwise passes.
@@ -44,21 +45,25 @@ def setup(encoding, T, device, dtype, requires_grad, window=0, batch=1):
                for _ in range(3))
     pos = torch.arange(T, device=device)
     name, ssmax = encoding.removesuffix("+ssmax"), encoding.endswith("+ssmax")
-    n_keys = (pos + 1).clamp(max=window) if window else pos + 1  # SSMax's n_i: the keys query i sees
-    log_n = torch.log(n_keys.float())[None] if ssmax else None
+    log_n = ssmax_log_n(pos[None], window) if ssmax else None
     cfg = ModelConfig(n_head=H, n_embd=H * HD, pe=name)
-    priors = [p.to(device) for p in ENCODINGS[name].build_priors(cfg)[:1]]
-    prior = priors[0] if priors else None  # its tensors() are taken per call: KERPLE's are computed
+    prior = ENCODINGS[name](cfg).to(device) if name in PRIORS else None  # its tensors() are taken per call
     scale = torch.ones(H, device=device, requires_grad=True) if ssmax else None
-    rope = ENCODINGS[name].rotation(pos, cfg)
+    rotation = ENCODINGS[name].rotation
+    rope = rotation(pos, cfg) if rotation is not None else None
     return q, k, v, pos, log_n, prior, scale, rope
 
 
 def attention_call(encoding, impl, T, device, dtype, backward, window=0, batch=1):
     q, k, v, pos, log_n, prior, scale, rope = setup(encoding, T, device, dtype, backward, window, batch)
-    block_mask = make_block_mask(None, T, device, window) if impl == "flex" else None
+    if impl == "flex":
+        mask = make_block_mask(None, T, device, window)
+    elif impl.startswith("sdpa") and prior is None and scale is None and not window:
+        mask = None  # causal and nothing else: the flash kernel, as the model runs it (Transformer._mask)
+    else:
+        mask = dense_mask(pos, pos, window)
     attend = ATTENTION[impl] if impl != "sdpa+compile" else COMPILED_SDPA
-    ctx = AttnContext(impl.split("+")[0], pos, pos, None, log_n, rope, block_mask, window)
+    ctx = AttnContext(impl.split("+")[0], pos, pos, mask, log_n, rope)
 
     @torch.set_grad_enabled(backward)
     def run():

@@ -12,7 +12,7 @@ FlexAttention and its block mask is not counted, then measures one forward at th
 Peak memory on CPU is the resident-set high-water mark above the level just before the forward, sampled
 every millisecond by a thread (torch keeps no CPU allocator statistics); glibc's mmap threshold is fixed
 so that freed blocks leave the resident set. On CUDA it is max_memory_allocated above the weights.
-`estimate` is eval.common.forward_bytes, the number the evaluators' memory guard compares with free memory;
+`estimate` is eval.memory.forward_bytes, the number the evaluators' memory guard compares with free memory;
 it must stay above `peak`.
 """
 
@@ -38,7 +38,9 @@ def measure(shape, length, device_name, impl):
     """Runs in the child process: one passkey forward at `length`, returns a dict of numbers."""
     import torch
 
-    from eval.common import autocast, forward_bytes, pick_dtype, predict_spans
+    from eval.loading import autocast, pick_dtype
+    from eval.memory import forward_bytes
+    from eval.scoring import predict_spans
     from eval.passkey import PasskeyPrompts
     from model import ModelConfig, Transformer
 
@@ -78,7 +80,7 @@ def main():
 
     import torch
 
-    from eval.common import parse_lengths
+    from eval.sweep import parse_lengths
 
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     print(f"# passkey forward: peak memory vs length, {args.impl} attention, torch {torch.__version__}, {where}\n")

@@ -59,8 +59,8 @@ from bench.attention import measure as measure_attention  # noqa: E402
 from bench.peak_memory import PeakMemory  # noqa: E402
 from checkpoint import write_text  # noqa: E402
 from config import load_config  # noqa: E402
-from data import EOT  # noqa: E402
-from eval.common import Sample, predict_spans  # noqa: E402
+from data import EOT, document_ids  # noqa: E402
+from eval.scoring import Sample, predict_spans  # noqa: E402
 from model import PE_CHOICES, Transformer  # noqa: E402
 from train import PEAK_BF16_TFLOPS  # noqa: E402
 
@@ -250,8 +250,7 @@ def documents_batch(batch_size, seq_len, vocab_size, device, seed, used_tokens=N
         row[torch.randint(1, seq_len, (n_docs,), generator=g)] = eot
     x[:, 0] = eot
     inputs, targets = x[:, :-1], x[:, 1:]
-    doc_ids = torch.cumsum(inputs == eot, dim=1)
-    return inputs.to(device), targets.to(device), doc_ids.to(device)
+    return inputs.to(device), targets.to(device), document_ids(inputs, eot).to(device)
 
 
 def quick_subset(s, variants, n=2):

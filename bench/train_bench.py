@@ -30,10 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import load_config  # noqa: E402
-from data import EOT  # noqa: E402
-from model import Transformer  # noqa: E402
-
-ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
+from data import EOT, document_ids  # noqa: E402
+from model import ENCODINGS, Transformer  # noqa: E402
 
 
 def synthetic_batch(batch_size, seq_len, vocab_size, device):
@@ -44,8 +42,7 @@ def synthetic_batch(batch_size, seq_len, vocab_size, device):
     x[:, torch.randint(0, seq_len, (max(1, seq_len // 200),), generator=g)] = EOT
     x[:, 0] = EOT
     inputs, targets = x[:, :-1], x[:, 1:]
-    doc_ids = torch.cumsum(inputs == EOT, dim=1)
-    return inputs.to(device), targets.to(device), doc_ids.to(device)
+    return inputs.to(device), targets.to(device), document_ids(inputs).to(device)
 
 
 def make_step(model_cfg, train_cfg, batch, device, autocast, doc_mask, optimizer_name="radam"):

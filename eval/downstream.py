@@ -18,15 +18,20 @@ task fails with one line saying so, and a task of your own (a YAML file over loc
 
 import math
 import os
-import sys
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from data import EOT
-from eval.common import (SCHEMA_VERSION, EvalError, Parser, add_model_args, autocast, finish, load_for_eval,
-                         model_device, output_dir, pick_dtype, progress_bar, run_cli, settings_block, tokenizer)
+from eval import EvalError
+from eval.contract import Evaluator
+from eval.loading import load_for_eval, model_device
+from eval.options import EvalOptions, add_model_arguments, add_output_arguments
+from eval.prompts import tokenizer
+from eval.reporting import DASH, table
+from eval.results import Output, new_results
+from eval.sweep import progress_bar
 
 PAPER_TASKS = "hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai"
 # The metric a task's row shows first (lm-eval reports several; all are kept in the JSON).
@@ -204,14 +209,15 @@ def task_rows(output):
     return rows
 
 
-def evaluate_downstream(source, tasks, num_fewshot=None, limit=None, batch_size=16, max_length=None,
-                        include_path=None, device="auto", dtype="auto", attn_impl=None, out=None, seed=1234,
-                        verbose=True):
+def evaluate_downstream(source, *, options=None, tasks=PAPER_TASKS, num_fewshot=None, limit=None, max_length=None,
+                        include_path=None):
+    """lm-eval's scores of `tasks` (names, or one comma-separated string) for a run dir, checkpoint or model."""
+    options = options or EvalOptions()
+    seed = 1234 if options.seed is None else options.seed  # lm-eval's own default
+    batch_size = options.batch_size or 16
     tasks = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
     if not tasks:
         raise EvalError("no tasks given: --tasks hellaswag,arc_easy,... (comma-separated lm-eval task names)")
-    if batch_size < 1:
-        raise EvalError(f"--batch_size must be at least 1, got {batch_size}")
     if limit is not None and limit <= 0:
         raise EvalError(f"--limit must be positive, got {limit}")
     if num_fewshot is not None and num_fewshot < 0:
@@ -219,23 +225,20 @@ def evaluate_downstream(source, tasks, num_fewshot=None, limit=None, batch_size=
     if include_path and not os.path.isdir(include_path):
         raise EvalError(f"--include_path {include_path} is not a folder")
     lm_eval, _ = lm_eval_api()
-    model, info = load_for_eval(source, device, attn_impl)
-    device = model_device(model)
-    dtype = pick_dtype(dtype, device)
-    max_length = max_length or getattr(getattr(model, "config", None), "block_size", 2048)
+    evaluated = load_for_eval(source, options)
+    max_length = max_length or evaluated.block_size or 2048
     if max_length < 2:
         raise EvalError(f"--max_length must be at least 2 tokens, got {max_length}")
-    lm = make_project_lm(model, tokenizer(), max_length, batch_size, autocast(device, dtype))
-    output = run_tasks(lm, tasks, num_fewshot, limit, include_path, seed)
-    results = {"schema": "downstream", "schema_version": SCHEMA_VERSION, "model": info,
-               "settings": settings_block(device, dtype, attn_impl or "checkpoint", tasks=tasks,
-                                          num_fewshot=num_fewshot, limit=limit, batch_size=batch_size,
-                                          max_length=max_length, include_path=include_path, seed=seed,
-                                          lm_eval=lm_eval.__version__ if hasattr(lm_eval, "__version__") else None),
-               "results": task_rows(output)}
-    folder = output_dir(source, out)
-    json_path = os.path.join(folder, "downstream.json") if folder else None
-    return finish(results, json_path, folder, "downstream", plot_downstream, format_table, verbose)
+    model, per_length = evaluated.at_length(max_length)  # contexts are cut to max_length tokens
+    output = Output.of(EVALUATOR, source, options, "downstream")
+    lm = make_project_lm(model, tokenizer(), max_length, batch_size, evaluated.autocast())
+    scores = run_tasks(lm, tasks, num_fewshot, limit, include_path, seed)
+    settings = evaluated.settings(tasks=tasks, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size,
+                                  max_length=max_length, include_path=include_path, seed=seed,
+                                  lm_eval=getattr(lm_eval, "__version__", None), **per_length)
+    results = new_results("downstream", evaluated.info, settings, results=task_rows(scores))
+    results["complete"] = True
+    return output.finish(results)
 
 
 def format_table(results):
@@ -248,7 +251,7 @@ def format_table(results):
 
 
 def plot_downstream(results, path):
-    import matplotlib.pyplot as plt
+    from eval.plotting import plt, save_figure
 
     rows = [r for r in results["results"] if r["value"] is not None and r["metric"] in ("acc", "acc_norm",
                                                                                              "exact_match")]
@@ -263,13 +266,11 @@ def plot_downstream(results, path):
     ax.set_title(f"downstream tasks: {results['model']['name']}", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
-def main(argv=None):
-    ap = Parser(prog="eval.downstream", description=__doc__.split("\n\n")[0].strip())
-    ap.add_argument("run", help="run directory or checkpoint file")
+def add_arguments(ap):
+    ap.add_argument("source", help="run directory or checkpoint file")
     ap.add_argument("--tasks", default=PAPER_TASKS, help="comma-separated lm-eval tasks (default %(default)s)")
     ap.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
     ap.add_argument("--limit", type=float, default=None,
@@ -279,13 +280,42 @@ def main(argv=None):
                     help="tokens of context kept from the left (default: the training context)")
     ap.add_argument("--include_path", default=None, help="folder with task YAML files of your own")
     ap.add_argument("--seed", type=int, default=1234, help="seed of lm-eval's few-shot sampling (default %(default)s)")
-    add_model_args(ap)
-    args = ap.parse_args(argv)
-    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    evaluate_downstream(args.run, args.tasks, args.num_fewshot, limit, args.batch_size, args.max_length,
-                        args.include_path, args.device, args.dtype, args.attn_impl, args.out, args.seed)
-    return 0
+    add_model_arguments(ap)
+    add_output_arguments(ap)
 
+
+def run(args, options):
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    evaluate_downstream(args.source, options=options, tasks=args.tasks, num_fewshot=args.num_fewshot, limit=limit,
+                        max_length=args.max_length, include_path=args.include_path)
+
+
+def section(runs, report_options):
+    """One row per (task, metric), one column per run."""
+    present = [r.get("downstream") for r in runs if r.get("downstream")]
+    cells = sorted({(x["task"], x["metric"]) for res in present for x in res["results"]})
+    by_run = [{(x["task"], x["metric"]): x for x in r.get("downstream")["results"]} if r.get("downstream") else {}
+              for r in runs]
+
+    def cell(row):
+        if row is None or row["value"] is None:
+            return DASH
+        if "perplexity" in row["metric"]:
+            return f"{row['value']:.2f}"
+        return f"{100 * row['value']:.1f}" + (f" ± {100 * row['stderr']:.1f}" if row.get("stderr") else "")
+
+    shots = sorted({str(x.get("num_fewshot")) for res in present for x in res["results"]})
+    lines = [f"lm-evaluation-harness scores (accuracy in %, ± its standard error; perplexities as they are); "
+             f"few-shot examples: {', '.join(shots)}.", ""]
+    rows = [[f"{task} ({metric})"] + [cell(scores.get((task, metric))) for scores in by_run] for task, metric in cells]
+    return lines + table(["task (metric)"] + [r.name for r in runs], rows)
+
+
+EVALUATOR = Evaluator(
+    name="downstream", title="Downstream tasks", description=__doc__,
+    add_arguments=add_arguments, run=run, table=format_table, plot=plot_downstream, section=section,
+    run_plots=(("downstream tasks", ""),))
+main = EVALUATOR.main
 
 if __name__ == "__main__":
-    run_cli(main)
+    EVALUATOR.cli()

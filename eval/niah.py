@@ -33,11 +33,15 @@ import uuid
 import numpy as np
 
 from data import EOT
-from eval.common import (add_sweep_args, autocast, draw_heatmap, encode_template, EvalError, evaluated_name,
-                         format_length, Haystack, load_for_eval, model_device, output_dir, parse_eval_args, Parser,
-                         pick_dtype, repeat_haystack, results_name, run_cli, Sample, save_figure, score_length,
-                         set_length, settings_block, sweep, sweep_lengths, sweep_options, tokenizer,
-                         validation_tokens)
+from eval import EvalError
+from eval.contract import Evaluator
+from eval.loading import load_for_eval
+from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
+from eval.prompts import Haystack, encode_template, repeat_haystack, tokenizer, validation_tokens
+from eval.reporting import length_label, rate, table
+from eval.results import Output, evaluated_name, new_results, stopped_note
+from eval.scoring import Sample, score_length
+from eval.sweep import add_length_arguments, format_length, length_arguments, sweep, sweep_lengths
 from retrieval import GARBAGE
 
 # (value kind, needles, of which distractors, keys asked for)
@@ -161,19 +165,23 @@ class NeedlePrompts:
         return Sample(tokens, [(offset + s, offset + e) for s, e in spans], meta)
 
 
-def evaluate_niah(source, *, lengths=None, max_factor=None, tasks=tuple(TASKS), haystacks=None, samples=10, seed=0,
-                  data_dir=None, batch_size=8, stop_after_zero=2, out=None, name=None, device="auto",
-                  dtype="auto", attn_impl=None, model_overrides=None, progress=True, verbose=True):
+def evaluate_niah(source, *, options=None, lengths=None, max_factor=None, tasks=tuple(TASKS), haystacks=None,
+                  samples=10, data_dir=None, stop_after_zero=2):
+    """NIAH scores per length, haystack and task for a run dir, checkpoint file or model object; files and
+    names as evaluate_passkey's. `haystacks` None: both when validation shards are found, else repeat."""
+    options = options or EvalOptions()
+    seed = 0 if options.seed is None else options.seed
+    batch_size = options.batch_size or 8
     unknown = [t for t in tasks if t not in TASKS] + [h for h in (haystacks or ()) if h not in HAYSTACKS]
     if unknown:
         raise EvalError(f"unknown task or haystack {unknown[0]!r}; tasks: {', '.join(TASKS)}; "
                         f"haystacks: {', '.join(HAYSTACKS)}")
-    if samples < 1 or batch_size < 1 or stop_after_zero < 0:
-        raise EvalError("samples and batch_size must be at least 1, stop_after_zero at least 0")
-    model, info = load_for_eval(source, device, attn_impl, model_overrides)
-    block_size = info["config"]["block_size"] if info["config"] else None
+    if samples < 1 or stop_after_zero < 0:
+        raise EvalError("samples must be at least 1, stop_after_zero at least 0")
+    evaluated = load_for_eval(source, options)
+    block_size = evaluated.block_size
     lengths = sweep_lengths(lengths, max_factor, block_size)
-    data_dir = data_dir or info.get("data_dir")
+    data_dir = data_dir or evaluated.info.get("data_dir")
     stream = None
     if haystacks is None or "text" in haystacks:
         try:
@@ -184,31 +192,27 @@ def evaluate_niah(source, *, lengths=None, max_factor=None, tasks=tuple(TASKS), 
             print(f"niah: skipping the text haystack: {e}", file=sys.stderr)
     haystacks = list(haystacks or (HAYSTACKS if stream is not None else ("repeat",)))
     prompts = NeedlePrompts(stream)
-    dev = model_device(model)
-    amp_dtype = pick_dtype(dtype, dev)
+    output = Output.of(EVALUATOR, source, options, "niah")
 
     def measure(length, bar):
         cells = []
-        per_length = set_length(model, model_overrides, length, block_size)  # e.g. the factor of rope_factor=auto
+        model, per_length = evaluated.at_length(length)  # e.g. the factor of rope_factor=auto
         for hay in haystacks:
             for task in tasks:
                 if bar is not None:
                     bar.set_postfix(length=format_length(length), task=f"{hay}/{task}")
                 cell = evaluate_cell(model, prompts, task, hay, length, samples, seed, batch_size,
-                                     autocast(dev, amp_dtype), bar)
+                                     evaluated.autocast(), bar)
                 cells.append({**cell, "factor": length / block_size if block_size else None, **per_length})
         scores = [c["score"] for c in cells if c["score"] is not None]
         return cells, max(scores) if scores else None
 
-    settings = settings_block(dev, amp_dtype, getattr(getattr(model, "config", None), "attn_impl", None),
-                              lengths=lengths, tasks=list(tasks), haystacks=haystacks, samples=samples, seed=seed,
-                              data_dir=data_dir if "text" in haystacks else None, batch_size=batch_size,
-                              stop_after_zero=stop_after_zero, block_size=block_size, model_overrides=model_overrides)
-    folder = output_dir(source, out) if (out or isinstance(source, str)) else None
-    name = name or results_name("niah", model_overrides)
-    return sweep("niah", lengths, measure, info=info, settings=settings,
-                 work_per_length=len(tasks) * len(haystacks) * samples, stop_after_zero=stop_after_zero,
-                 folder=folder, name=name, plot=plot_niah, table=format_table, progress=progress, verbose=verbose)
+    settings = evaluated.settings(lengths=lengths, tasks=list(tasks), haystacks=haystacks, samples=samples, seed=seed,
+                                  data_dir=data_dir if "text" in haystacks else None, batch_size=batch_size,
+                                  stop_after_zero=stop_after_zero, block_size=block_size)
+    results = new_results("niah", evaluated.info, settings, results=[])
+    return sweep(lengths, measure, results, output, work_per_length=len(tasks) * len(haystacks) * samples,
+                 stop_after_zero=stop_after_zero, progress=options.progress)
 
 
 def evaluate_cell(model, prompts, task, haystack, length, samples, seed, batch_size, amp, bar):
@@ -256,13 +260,11 @@ def format_table(results):
             mean = f"{100 * sum(known) / len(known):.0f}%" if known else "—"
             lines.append(f"| {length:,} | " + " | ".join("—" if c is None else f"{100 * c:.0f}%" for c in cells)
                          + f" | {mean} |")
-    if results["stopped"]:
-        lines.append(f"\nstopped before length {results['stopped']['length']:,}: {results['stopped']['reason']}")
-    return "\n".join(lines)
+    return "\n".join(lines + stopped_note(results))
 
 
 def plot_niah(results, path):
-    import matplotlib.pyplot as plt
+    from eval.plotting import draw_heatmap, plt, save_figure
 
     s = results["settings"]
     table = score_table(results)
@@ -289,8 +291,7 @@ def plot_niah(results, path):
     save_figure(fig, path, dpi=120)
 
 
-def main(argv=None):
-    ap = Parser(prog="eval.niah", description=__doc__.split("\n\n")[0].strip())
+def add_arguments(ap):
     ap.add_argument("source", help="run directory or checkpoint file")
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated, from: %(default)s")
     ap.add_argument("--haystacks", default=None,
@@ -298,13 +299,49 @@ def main(argv=None):
     ap.add_argument("--data_dir", default=None, help="shards for the text haystack (default: the run's data_dir)")
     ap.add_argument("--samples", type=int, default=10,
                     help="prompts per length, task and haystack (default %(default)s)")
-    add_sweep_args(ap, None, "results file name (default: niah[_<overrides>])")
-    args = parse_eval_args(ap, argv)
-    split = lambda text: [t.strip() for t in text.split(",") if t.strip()]  # noqa: E731
-    evaluate_niah(args.source, tasks=split(args.tasks), haystacks=split(args.haystacks) if args.haystacks else None,
-                  samples=args.samples, data_dir=args.data_dir, **sweep_options(args))
-    return 0
+    add_length_arguments(ap)
+    add_prompt_arguments(ap, batch_size=8)
+    add_model_arguments(ap)
+    add_output_arguments(ap, "results file name (default: niah[_<overrides>])")
 
+
+def run(args, options):
+    split = lambda text: [t.strip() for t in text.split(",") if t.strip()]  # noqa: E731
+    evaluate_niah(args.source, options=options, tasks=split(args.tasks),
+                  haystacks=split(args.haystacks) if args.haystacks else None, samples=args.samples,
+                  data_dir=args.data_dir, **length_arguments(args))
+
+
+def section(runs, report_options):
+    """Values retrieved, pooled over tasks and haystacks by length, then over lengths by haystack and task."""
+    present = [r for r in runs if r.get("niah")]
+
+    def pooled(rows):  # values retrieved / values asked, over every sample of the rows
+        flags = [ok for x in rows for record in x.get("records", ()) for ok in record["retrieved"]]
+        return rate(sum(flags), len(flags))
+
+    lengths = sorted({x["length"] for r in present for x in r.get("niah")["results"]})
+    cells = sorted({(x["haystack"], x["task"]) for r in present for x in r.get("niah")["results"]})
+    results = [r.get("niah")["results"] if r.get("niah") else [] for r in runs]
+    note = ("Wilson 95% interval and n = values asked; the values of one prompt are not independent, so the "
+            "interval is somewhat too narrow for the multi-value tasks")
+    lines = [f"% of values retrieved, pooled over tasks and haystacks, by length ({note}):", ""]
+    lines += table(["length"] + [r.name for r in runs],
+                   [[length_label(n, runs)] + [pooled([x for x in res if x["length"] == n]) for res in results]
+                    for n in lengths])
+    lines += ["", "% of values retrieved, pooled over lengths, by haystack and task:", ""]
+    lines += table(["haystack / task"] + [r.name for r in runs],
+                   [[f"{h} / {t}"] + [pooled([x for x in res if (x["haystack"], x["task"]) == (h, t)])
+                                      for res in results] for h, t in cells])
+    return lines
+
+
+EVALUATOR = Evaluator(
+    name="niah", title="Needle in a haystack", description=__doc__,
+    add_arguments=add_arguments, run=run, table=format_table, plot=plot_niah, section=section,
+    run_plots=(("needle in a haystack", ""),),
+    interrupted="niah: interrupted; the lengths finished so far are saved")
+main = EVALUATOR.main
 
 if __name__ == "__main__":
-    run_cli(main, interrupted="niah: interrupted; the lengths finished so far are saved")
+    EVALUATOR.cli()

@@ -25,10 +25,16 @@ import time
 import numpy as np
 
 from data import EOT
-from eval.common import (add_sweep_args, autocast, binomial_interval, draw_heatmap, encode_template, EvalError,
-                         evaluated_name, format_length, load_for_eval, model_device, output_dir, parse_eval_args,
-                         Parser, pick_dtype, repeat_haystack, results_name, run_cli, Sample, save_figure,
-                         score_length, set_length, settings_block, sweep, sweep_lengths, sweep_options, tokenizer)
+from eval import EvalError
+from eval.contract import Evaluator
+from eval.loading import load_for_eval
+from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
+from eval.prompts import encode_template, repeat_haystack, tokenizer
+from eval.reporting import DASH, binomial_interval, by_variant, length_label, rate, table
+from eval.results import Output, evaluated_name, new_results, stopped_note
+from eval.scoring import Sample, score_length
+from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap
+from eval.sweep import add_length_arguments, format_length, length_arguments, sweep, sweep_lengths
 from retrieval import GARBAGE, INFO, QUESTION, TASK
 
 DEPTH_MODES = ("equidistant", "beginning", "end", "random")
@@ -103,23 +109,24 @@ def depth_bins(records, bins):
     return out
 
 
-def evaluate_passkey(source, *, lengths=None, max_factor=None, samples=20, depths="equidistant", bins=10, seed=0,
-                     given_tokens=0, digits=5, batch_size=8, stop_after_zero=2, out=None, name=None, device="auto",
-                     dtype="auto", attn_impl=None, model_overrides=None, progress=True, verbose=True):
+def evaluate_passkey(source, *, options=None, lengths=None, max_factor=None, samples=20, depths="equidistant",
+                     bins=10, given_tokens=0, digits=5, stop_after_zero=2):
     """Passkey accuracy per length and depth for a run dir, checkpoint file or model object. `lengths` is
     a list of token counts or a --lengths string. Writes <out>/<name>.json after every length (and the
-    .png at the end) when there is an output folder: `out`, or next to the run or checkpoint.
-    `model_overrides` (eval.common.check_overrides) change shape-free model settings, e.g.
-    {"rope_scaling": "yarn", "rope_factor": "auto"}; the default name then ends with them (passkey_yarn_auto)."""
+    .png at the end) when there is an output folder: options.out, or next to the run or checkpoint.
+    options.model_overrides change shape-free model settings, e.g. {"rope_scaling": "yarn", "rope_factor":
+    "auto"}; the default name then ends with them (passkey_yarn_auto)."""
+    options = options or EvalOptions()
+    seed = 0 if options.seed is None else options.seed
+    batch_size = options.batch_size or 8
     if depths not in DEPTH_MODES:
         raise EvalError(f"unknown depth mode {depths!r}; allowed: {', '.join(DEPTH_MODES)}")
     for label, value, low in (("samples", samples, 1), ("bins", bins, 1), ("digits", digits, 1),
-                              ("batch_size", batch_size, 1), ("given_tokens", given_tokens, 0),
-                              ("stop_after_zero", stop_after_zero, 0)):
+                              ("given_tokens", given_tokens, 0), ("stop_after_zero", stop_after_zero, 0)):
         if value < low:
             raise EvalError(f"{label} must be at least {low}, got {value}")
-    model, info = load_for_eval(source, device, attn_impl, model_overrides)
-    block_size = info["config"]["block_size"] if info["config"] else None
+    evaluated = load_for_eval(source, options)
+    block_size = evaluated.block_size
     default = lengths is None and not max_factor
     lengths = sweep_lengths(lengths, max_factor, block_size)
     prompts = PasskeyPrompts(digits, given_tokens)
@@ -129,14 +136,13 @@ def evaluate_passkey(source, *, lengths=None, max_factor=None, samples=20, depth
     elif too_short:
         raise EvalError(f"length {too_short[0]} is too short for a passkey prompt: "
                         f"use at least {prompts.min_length()} tokens")
-    dev = model_device(model)
-    amp_dtype = pick_dtype(dtype, dev)
+    output = Output.of(EVALUATOR, source, options, default_name(depths, given_tokens))
 
     def measure(length, bar):
-        per_length = set_length(model, model_overrides, length, block_size)  # e.g. the factor of rope_factor=auto
+        model, per_length = evaluated.at_length(length)  # e.g. the factor of rope_factor=auto
         batch = prompts.samples(length, samples, depths, seed)
         t0 = time.perf_counter()
-        scored = score_length(model, batch, batch_size, autocast(dev, amp_dtype), bar)
+        scored = score_length(model, batch, batch_size, evaluated.autocast(), bar)
         records = [{**sample.meta, "correct": correct, "predicted": prompts.enc.decode(guess)}
                    for sample, [(correct, guess)] in zip(batch, scored)]
         correct = sum(r["correct"] for r in records)
@@ -146,15 +152,12 @@ def evaluate_passkey(source, *, lengths=None, max_factor=None, samples=20, depth
                **per_length, "records": records}
         return [row], row["accuracy"]
 
-    settings = settings_block(dev, amp_dtype, getattr(getattr(model, "config", None), "attn_impl", None),
-                              lengths=lengths, samples=samples, depth_mode=depths, depth_bins=bins, seed=seed,
-                              digits=digits, given_tokens=given_tokens, batch_size=batch_size,
-                              stop_after_zero=stop_after_zero, block_size=block_size, model_overrides=model_overrides)
-    folder = output_dir(source, out) if (out or isinstance(source, str)) else None
-    name = name or results_name(default_name(depths, given_tokens), model_overrides)
-    return sweep("passkey", lengths, measure, info=info, settings=settings, work_per_length=samples,
-                 stop_after_zero=stop_after_zero, folder=folder, name=name,
-                 plot=plot_passkey, table=format_table, progress=progress, verbose=verbose)
+    settings = evaluated.settings(lengths=lengths, samples=samples, depth_mode=depths, depth_bins=bins, seed=seed,
+                                  digits=digits, given_tokens=given_tokens, batch_size=batch_size,
+                                  stop_after_zero=stop_after_zero, block_size=block_size)
+    results = new_results("passkey", evaluated.info, settings, results=[])
+    return sweep(lengths, measure, results, output, work_per_length=samples, stop_after_zero=stop_after_zero,
+                 progress=options.progress)
 
 
 def default_name(depths, given_tokens):
@@ -175,13 +178,11 @@ def format_table(results):
         low, high = binomial_interval(r["correct"], r["samples"])
         lines.append(f"| {r['length']:,} | {factor} | {100 * r['accuracy']:.0f}% | {100 * low:.0f}-{100 * high:.0f}% | "
                      f"`{by_depth}` | {r['seconds']:.1f} |")
-    if results["stopped"]:
-        lines.append(f"\nstopped before length {results['stopped']['length']:,}: {results['stopped']['reason']}")
-    return "\n".join(lines)
+    return "\n".join(lines + stopped_note(results))
 
 
 def plot_passkey(results, path):
-    import matplotlib.pyplot as plt
+    from eval.plotting import draw_heatmap, plt, save_figure
 
     rows = results["results"]
     bins = results["settings"]["depth_bins"]
@@ -207,8 +208,7 @@ def plot_passkey(results, path):
     save_figure(fig, path, dpi=120)
 
 
-def main(argv=None):
-    ap = Parser(prog="eval.passkey", description=__doc__.split("\n\n")[0].strip())
+def add_arguments(ap):
     ap.add_argument("source", help="run directory or checkpoint file")
     ap.add_argument("--samples", type=int, default=20, help="prompts per length (default %(default)s)")
     ap.add_argument("--depths", default="equidistant", choices=DEPTH_MODES,
@@ -217,12 +217,148 @@ def main(argv=None):
     ap.add_argument("--given_tokens", type=int, default=0,
                     help="leading key tokens given and not scored; 1 = the paper's first-digit variant")
     ap.add_argument("--digits", type=int, default=5)
-    add_sweep_args(ap, None, "results file name (default: passkey[_<depths>][_given<N>][_<overrides>])")
-    args = parse_eval_args(ap, argv)
-    evaluate_passkey(args.source, samples=args.samples, depths=args.depths, bins=args.depth_bins,
-                     given_tokens=args.given_tokens, digits=args.digits, **sweep_options(args))
-    return 0
+    add_length_arguments(ap)
+    add_prompt_arguments(ap, batch_size=8)
+    add_model_arguments(ap)
+    add_output_arguments(ap, "results file name (default: passkey[_<depths>][_given<N>][_<overrides>])")
 
+
+def run(args, options):
+    evaluate_passkey(args.source, options=options, samples=args.samples, depths=args.depths, bins=args.depth_bins,
+                     given_tokens=args.given_tokens, digits=args.digits, **length_arguments(args))
+
+
+# ---------------------------------------------------------------------------------------------------
+# eval.report
+
+
+def seed_counts(variant_runs, name, length):
+    """(correct, prompts) at `length` of each seed of a variant that has it, from results file `name`."""
+    counts = []
+    for r in variant_runs:
+        row = next((x for x in r.all("passkey").get(name, {"results": []})["results"] if x["length"] == length), None)
+        if row is not None:
+            counts.append((row["correct"], row["samples"]))
+    return counts
+
+
+def variant_cell(counts):
+    """Mean accuracy over seeds, the seeds' own values (their range past four seeds) in brackets, and the
+    two-level bootstrap interval over seeds and prompts; one seed: its rate with the Wilson interval."""
+    if not counts:
+        return DASH
+    if len(counts) == 1:
+        return rate(*counts[0])
+    accuracy = [c / n for c, n in counts]
+    spread = " ".join(f"{100 * a:.0f}" for a in accuracy) if len(accuracy) <= 4 else \
+        f"{100 * min(accuracy):.0f}-{100 * max(accuracy):.0f}"
+    low, high = seed_bootstrap(counts)
+    return f"{100 * np.mean(accuracy):.0f} [{spread}] ({100 * low:.0f}-{100 * high:.0f})"
+
+
+def comparison(name, a, b, variants, lengths, runs):
+    """Variant a against variant b at every length both have: the difference of mean accuracy, its two-level
+    bootstrap interval, and the permutation test over their seeds."""
+    rows = []
+    for n in lengths:
+        ca, cb = seed_counts(variants[a], name, n), seed_counts(variants[b], name, n)
+        if not ca or not cb:
+            continue
+        sa, sb = [c / t for c, t in ca], [c / t for c, t in cb]
+        low, high = difference_bootstrap(ca, cb)
+        rows.append([length_label(n, runs), f"{100 * np.mean(sa):.0f} ({len(sa)})", f"{100 * np.mean(sb):.0f} ({len(sb)})",
+                     f"{100 * (np.mean(sa) - np.mean(sb)):+.0f} ({100 * low:+.0f} to {100 * high:+.0f})",
+                     f"{permutation_test(sa, sb):.3g}"])
+    return [f"**{a}** against **{b}** ({name}): mean accuracy (%) with its number of seeds, the difference with its "
+            "95% two-level bootstrap interval, and the two-sided p-value of a permutation test over the seeds' "
+            "accuracies (exact over every relabelling; with n and m seeds it cannot go below 1 / C(n + m, n), or 2 / C(2n, n) for n against n).", ""] + \
+        table(["length", a, b, "difference", "p"], rows) + [""]
+
+
+def section(runs, report_options):
+    """Per passkey results file (passkey, passkey_given1, ...): a table of variants (seeds aggregated), the
+    comparisons asked for (--compare A B), then every run on its own (its Wilson interval)."""
+    names = sorted({name for r in runs for name in r.all("passkey")}, key=lambda n: (n != "passkey", n))
+    lines = []
+    for name in names:
+        present = [r for r in runs if name in r.all("passkey")]
+        s = present[0].all("passkey")[name]["settings"]
+        given = f", first {s['given_tokens']} key token(s) given" if s["given_tokens"] else ""
+        lengths = sorted({x["length"] for r in present for x in r.all("passkey")[name]["results"]})
+        variants = by_variant(present)
+        lines += [f"**{name}** by variant — mean accuracy (%) over the variant's seeds, the seeds' own accuracies in "
+                  f"brackets (their range past four seeds), and in parentheses the 95% interval of the mean over "
+                  f"seeds and prompts (two-level bootstrap, docs/evaluation.md); a variant of one seed shows its "
+                  f"Wilson interval and prompt count instead. {s['samples']} prompts per length and seed, "
+                  f"{s['depth_mode']} depths{given}.", ""]
+        rows = [[variant, len(members)] + [variant_cell(seed_counts(members, name, n)) for n in lengths]
+                for variant, members in variants.items()]
+        lines += table(["variant", "seeds"] + [length_label(n, runs) for n in lengths], rows) + [""]
+        for a, b in report_options.get("compare") or []:
+            if a in variants and b in variants:
+                lines += comparison(name, a, b, variants, lengths, runs)
+        # One row per run and one column per length, as the paper's tables: many runs stay readable.
+        rows = []
+        for r in present:
+            cells = {x["length"]: x for x in r.all("passkey")[name]["results"]}
+            rows.append([r.name] + [rate(cells[n]["correct"], cells[n]["samples"]) if n in cells else DASH
+                                    for n in lengths])
+        lines += [f"**{name}**, every run — accuracy (%) with its Wilson 95% interval and the number of prompts.", ""]
+        lines += table(["run"] + [length_label(n, runs) for n in lengths], rows) + [""]
+    return lines
+
+
+def plot_variants(runs, path):
+    """Accuracy against length (the plain passkey results) in small multiples, one panel per family of
+    encodings (model.ENCODINGS' `family`): a line per variant through its mean over seeds, a band over its
+    seeds' range."""
+    from eval.plotting import log2_length_axis, plt, save_figure
+    from model import ENCODINGS
+
+    families = {}
+    for variant, members in by_variant([r for r in runs if r.all("passkey").get("passkey", {}).get("results")]).items():
+        pe = ((members[0].model or {}).get("config") or {}).get("pe")
+        families.setdefault(getattr(ENCODINGS.get(pe), "family", "other"), {})[variant] = members
+    if not families:
+        return False
+    columns = min(2, len(families))
+    rows = -(-len(families) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7.0 * columns, 4.2 * rows), squeeze=False, sharey=True)
+    for ax, (family, variants) in zip(axes.flat, families.items()):
+        for i, (variant, members) in enumerate(variants.items()):
+            lengths = sorted({x["length"] for r in members for x in r.all("passkey")["passkey"]["results"]})
+            per_seed = [[c / n for c, n in seed_counts(members, "passkey", L)] for L in lengths]
+            color = plt.get_cmap("tab10")(i % 10)
+            style = ("-", "--", ":")[i // 10 % 3]
+            ax.plot(lengths, [100 * np.mean(a) for a in per_seed], marker="o", markersize=3, color=color,
+                    linestyle=style, label=f"{variant} ({len(members)} seed{'s' if len(members) > 1 else ''})")
+            if len(members) > 1:
+                ax.fill_between(lengths, [100 * min(a) for a in per_seed], [100 * max(a) for a in per_seed],
+                                color=color, alpha=0.15, linewidth=0)
+        context = {r.block_size for v in variants.values() for r in v if r.block_size}
+        for c in context:
+            ax.axvline(c, color="grey", linestyle=":", linewidth=1)
+        log2_length_axis(ax)
+        ax.set_ylim(-3, 103)
+        ax.set_title(family, fontsize=10)
+        ax.set_xlabel("prompt length (tokens); dotted: training context")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")  # accuracy falls with length: short and low is empty
+    for ax in axes[:, 0]:
+        ax.set_ylabel("passkey accuracy (%)")
+    for ax in list(axes.flat)[len(families):]:
+        ax.set_axis_off()
+    fig.suptitle("passkey retrieval by variant: mean over seeds, band = the seeds' range", fontsize=11)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+    return True
+
+
+EVALUATOR = Evaluator(
+    name="passkey", title="Passkey retrieval", description=__doc__,
+    add_arguments=add_arguments, run=run, table=format_table, plot=plot_passkey, section=section,
+    summary_plot=plot_variants, interrupted="passkey: interrupted; the lengths finished so far are saved")
+main = EVALUATOR.main
 
 if __name__ == "__main__":
-    run_cli(main, interrupted="passkey: interrupted; the lengths finished so far are saved")
+    EVALUATOR.cli()

@@ -27,43 +27,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data import EOT, read_shard, shard_paths
-from eval.common import (add_model_args, autocast, EvalError, evaluated_name, finish, format_length,
-                         is_out_of_memory, load_for_eval, model_device, OutOfMemory, output_dir, parse_eval_args,
-                         parse_length, Parser, pick_dtype, plan_batch, progress_bar, results_name, run_cli,
-                         save_figure, save_progress, SCHEMA_VERSION, set_length, settings_block, validation_tokens,
-                         writable_folder)
+from eval import EvalError
+from eval.contract import Evaluator
+from eval.loading import load_for_eval
+from eval.memory import OutOfMemory, plan_batch, stop_when_out_of_memory
+from eval.options import EvalOptions, add_model_arguments, add_output_arguments
+from eval.prompts import SOURCES, validation_sequences
+from eval.reporting import DASH, length_label, table
+from eval.results import Output, evaluated_name, new_results, writable_folder
+from eval.sweep import format_length, parse_length, progress_bar
 
-SOURCES = ("concat", "documents")
 HEAD_CHUNK = 1024  # positions per LM-head call: B x 1024 x vocab fp32 logits at a time
-
-
-def validation_sequences(data_dir, length, num_seqs, source="concat"):
-    """(n, length + 1) int64 sequences of held-out tokens; n <= num_seqs when the split is short."""
-    need = num_seqs * (length + 1)
-    if source == "concat":
-        # EOTs are about 1 in 700 tokens of FineWeb: read a little more than needed, then drop them
-        tokens = validation_tokens(data_dir, max_tokens=int(need * 1.1) + 4096)
-        tokens = tokens[tokens != EOT]
-        n = min(num_seqs, len(tokens) // (length + 1))
-        if n == 0:
-            raise EvalError(f"the validation split in {data_dir} has {len(tokens):,} tokens without separators, "
-                            f"fewer than one sequence of {length + 1:,}; use a shorter --length")
-        return tokens[:n * (length + 1)].reshape(n, length + 1)
-    sequences = []
-    for path in shard_paths(data_dir, "val") if data_dir and os.path.isdir(data_dir) else []:
-        tokens = read_shard(path)
-        starts = np.flatnonzero(tokens == EOT)
-        ends = np.append(starts[1:], len(tokens))
-        for start in starts[ends - starts >= length + 1][:num_seqs - len(sequences)]:
-            sequences.append(np.asarray(tokens[start:start + length + 1], dtype=np.int64))
-        if len(sequences) == num_seqs:
-            break
-    if not sequences:
-        validation_tokens(data_dir, max_tokens=1)  # the clearer error when there are no shards at all
-        raise EvalError(f"no validation document in {data_dir} has {length + 1:,} tokens or more; use a "
-                        f"shorter --length or --source concat")
-    return np.stack(sequences)
 
 
 def final_hidden(model, x, amp):
@@ -96,72 +70,59 @@ def window_nll(model, batch, window, amp):
     return padded.view(x.shape[0], n_windows, window).sum(dim=-1).double().cpu()
 
 
-def evaluate_perplexity(source, *, length="64x", window=None, num_seqs=8, data_source="concat", data_dir=None,
-                        batch_size=1, out=None, name=None, device="auto", dtype="auto", attn_impl=None,
-                        model_overrides=None, progress=True, verbose=True):
+def evaluate_perplexity(source, *, options=None, length="64x", window=None, num_seqs=8, data_source="concat",
+                        data_dir=None):
     """Per-window perplexity of one model (run dir, checkpoint or model object) over held-out sequences."""
+    options = options or EvalOptions()
+    batch_size = options.batch_size or 1
     if data_source not in SOURCES:
         raise EvalError(f"unknown --source {data_source!r}; allowed: {', '.join(SOURCES)}")
-    if num_seqs < 1 or batch_size < 1:
-        raise EvalError("num_seqs and batch_size must be at least 1")
-    model, info = load_for_eval(source, device, attn_impl, model_overrides)
-    block_size = info["config"]["block_size"]
+    if num_seqs < 1:
+        raise EvalError("num_seqs must be at least 1")
+    evaluated = load_for_eval(source, options)
+    block_size = evaluated.block_size
     length = parse_length(length, block_size) if isinstance(length, str) else int(length)
     window = parse_length(window, block_size) if isinstance(window, str) else int(window or block_size)
     if window < 1 or window > length:
         raise EvalError(f"--window {window} must be between 1 and the length {length}")
-    data_dir = data_dir or info.get("data_dir")
+    data_dir = data_dir or evaluated.info.get("data_dir")
     sequences = validation_sequences(data_dir, length, num_seqs, data_source)
+    model, per_length = evaluated.at_length(length)  # one length: one factor for "auto"
     if sequences.max() >= model.config.vocab_size:  # shards of another tokenizer: an IndexError mid-forward otherwise
         raise EvalError(f"the validation shards in {data_dir} hold token id {sequences.max()}, outside the model's "
                         f"vocabulary of {model.config.vocab_size}; they were made with another tokenizer")
-    per_length = set_length(model, model_overrides, length, block_size)  # one length: one factor for "auto"
-    name = name or results_name("perplexity", model_overrides)
-    dev = model_device(model)
-    amp_dtype = pick_dtype(dtype, dev)
-    amp = autocast(dev, amp_dtype)
-    folder = output_dir(source, out) if (out or isinstance(source, str)) else None
-    json_path = os.path.join(writable_folder(folder), f"{name}.json") if folder else None
-    saving = json_path
+    output = Output.of(EVALUATOR, source, options, "perplexity")
     n_windows = math.ceil(length / window)
     counts = np.array([min(window, length - w * window) for w in range(n_windows)], dtype=np.float64)
     totals = np.zeros(n_windows)
-    results = {"schema": "perplexity", "schema_version": SCHEMA_VERSION, "model": info,
-               "settings": settings_block(dev, amp_dtype, getattr(model.config, "attn_impl", None), length=length,
-                                          window=window, num_seqs=num_seqs, source=data_source, data_dir=data_dir,
-                                          batch_size=batch_size, block_size=block_size,
-                                          model_overrides=model_overrides, **per_length),
-               "sequences": 0, "windows": [], "stopped": None, "complete": False}
-    bar = progress_bar(len(sequences), "perplexity") if progress else None
+    settings = evaluated.settings(length=length, window=window, num_seqs=num_seqs, source=data_source,
+                                  data_dir=data_dir, batch_size=batch_size, block_size=block_size, **per_length)
+    results = new_results("perplexity", evaluated.info, settings, sequences=0, windows=[])
+    bar = progress_bar(len(sequences), "perplexity") if options.progress else None
     t0 = time.perf_counter()
     try:
-        batch = plan_batch(model, batch_size, length, HEAD_CHUNK, dev)
+        batch = plan_batch(model, batch_size, length, HEAD_CHUNK, evaluated.device)
         for i in range(0, len(sequences), batch):
-            chunk = torch.from_numpy(sequences[i:i + batch]).to(dev)
-            try:
-                totals += window_nll(model, chunk, window, amp).sum(dim=0).numpy()
-            except Exception as e:
-                if not is_out_of_memory(e):
-                    raise
-                raise OutOfMemory(f"out of memory at length {length:,} on {dev} "
-                                  f"({str(e).splitlines()[0][:120]})") from None
+            chunk = torch.from_numpy(sequences[i:i + batch]).to(evaluated.device)
+            with stop_when_out_of_memory(f"at length {length:,}", evaluated.device):
+                totals += window_nll(model, chunk, window, evaluated.autocast()).sum(dim=0).numpy()
             results["sequences"] += len(chunk)
             loss = totals / (counts * results["sequences"])
             results["windows"] = [{"start": w * window, "end": min((w + 1) * window, length), "loss": float(loss[w]),
                                    "perplexity": float(math.exp(loss[w]))} for w in range(n_windows)]
             results["seconds"] = round(time.perf_counter() - t0, 3)
-            saving = save_progress(saving, results, "perplexity")
+            output.save(results)
             if bar is not None:
                 bar.update(len(chunk))
         results["complete"] = True
     except OutOfMemory as e:
         results["stopped"] = {"length": length, "reason": str(e)}
-        kept = f"; {results['sequences']} sequences kept in {json_path}" if json_path else ""
+        kept = f"; {results['sequences']} sequences kept in {output.json_path}" if output.json_path else ""
         print(f"perplexity: stopped: {e}{kept}", file=sys.stderr)
     finally:
         if bar is not None:
             bar.close()
-    return finish(results, json_path, folder, name, lambda r, path: plot_perplexity([r], path), format_table, verbose)
+    return output.finish(results)
 
 
 def perplexity_at(results, position):
@@ -188,8 +149,8 @@ def format_table(results):
 
 
 def plot_perplexity(runs, path, title=None):
-    """One line per run: perplexity of each window against the window's end position."""
-    import matplotlib.pyplot as plt
+    """One line per run (its results): perplexity of each window against the window's end position."""
+    from eval.plotting import plt, save_figure
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     colors = plt.get_cmap("tab10")
@@ -218,8 +179,7 @@ def plot_perplexity(runs, path, title=None):
     save_figure(fig, path, dpi=120)
 
 
-def main(argv=None):
-    ap = Parser(prog="eval.perplexity", description=__doc__.split("\n\n")[0].strip())
+def add_arguments(ap):
     ap.add_argument("sources", nargs="+", help="run directories or checkpoint files")
     ap.add_argument("--length", default="64x",
                     help="tokens per sequence, e.g. 32K or 64x the context (default %(default)s)")
@@ -231,24 +191,66 @@ def main(argv=None):
     ap.add_argument("--compare", default="perplexity_comparison.png",
                     help="with several runs: the plot with one line per run (default %(default)s)")
     ap.add_argument("--no_progress", action="store_true")
-    add_model_args(ap, window_flag=False)  # --window is the perplexity window here; --attn_window the attention's
-    args = parse_eval_args(ap, argv)
+    add_model_arguments(ap, window_flag=False)  # --window is the perplexity window here; --attn_window the attention's
+    add_output_arguments(ap)
+
+
+def run(args, options):
     if args.out and len(args.sources) > 1:
         raise EvalError("--out takes one run; with several, each run's results go to its own eval/ folder")
     if len(args.sources) > 1:  # before the first run is evaluated, not after the last
         writable_folder(os.path.dirname(os.path.abspath(args.compare)), "--compare")
-    runs = []
-    for source in args.sources:
-        runs.append(evaluate_perplexity(source, length=args.length, window=args.window, num_seqs=args.num_seqs,
-                                        data_source=args.source, data_dir=args.data_dir,
-                                        batch_size=args.batch_size, out=args.out, device=args.device,
-                                        dtype=args.dtype, attn_impl=args.attn_impl,
-                                        model_overrides=args.model_overrides, progress=not args.no_progress))
+    runs = [evaluate_perplexity(source, options=options, length=args.length, window=args.window,
+                                num_seqs=args.num_seqs, data_source=args.source, data_dir=args.data_dir)
+            for source in args.sources]
     if len(runs) > 1:
         plot_perplexity(runs, args.compare, "perplexity by position, one line per run")
         print(f"wrote {args.compare}")
-    return 0
 
+
+# ---------------------------------------------------------------------------------------------------
+# eval.report
+
+
+def add_report_arguments(ap):
+    ap.add_argument("--ppl_at", default=None,
+                    help="positions for the perplexity table, e.g. 512,4K,32K or 1x,8x (x = the smallest training "
+                         "context among the runs; default: 1x, 2x, 4x, ... up to the longest evaluated)")
+
+
+def section(runs, report_options):
+    """Perplexity of the window ending at each position (report option ppl_at), one column per run."""
+    present = [r.get("perplexity") for r in runs if r.get("perplexity")]
+    base = min((r.block_size for r in runs if r.block_size), default=512)
+    if report_options.get("ppl_at"):
+        positions = [parse_length(t, base) for t in report_options["ppl_at"].split(",") if t.strip()]
+    else:
+        longest = max(res["settings"]["length"] for res in present)
+        positions = [base * f for f in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if base * f <= max(longest, base)]
+    s = present[0]["settings"]
+    lines = [f"Perplexity of the {s['window']}-token window ending at each position ({s['source']} validation "
+             f"sequences; {DASH}: not evaluated that far).", ""]
+
+    def cell(run, position):
+        value = perplexity_at(run.get("perplexity"), position - 1) if run.get("perplexity") else None
+        return DASH if value is None else f"{value:.2f}"
+
+    rows = [[length_label(p, runs)] + [cell(r, p) for r in runs] for p in positions]
+    return lines + table(["position"] + [r.name for r in runs], rows)
+
+
+def plot_runs(runs, path):
+    present = [r.get("perplexity") for r in runs if r.get("perplexity")]
+    plot_perplexity(present, path, "perplexity by position, one line per run")
+    return True
+
+
+EVALUATOR = Evaluator(
+    name="perplexity", title="Perplexity by position", description=__doc__,
+    add_arguments=add_arguments, run=run, table=format_table, plot=lambda results, path: plot_perplexity(
+        [results], path), section=section, summary_plot=plot_runs, report_arguments=add_report_arguments,
+    interrupted="perplexity: interrupted; the sequences finished so far are saved")
+main = EVALUATOR.main
 
 if __name__ == "__main__":
-    run_cli(main, interrupted="perplexity: interrupted; the sequences finished so far are saved")
+    EVALUATOR.cli()

@@ -23,13 +23,18 @@ nothing to show and the command says so and exits 0.
 import glob
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from eval.common import (SCHEMA_VERSION, EvalError, Parser, load_for_eval, output_dir, parse_length,
-                         read_json, read_metrics, run_cli, save_figure, writable_folder,
-                         write_json)
+from eval import EvalError
+from eval.contract import Evaluator
+from eval.loading import load_for_eval, output_dir
+from eval.options import EvalOptions, add_output_arguments
+from eval.reporting import DASH, table
+from eval.results import SCHEMA_VERSION, read_json, read_metrics, writable_folder, write_json
+from eval.sweep import parse_length
 
 GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
 
@@ -42,13 +47,13 @@ def group_colors(model):
 
 def head_table(model):
     """One row per (layer, head) with every positional parameter that head has, as each prior module
-    names them (`head_columns`), its group if the prior defines groups, and its SSMax scale."""
+    names them (`head_parameters`), its group if the prior defines groups, and its SSMax scale."""
     cfg = model.config
     ssmax = [b.attn.ssmax_scale for b in model.blocks if b.attn.ssmax_scale is not None]
     rows = []
     for layer in range(cfg.n_layer):
         prior = model._prior_of_layer(layer)
-        columns = prior.head_columns() if prior is not None else {}
+        columns = prior.head_parameters() if prior is not None else {}
         for head in range(cfg.n_head):
             row = {"layer": layer, "head": head, **{name: values[head] for name, values in columns.items()}}
             if prior is not None and prior.GROUPS:
@@ -102,8 +107,12 @@ def longest_evaluated(folder):
     return max(lengths, default=None)
 
 
-def evaluate_priors(source, *, max_distance=None, metrics=None, out=None, verbose=True):
-    model, info = load_for_eval(source, "cpu")
+def evaluate_priors(source, *, options=None, max_distance=None, metrics=None):
+    """The priors of a run dir, checkpoint or model object (on the CPU: nothing here needs more)."""
+    options = options or EvalOptions()
+    verbose, out = options.verbose, options.out
+    evaluated = load_for_eval(source, replace(options, device="cpu"))
+    model, info = evaluated.model, evaluated.info
     cfg = model.config
     has_prior = len(model.priors) > 0
     if not has_prior and not cfg.ssmax:
@@ -157,7 +166,7 @@ def write_files(results, model, folder, dist, curves, history, written):
     if curves:
         plot_curves(results, dist, curves, os.path.join(folder, "priors.png"), colors)
         written.append("priors.png")
-    if any(k not in ("layer", "head", "group", "bias_at", "alibi_slope") for k in results["heads"][0]):  # something learned
+    if any(k not in ("layer", "head", "group", "bias_at", "slope") for k in results["heads"][0]):  # something learned
         plot_shapes(results, os.path.join(folder, "priors_shapes.png"), prior_cls, colors)
         written.append("priors_shapes.png")
     if history:
@@ -188,7 +197,7 @@ def _grid(n):
 
 def plot_curves(results, dist, curves, path, colors):
     """One panel per layer (one if the prior is shared), one line per head, coloured by group if any."""
-    import matplotlib.pyplot as plt
+    from eval.plotting import plt, save_figure
 
     rows, cols = _grid(len(curves))
     fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 3.6 * cols), 2.9 * rows + 0.6), squeeze=False, sharex=True,
@@ -227,12 +236,12 @@ def plot_shapes(results, path, prior_cls, colors):
     """A prior with head groups (BAM): histogram of the grouping parameter over the groups' spans, and
     that parameter against the next one per layer. Otherwise: a histogram of every learned per-head
     parameter (KERPLE's r1, r2; SSMax's s)."""
-    import matplotlib.pyplot as plt
+    from eval.plotting import plt, save_figure
 
     heads = results["heads"]
     name = results["model"]["name"]
     grouped = prior_cls is not None and prior_cls.GROUPS
-    learned = [c for c in heads[0] if c not in ("layer", "head", "group", "bias_at", "alibi_slope")]
+    learned = [c for c in heads[0] if c not in ("layer", "head", "group", "bias_at", "slope")]
     if not grouped:
         fig, axes = plt.subplots(1, len(learned), figsize=(4.2 * len(learned), 3.5), squeeze=False)
         for ax, column in zip(axes[0], learned):
@@ -271,7 +280,7 @@ def plot_shapes(results, path, prior_cls, colors):
 def plot_training(results, history, path, prior_cls):
     """Every head's logged parameters (metrics.jsonl's "prior") against the training step, one colour per
     layer. Those that never moved (ALiBi's slopes, a frozen location) are left out."""
-    import matplotlib.pyplot as plt
+    from eval.plotting import plt, save_figure
 
     names = [n for n in history[-1][1] if any(prior.get(n) != history[0][1].get(n) for _, prior in history)]
     if not names:
@@ -299,20 +308,43 @@ def plot_training(results, history, path, prior_cls):
     save_figure(fig, path, dpi=110, bbox_inches="tight")
 
 
-def main(argv=None):
-    ap = Parser(prog="eval.priors", description=__doc__.split("\n\n")[0].strip())
+def add_arguments(ap):
     ap.add_argument("source", help="run directory or checkpoint file")
     ap.add_argument("--max_distance", default=None,
                     help="longest distance plotted, e.g. 256K or 500x (default: the longest evaluated length "
                          "in the eval folder, else 500x the training context)")
     ap.add_argument("--metrics", default=None, help="metrics.jsonl for the training plot (default: the run's)")
-    ap.add_argument("--out", default=None, help="output folder (default: RUN/eval)")
-    args = ap.parse_args(argv)
+    add_output_arguments(ap)
+
+
+def run(args, options):
     if args.metrics and not os.path.isfile(args.metrics):
         raise EvalError(f"--metrics {args.metrics} is not a file (give a run's metrics.jsonl)")
-    evaluate_priors(args.source, max_distance=args.max_distance, metrics=args.metrics, out=args.out)
-    return 0
+    evaluate_priors(args.source, options=options, max_distance=args.max_distance, metrics=args.metrics)
 
+
+def section(runs, report_options):
+    """BAM's head groups per run; other priors have no shapes to group."""
+    rows = []
+    for r in runs:
+        p = r.get("priors")
+        if not p or not p.get("groups"):
+            rows.append([r.name, DASH, DASH, DASH, DASH if not p else f"{p['pe']}: no shapes"])
+            continue
+        g = p["groups"]
+        shapes = sorted(h["shape"] for h in p["heads"])
+        rows.append([r.name, g["local"], g["retrieval"], g["aggressive"],
+                     f"{shapes[0]:.2f} / {shapes[len(shapes) // 2]:.2f} / {shapes[-1]:.2f}"])
+    return ["BAM heads per shape group (docs/paper.md §2): local b > 0, retrieval -0.6 <= b <= 0, "
+            "aggressive b < -0.6.", ""] + table(["run", "local", "retrieval", "aggressive",
+                                                 "shape min / median / max"], rows)
+
+
+EVALUATOR = Evaluator(
+    name="priors", title="Learned priors", description=__doc__,
+    add_arguments=add_arguments, run=run, table=format_table, plot=None, section=section,
+    run_plots=(("prior per head", ""), ("prior shapes", "_shapes"), ("priors during training", "_training")))
+main = EVALUATOR.main
 
 if __name__ == "__main__":
-    run_cli(main)
+    EVALUATOR.cli()

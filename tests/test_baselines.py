@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from model import (ENCODINGS, KVCache, ModelConfig, Transformer, _allowed, apply_rope, rope_frequencies,
-                   window_block_mask)
+from model import (ENCODINGS, KVCache, ModelConfig, Transformer, apply_rope, positions_in_documents,
+                   rope_frequencies, window_block_mask)
 
 from test_model import VOCAB, batch, logits_with, make_model, tiny
 
@@ -128,7 +128,7 @@ def test_rope_frequencies_match_transformers(scaling):
 def test_dynamic_ntk_follows_the_length_of_the_forward():
     model = Transformer(rope_cfg("dynamic_ntk", 4.0, head_dim=8, context=16, attn_impl="eager"))
     for T in (10, 16, 40):
-        ctx, _ = model._context(1, T, "cpu", 0, None)
+        ctx = model._attention_context(0, T, torch.arange(T)[None], None, None)
         inv_freq = torch.tensor(expected_inv_freq("dynamic_ntk", 4.0, 8, 500_000.0, 16, T), dtype=torch.float64)
         angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq
         torch.testing.assert_close(ctx.rope[0], angles.cos().float())
@@ -174,8 +174,8 @@ def window_reference_mask(T, W, doc_ids):
 def test_dense_window_mask_matches_pairwise_reference(W):
     model = make_model(pe="rope", attn_window=W, attn_impl="eager")
     idx, doc_ids = batch(T=24)
-    ctx, _ = model._context(2, 24, "cpu", 0, doc_ids)
-    assert torch.equal(_allowed(ctx), window_reference_mask(24, W, doc_ids))
+    ctx = model._attention_context(0, 24, positions_in_documents(doc_ids), doc_ids, None)
+    assert torch.equal(ctx.mask, window_reference_mask(24, W, doc_ids))
 
 
 @pytest.mark.parametrize("T", [5, 128, 300, 1000])
@@ -283,7 +283,7 @@ def test_windowed_cache_refuses_a_gap():
 def test_ssmax_counts_only_the_keys_inside_the_window():
     model = make_model(pe="bam", ssmax=True, attn_window=5, attn_impl="eager")
     idx, doc_ids = batch(T=24)
-    ctx, pos_in_doc = model._context(2, 24, "cpu", 0, doc_ids)
+    ctx = model._attention_context(0, 24, positions_in_documents(doc_ids), doc_ids, None)
     visible = window_reference_mask(24, 5, doc_ids).sum(-1)[:, 0]  # (B, T) keys each query sees
     torch.testing.assert_close(ctx.log_n, visible.float().log())
     assert int(visible.max()) == 5 and int(visible.min()) == 1

@@ -14,7 +14,8 @@ from lm_eval.api.instance import Instance
 
 from data import EOT, get_tokenizer
 from eval import downstream, report
-from eval.common import autocast
+from eval.loading import autocast
+from eval.options import EvalOptions
 from model import ModelConfig, Transformer, save_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,9 +153,11 @@ def test_bad_arguments_are_errors(task, monkeypatch):
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", NoTasks)
     with pytest.raises(downstream.EvalError, match=r"unknown lm-eval task\(s\): no_such_task"):
-        downstream.evaluate_downstream(model, "hellaswag,no_such_task", out=str(root / "unused"), verbose=False)
+        downstream.evaluate_downstream(model, options=EvalOptions(out=str(root / "unused"), verbose=False),
+                                       tasks="hellaswag,no_such_task")
     for kwargs, message in ((dict(tasks=" , "), "no tasks given"), (dict(tasks="x", batch_size=0), "--batch_size"),
                             (dict(tasks="x", limit=-1), "--limit"), (dict(tasks="x", include_path="/nonexistent"),
                                                                      "--include_path")):
         with pytest.raises(downstream.EvalError, match=message):
-            downstream.evaluate_downstream(model, **kwargs)
+            options = EvalOptions(batch_size=kwargs.pop("batch_size", None))  # the options' own check
+            downstream.evaluate_downstream(model, options=options, **kwargs)

@@ -15,8 +15,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
-from eval import common, niah, passkey, perplexity, priors, report
-from eval.common import EvalError, parse_lengths
+from cli import run_cli
+from eval import EvalError, attention, downstream, memory, niah, passkey, perplexity, priors, report
+from eval.contract import Evaluator
+from eval.loading import autocast
+from eval.options import EvalOptions, overrides_label, overrides_suffix, results_name
+from eval.prompts import encode_template, validation_tokens
+from eval.reporting import binomial_interval
+from eval.results import SCHEMA_VERSION, Output, new_results
+from eval.sweep import parse_lengths, sweep
 from model import ModelConfig, Transformer, ggd_bias, save_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +58,11 @@ class CopyModel(nn.Module):
             for j, t in enumerate(range(T - k, T)):
                 logits[b, j, self.next_token(idx[b], t)] = 1.0
         return logits, None
+
+
+def quiet(**options):
+    """The options of an evaluation called from Python: no progress bar, nothing on stdout."""
+    return EvalOptions(progress=False, verbose=False, **options)
 
 
 def tiny_model(pe="bam", ssmax=True, seed=0, **kw):
@@ -131,13 +143,13 @@ def test_passkey_prompt_has_the_exact_length_and_the_key_at_the_depth(given):
                 assert end == len(sample.tokens) and start == end - len(key_tokens) + given
                 assert sample.tokens[end - len(key_tokens):].tolist() == key_tokens
                 # the information line sits at the requested depth of the garbage, to within half a sentence
-                info, slots = common.encode_template(enc, " " + passkey.INFO, {"key": key})
+                info, slots = encode_template(enc, " " + passkey.INFO, {"key": key})
                 n = length + 1 - len(prompts.head) - len(info) - len(prompts.question) - len(key_tokens)
                 cut = round(sample.meta["actual_depth"] * n)
                 assert pos == len(prompts.head) + cut + slots["key"][0][0]
                 assert abs(cut - depth * n) <= 3
     # the information line reads back to the same tokens (no tokenisation seam at the key)
-    info, _ = common.encode_template(enc, " " + passkey.INFO, {"key": 12345})
+    info, _ = encode_template(enc, " " + passkey.INFO, {"key": 12345})
     assert enc.encode_ordinary(enc.decode(info)) == info
     text = enc.decode(prompts.build(1000, 0.5, 12345).tokens[1:].tolist())
     assert text.startswith(passkey.TASK) and passkey.INFO.format(key=12345) in text
@@ -161,7 +173,7 @@ def test_key_position_follows_depth_and_prompts_are_seeded():
 @pytest.mark.parametrize("task", list(niah.TASKS))
 @pytest.mark.parametrize("haystack", niah.HAYSTACKS)
 def test_niah_prompts_are_exact_and_the_answers_are_in_the_haystack(task, haystack, workspace):
-    prompts = niah.NeedlePrompts(common.validation_tokens(workspace["data"]))
+    prompts = niah.NeedlePrompts(validation_tokens(workspace["data"]))
     rng = np.random.default_rng(0)
     for length in (300, 1001):
         sample = prompts.build(task, haystack, length, rng)
@@ -191,8 +203,8 @@ MODEL_BLOCK = {"checkpoint", "name", "config", "num_params", "num_params_non_emb
 
 @pytest.mark.parametrize("given", [0, 1])
 def test_copying_model_scores_100_percent(given, tmp_path):
-    res = passkey.evaluate_passkey(CopyModel(), lengths=[100, 700, 3000], samples=10, given_tokens=given,
-                                   out=str(tmp_path), progress=False, verbose=False)
+    res = passkey.evaluate_passkey(CopyModel(), options=quiet(out=str(tmp_path)), lengths=[100, 700, 3000], samples=10,
+                                   given_tokens=given)
     assert [r["accuracy"] for r in res["results"]] == [1.0, 1.0, 1.0]
     assert res["complete"] and res["stopped"] is None
     # the JSON schema is the contract report.py and users' scripts read
@@ -209,29 +221,29 @@ def test_copying_model_scores_100_percent(given, tmp_path):
 
 @pytest.mark.parametrize("given", [0, 1])
 def test_random_model_scores_chance(given):
-    res = passkey.evaluate_passkey(tiny_model(), lengths=[128, 512], samples=16, given_tokens=given, stop_after_zero=0,
-                                   progress=False, verbose=False)
+    res = passkey.evaluate_passkey(tiny_model(), options=quiet(), lengths=[128, 512], samples=16, given_tokens=given,
+                                   stop_after_zero=0)
     assert all(r["accuracy"] <= 1 / 16 for r in res["results"])  # chance of 2+ exact tokens is ~1e-9
 
 
 def test_runs_are_reproducible_and_stop_after_zero(tmp_path):
-    kw = dict(lengths=[100, 200, 300, 400], samples=4, progress=False, verbose=False)
-    first = passkey.evaluate_passkey(tiny_model(), stop_after_zero=0, **kw)
-    second = passkey.evaluate_passkey(tiny_model(), stop_after_zero=0, **kw)
+    kw = dict(lengths=[100, 200, 300, 400], samples=4)
+    first = passkey.evaluate_passkey(tiny_model(), options=quiet(), stop_after_zero=0, **kw)
+    second = passkey.evaluate_passkey(tiny_model(), options=quiet(), stop_after_zero=0, **kw)
     strip = lambda res: [{k: v for k, v in r.items() if k != "seconds"} for r in res["results"]]  # noqa: E731
     assert strip(first) == strip(second)
-    stopped = passkey.evaluate_passkey(tiny_model(), stop_after_zero=2, out=str(tmp_path), **kw)
+    stopped = passkey.evaluate_passkey(tiny_model(), options=quiet(out=str(tmp_path)), stop_after_zero=2, **kw)
     assert [r["length"] for r in stopped["results"]] == [100, 200]
     assert stopped["stopped"]["length"] == 300 and not stopped["complete"]
 
 
 def test_niah_copying_model_retrieves_single_needles_and_random_model_does_not(tmp_path, workspace):
     tasks = ["single_number", "single_uuid"]
-    kw = dict(lengths=[300, 1200], tasks=tasks, samples=4, data_dir=workspace["data"], progress=False, verbose=False)
-    good = niah.evaluate_niah(CopyModel(), out=str(tmp_path), **kw)
+    kw = dict(lengths=[300, 1200], tasks=tasks, samples=4, data_dir=workspace["data"])
+    good = niah.evaluate_niah(CopyModel(), options=quiet(out=str(tmp_path)), **kw)
     assert {(r["haystack"], r["task"]) for r in good["results"]} == {(h, t) for h in niah.HAYSTACKS for t in tasks}
     assert all(r["score"] == 1.0 for r in good["results"])
-    bad = niah.evaluate_niah(tiny_model(), stop_after_zero=0, **kw)
+    bad = niah.evaluate_niah(tiny_model(), options=quiet(), stop_after_zero=0, **kw)
     assert all(r["score"] <= 0.25 for r in bad["results"])
     assert_png(str(tmp_path / "niah.png"))
 
@@ -239,8 +251,8 @@ def test_niah_copying_model_retrieves_single_needles_and_random_model_does_not(t
 def test_a_16k_token_passkey_prompt_runs_on_cpu():
     # BAM + SSMax: `auto` attention takes FlexAttention past 2K tokens; 1 layer of 2 heads keeps it quick
     model = tiny_model(n_layer=1, n_head=2, n_embd=16)
-    assert common.forward_bytes(model, 1, 16384, 3) < 2**30
-    res = passkey.evaluate_passkey(model, lengths=[16384], samples=1, progress=False, verbose=False)
+    assert memory.forward_bytes(model, 1, 16384, 3) < 2**30
+    res = passkey.evaluate_passkey(model, options=quiet(), lengths=[16384], samples=1)
     assert res["results"][0]["length"] == 16384 and res["results"][0]["samples"] == 1
 
 
@@ -255,13 +267,14 @@ def test_the_sweep_saves_every_length_and_stops_after_zeros_or_when_memory_runs_
                 assert len(saved["results"]) == 2 * len(measured) and not saved["complete"]
             measured.append(length)
             if scores[length] == "oom":
-                raise common.OutOfMemory(f"length {length} does not fit")
+                raise memory.OutOfMemory(f"length {length} does not fit")
             return [{"length": length, "part": 0}, {"length": length, "part": 1}], scores[length]
 
-        res = common.sweep("sweep", list(scores), measure, info={"name": "m"}, settings={"s": 1}, work_per_length=1,
-                           stop_after_zero=stop_after_zero, folder=str(tmp_path), name="sweep",
-                           plot=lambda r, path: open(path, "w").close(), table=lambda r: "", progress=False,
-                           verbose=False)
+        evaluator = Evaluator(name="sweep", title="Sweep", description="", add_arguments=None, run=None,
+                              table=lambda r: "", plot=lambda r, path: open(path, "w").close(), section=None)
+        output = Output(evaluator, str(tmp_path), "sweep", verbose=False)
+        res = sweep(list(scores), measure, new_results("sweep", {"name": "m"}, {"s": 1}, results=[]), output,
+                    work_per_length=1, stop_after_zero=stop_after_zero, progress=False)
         assert json.loads((tmp_path / "sweep.json").read_text()) == res and (tmp_path / "sweep.png").exists()
         assert res["schema"] == "sweep" and res["model"] == {"name": "m"} and res["settings"] == {"s": 1}
         return [r["length"] for r in res["results"] if r["part"] == 1], res["stopped"], res["complete"]
@@ -279,7 +292,8 @@ def test_the_sweep_saves_every_length_and_stops_after_zeros_or_when_memory_runs_
 
 def test_evaluators_take_their_options_by_keyword_only():
     for evaluate in (passkey.evaluate_passkey, niah.evaluate_niah, perplexity.evaluate_perplexity,
-                     priors.evaluate_priors, report.write_report):
+                     priors.evaluate_priors, downstream.evaluate_downstream, attention.evaluate_attention,
+                     report.write_report):
         first, *options = inspect.signature(evaluate).parameters.values()
         assert first.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, evaluate.__name__
         assert options and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in options), evaluate.__name__
@@ -292,11 +306,10 @@ def test_evaluators_take_their_options_by_keyword_only():
 def test_a_length_that_does_not_fit_stops_cleanly_and_keeps_the_results(tmp_path, monkeypatch, capsys):
     model = tiny_model()
     small, big = 128, 9000
-    fits = common.forward_bytes(model, 1, small, 3)
-    assert common.forward_bytes(model, 1, big, 3) > 2 * fits
-    monkeypatch.setattr(common, "available_bytes", lambda device: 1.5 * fits / common.SAFETY)
-    res = passkey.evaluate_passkey(model, lengths=[small, big], samples=2, out=str(tmp_path), progress=False,
-                                   verbose=False)
+    fits = memory.forward_bytes(model, 1, small, 3)
+    assert memory.forward_bytes(model, 1, big, 3) > 2 * fits
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1.5 * fits / memory.SAFETY)
+    res = passkey.evaluate_passkey(model, options=quiet(out=str(tmp_path)), lengths=[small, big], samples=2)
     assert [r["length"] for r in res["results"]] == [small]
     assert res["stopped"]["length"] == big and "GiB" in res["stopped"]["reason"]
     assert "stopped" in capsys.readouterr().err
@@ -311,8 +324,8 @@ def test_out_of_memory_during_a_forward_keeps_the_results(tmp_path):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
             return super().forward(idx, **kw)
 
-    res = passkey.evaluate_passkey(RunsOutPastLength(), lengths=[200, 400, 800], samples=2, out=str(tmp_path),
-                                   progress=False, verbose=False)
+    res = passkey.evaluate_passkey(RunsOutPastLength(), options=quiet(out=str(tmp_path)), lengths=[200, 400, 800],
+                                   samples=2)
     assert [r["accuracy"] for r in res["results"]] == [1.0, 1.0]
     assert res["stopped"]["length"] == 800 and "out of memory" in res["stopped"]["reason"]
     assert json.loads((tmp_path / "passkey.json").read_text())["stopped"]["length"] == 800
@@ -320,14 +333,14 @@ def test_out_of_memory_during_a_forward_keeps_the_results(tmp_path):
 
 def test_batches_shrink_to_fit(monkeypatch):
     model = tiny_model()
-    one = common.forward_bytes(model, 1, 9000, 3)  # past 8K: no dense block mask, all of it per sequence
-    monkeypatch.setattr(common, "available_bytes", lambda device: 2.5 * one / common.SAFETY)
-    assert common.plan_batch(model, 8, 9000, 3, torch.device("cpu")) == 2
-    monkeypatch.setattr(common, "available_bytes", lambda device: 100 * one)
-    assert common.plan_batch(model, 8, 9000, 3, torch.device("cpu")) == 8
-    monkeypatch.setattr(common, "available_bytes", lambda device: 0.5 * one)
-    with pytest.raises(common.OutOfMemory):
-        common.plan_batch(model, 8, 9000, 3, torch.device("cpu"))
+    one = memory.forward_bytes(model, 1, 9000, 3)  # past 8K: no dense block mask, all of it per sequence
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2.5 * one / memory.SAFETY)
+    assert memory.plan_batch(model, 8, 9000, 3, torch.device("cpu")) == 2
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 100 * one)
+    assert memory.plan_batch(model, 8, 9000, 3, torch.device("cpu")) == 8
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 0.5 * one)
+    with pytest.raises(memory.OutOfMemory):
+        memory.plan_batch(model, 8, 9000, 3, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -339,7 +352,7 @@ def test_windowed_loss_equals_the_full_cross_entropy(monkeypatch):
     torch.manual_seed(1)
     seqs = torch.randint(0, 1000, (2, 97))
     monkeypatch.setattr(perplexity, "HEAD_CHUNK", 16)  # several LM-head chunks
-    per_window = perplexity.window_nll(model, seqs, 32, common.autocast(torch.device("cpu"), torch.float32))
+    per_window = perplexity.window_nll(model, seqs, 32, autocast(torch.device("cpu"), torch.float32))
     with torch.no_grad():
         logits, _ = model(seqs[:, :-1])
     nll = F.cross_entropy(logits.flatten(0, 1), seqs[:, 1:].flatten(), reduction="none").view(2, -1)
@@ -361,7 +374,7 @@ def test_prior_groups_and_curves_come_from_the_model():
     with torch.no_grad():
         model.priors[0].shape.copy_(torch.tensor([1.2, 0.0, -0.3, -1.0]))
         model.priors[0].log_scale.copy_(torch.tensor([-2.0, -1.0, 0.5, 0.0]))
-    res = priors.evaluate_priors(model, max_distance=1000, verbose=False)
+    res = priors.evaluate_priors(model, options=quiet(), max_distance=1000)
     assert res["groups"] == {"local": 1, "retrieval": 2, "aggressive": 1}
     assert [h["group"] for h in res["heads"]] == ["local", "retrieval", "retrieval", "aggressive"]
     shape, log_scale, loc = model.priors[0].tensors()
@@ -456,7 +469,7 @@ def test_a_user_error_is_one_line_from_the_command_line():
 def test_user_errors_are_one_line(module, args, message, workspace, capsys):
     args = [a.format(bam=workspace["bam"], data=workspace["data"]) for a in args]
     with pytest.raises(SystemExit) as exit_info:
-        common.run_cli(module.main, args)
+        run_cli(module.main, args)
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and len(err.splitlines()) == 1
@@ -469,29 +482,29 @@ def test_user_errors_are_one_line(module, args, message, workspace, capsys):
 def test_binomial_interval_is_wilsons():
     z2 = 1.959963984540054 ** 2
     # Closed forms at the edges: 0 of n -> [0, z^2 / (n + z^2)], n of n -> [n / (n + z^2), 1]
-    assert common.binomial_interval(0, 10) == pytest.approx((0.0, z2 / (10 + z2)))
-    assert common.binomial_interval(20, 20) == pytest.approx((20 / (20 + z2), 1.0))
-    assert common.binomial_interval(5, 10) == pytest.approx((0.2365931, 0.7634069), abs=1e-6)  # published value
-    assert common.binomial_interval(3, 0) == (None, None)
+    assert binomial_interval(0, 10) == pytest.approx((0.0, z2 / (10 + z2)))
+    assert binomial_interval(20, 20) == pytest.approx((20 / (20 + z2), 1.0))
+    assert binomial_interval(5, 10) == pytest.approx((0.2365931, 0.7634069), abs=1e-6)  # published value
+    assert binomial_interval(3, 0) == (None, None)
     stats = pytest.importorskip("scipy.stats")
     for k, n in ((1, 10), (7, 20), (19, 20), (0, 3), (50, 200)):
         ci = stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
-        assert common.binomial_interval(k, n) == pytest.approx((ci.low, ci.high), abs=1e-9)
+        assert binomial_interval(k, n) == pytest.approx((ci.low, ci.high), abs=1e-9)
 
 
 def test_override_names_and_labels():
-    assert common.overrides_suffix({}) == "" and common.results_name("passkey", {}) == "passkey"
-    assert common.results_name("passkey", {"rope_scaling": "yarn", "rope_factor": 16.0}) == "passkey_yarn_x16"
-    assert common.results_name("niah", {"rope_factor": "auto", "rope_scaling": "yarn"}) == "niah_yarn_auto"
-    assert common.results_name("passkey", {"attn_window": 512}) == "passkey_window512"
-    assert common.overrides_suffix({"rope_theta": 1e6, "attn_window": 64}) == "window64_rope_theta1000000"
-    assert common.overrides_label({"pe": "rope"}, {"rope_scaling": "yarn", "rope_factor": 16.0}) == "rope + YaRN x16"
-    assert common.overrides_label({"pe": "rope"}, {"rope_scaling": "yarn", "rope_factor": "auto"}) == "rope + YaRN auto"
-    assert common.overrides_label({"pe": "rope"}, {"rope_scaling": "dynamic_ntk"}) == "rope + dynamic NTK"
-    assert common.overrides_label({"pe": "rope"}, {"attn_window": 512}) == "rope-local (W=512)"
+    assert overrides_suffix({}) == "" and results_name("passkey", {}) == "passkey"
+    assert results_name("passkey", {"rope_scaling": "yarn", "rope_factor": 16.0}) == "passkey_yarn_x16"
+    assert results_name("niah", {"rope_factor": "auto", "rope_scaling": "yarn"}) == "niah_yarn_auto"
+    assert results_name("passkey", {"attn_window": 512}) == "passkey_window512"
+    assert overrides_suffix({"rope_theta": 1e6, "attn_window": 64}) == "window64_rope_theta1000000"
+    assert overrides_label({"pe": "rope"}, {"rope_scaling": "yarn", "rope_factor": 16.0}) == "rope + YaRN x16"
+    assert overrides_label({"pe": "rope"}, {"rope_scaling": "yarn", "rope_factor": "auto"}) == "rope + YaRN auto"
+    assert overrides_label({"pe": "rope"}, {"rope_scaling": "dynamic_ntk"}) == "rope + dynamic NTK"
+    assert overrides_label({"pe": "rope"}, {"attn_window": 512}) == "rope-local (W=512)"
     # a factor alone scales by the run's own method, and is named after it
-    assert common.overrides_label({"pe": "rope", "rope_scaling": "yarn"}, {"rope_factor": "auto"}) == "rope + YaRN auto"
-    assert common.overrides_label({"pe": "bam", "ssmax": True}, {}) == "bam + ssmax"
+    assert overrides_label({"pe": "rope", "rope_scaling": "yarn"}, {"rope_factor": "auto"}) == "rope + YaRN auto"
+    assert overrides_label({"pe": "bam", "ssmax": True}, {}) == "bam + ssmax"
 
 
 def test_overrides_reach_the_model_are_recorded_and_named(workspace, tmp_path, capsys, monkeypatch):
@@ -564,7 +577,7 @@ def test_overrides_reach_the_model_are_recorded_and_named(workspace, tmp_path, c
 ])
 def test_bad_overrides_are_one_line(args, message, workspace, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        common.run_cli(passkey.main, [workspace["rope"], "--lengths", "128", *args])
+        run_cli(passkey.main, [workspace["rope"], "--lengths", "128", *args])
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
@@ -577,9 +590,9 @@ def test_report_names_a_factor_by_the_runs_own_scaling_method(tmp_path):
     config = {"pe": "rope", "ssmax": False, "rope_scaling": "yarn", "block_size": 512}
     for name, overrides in (("passkey", {}), ("passkey_rope_auto", {"rope_factor": "auto"})):
         (folder / f"{name}.json").write_text(json.dumps({
-            "schema": "passkey", "schema_version": common.SCHEMA_VERSION, "model": {"config": config},
+            "schema": "passkey", "schema_version": SCHEMA_VERSION, "model": {"config": config},
             "settings": {"model_overrides": overrides, "samples": 2, "depth_mode": "equidistant",
                          "given_tokens": 0},
             "results": [{"length": 1024, "correct": 1, "samples": 2}]}))
     runs = report.load_runs(str(tmp_path / "rope_yarn_ft"))
-    assert [r["name"] for r in runs] == ["rope_yarn_ft", "rope_yarn_ft: rope + YaRN auto"]
+    assert [r.name for r in runs] == ["rope_yarn_ft", "rope_yarn_ft: rope + YaRN auto"]

@@ -115,7 +115,7 @@ def test_lm_eval_hf_model_on_the_folder_scores_as_eval_downstream(exported):
     from lm_eval.models.huggingface import HFLM
 
     from eval import downstream
-    from eval.common import autocast
+    from eval.loading import autocast
 
     model, out = exported["bam_ssmax"]
     pairs = [("The quick brown fox", " jumps"), ("Hello there, my", " dear friend of old"), ("", "Hello world"),

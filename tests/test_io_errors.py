@@ -370,6 +370,7 @@ EVAL_ARGS = {
              "--no_progress"],
     "perplexity": ["--length", "128", "--num_seqs", "1", "--data_dir", "{data}", "--no_progress"],
     "priors": ["--max_distance", "256"],
+    "attention": ["--lengths", "128", "--samples", "1", "--queries", "2", "--data_dir", "{data}", "--no_progress"],
 }
 
 
@@ -380,8 +381,8 @@ def eval_argv(name, run_dir, *extra):
 @pytest.mark.parametrize("name", list(EVAL_ARGS))
 def test_unwritable_output_folder_fails_before_computing(name, run_dir, tmp_path, monkeypatch):
     module = evaluator(name)
-    import eval.common
-    monkeypatch.setattr(eval.common, "predict_spans", lambda *a, **k: pytest.fail("computed before checking --out"))
+    import eval.scoring
+    monkeypatch.setattr(eval.scoring, "predict_spans", lambda *a, **k: pytest.fail("computed before checking --out"))
     (tmp_path / "results").write_text("a file")
     out = tmp_path / "results" / "eval"
     line, stdout = one_error_line(run_cli, module.main, eval_argv(name, run_dir, "--out", str(out)))
@@ -402,7 +403,8 @@ def test_disk_full_at_the_end_still_prints_the_results(name, run_dir, tmp_path, 
     out = tmp_path / "eval"
     line, stdout = one_error_line(run_cli, module.main, eval_argv(name, run_dir, "--out", str(out)))
     assert f"cannot write {out / name}.json: the disk is full" in line
-    table_marker = {"passkey": "| 128 |", "niah": "| 200 |", "perplexity": "| 0-64 |", "priors": "layer"}[name]
+    table_marker = {"passkey": "| 128 |", "niah": "| 200 |", "perplexity": "| 0-64 |", "priors": "layer",
+                    "attention": "| 128 |"}[name]
     assert table_marker in stdout  # what was computed is on the screen
     assert not temp_files(tmp_path)
 
@@ -452,7 +454,7 @@ def test_sample_prompt_file_is_read_as_utf8(run_dir, tmp_path, capsys):
     assert "not both" in line
 
 
-@pytest.mark.parametrize("name", ["passkey", "niah", "perplexity", "priors"])
+@pytest.mark.parametrize("name", list(EVAL_ARGS))
 @pytest.mark.parametrize("source,message", [
     ("binary.pt", "binary.pt is not a checkpoint (torch.save writes a zip archive"),
     ("torn.pt", "cannot load the checkpoint"),

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from model import (ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, ggd_bias, load_model, rope_cos_sin,
+from model import (ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, ggd_bias, load_model,
                    apply_rope, save_model)
 
 VOCAB = 97
@@ -200,7 +200,7 @@ def test_bam_reduces_to_nope(setting):
 
 def test_negative_shape_prefers_distant_tokens():
     """b < 0: with no content signal, a head gives more weight to far keys than to near ones (docs/paper.md §2)."""
-    from model import AttnContext, eager_attention
+    from model import AttnContext, dense_mask, eager_attention
     H, T, hd = 1, 64, 8
     q = torch.zeros(1, H, T, hd)  # q.k = 0: attention is the prior alone
     v = torch.eye(T)[None, None, :, :hd].expand(1, H, T, hd)  # unused
@@ -210,7 +210,7 @@ def test_negative_shape_prefers_distant_tokens():
     assert torch.all(bias[1:] > bias[:-1]), "bias must increase (less negative) with distance"
     assert bias[0] == pytest.approx(-1e3, rel=1e-3)  # eps = 1e-5 ** -0.6 = 1000 (docs/paper.md §2)
     pos = torch.arange(T)
-    ctx = AttnContext("eager", pos, pos, None, None, None, None)
+    ctx = AttnContext("eager", pos, pos, dense_mask(pos, pos), None, None)
     # attention weights of the last query over its keys, via v = identity
     v = torch.eye(T)[None, None]
     w = eager_attention(torch.zeros(1, 1, T, T), torch.zeros(1, 1, T, T), v, ctx,
@@ -235,13 +235,14 @@ def test_extreme_negative_shape_stays_finite():
 
 
 def test_rope_scores_depend_only_on_relative_position():
-    hd, theta = 16, 500_000.0
+    hd = 16
+    cfg = ModelConfig(n_head=1, n_embd=hd, pe="rope", rope_theta=500_000.0)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 1, 1, hd, generator=g), torch.randn(1, 1, 1, hd, generator=g)
 
     def score(i, j):
-        qi = apply_rope(q, *rope_cos_sin(torch.tensor([i]), hd, theta))
-        kj = apply_rope(k, *rope_cos_sin(torch.tensor([j]), hd, theta))
+        qi = apply_rope(q, *ENCODINGS["rope"].rotation(torch.tensor([i]), cfg))
+        kj = apply_rope(k, *ENCODINGS["rope"].rotation(torch.tensor([j]), cfg))
         return (qi * kj).sum().item()
 
     for i, j in [(5, 2), (100, 37), (3000, 0)]:

@@ -1,10 +1,12 @@
-"""prepare_fineweb.py: local corpora through `datasets` into shards, resume, bad input, demo corpus."""
+"""prepare_fineweb.py: local corpora through `datasets` into shards, resume, bad input, demo corpus, and its
+worker processes ending however a run stops."""
 
 import contextlib
 import glob
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -198,7 +200,7 @@ def test_resume_after_kill_9_gives_the_same_shards(tmp_path):
             proc.kill()
             break
         time.sleep(0.01)
-    proc.wait()
+    proc.wait(timeout=120)
     assert proc.returncode == -9, "the run finished before it could be killed; make the corpus larger"
     main(args + ["--out_dir", str(killed)])
     main(args + ["--out_dir", str(tmp_path / "clean")])
@@ -360,3 +362,203 @@ def test_demo_corpus_is_real_english_and_prepares_end_to_end(tmp_path):
     assert np.array_equal(read_all(out, "demo"), expected_stream(docs)[:120_000])
     x, y, doc_ids = ShardLoader(str(out), "train", 4, 256).next_batch()
     assert x.shape == (4, 256) and int(doc_ids.max()) >= 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker processes end however a run stops (issue 26: multiprocessing.Pool could hang for ever after
+# --max_tokens was reached). Each case runs in a subprocess with its own timeout, so a hang fails one
+# test, not the whole run. Documents of ~35k characters make every chunk's results (~130 KB of tokens)
+# larger than a pipe buffer (64 KiB), which is what the hang needed.
+
+BIG_DOCS = [" ".join(DOCS[i:] + DOCS[:i]) for i in range(60)]
+SUBPROCESS_TIMEOUT = 120
+
+PARALLEL_MAP_CASES = """
+import contextlib, json, multiprocessing, sys
+import numpy as np
+import prepare_fineweb as p
+from data import get_tokenizer, read_shard
+
+docs = json.load(open(sys.argv[1]))
+out = sys.argv[2]
+p.CHUNK_CHARS = 100_000  # 3 documents a chunk, 8 chunks in flight on 2 workers: more than they can take
+enc = get_tokenizer()
+reference = np.array([t for d in docs for t in [p.EOT] + enc.encode_ordinary(d)], dtype=np.uint16)
+
+def no_workers_left(case):
+    assert not multiprocessing.active_children(), (case, multiprocessing.active_children())
+
+# Stopped early by --max_tokens, many times in a row, at varied points: inside the first chunk, at a
+# shard boundary, several chunks in.
+for i, max_tokens in enumerate([1, 20_000, 33_333, 8_000, 50_001, 40_000, 2_500, 61_234] * 3):
+    manifest = p.prepare(docs, f"{out}/{i}", source={"kind": "stress"}, prefix="s", shard_size=20_000,
+                         max_tokens=max_tokens, workers=2, progress=False)
+    no_workers_left(f"stopped at {max_tokens}")
+    tokens = np.concatenate([read_shard(f"{out}/{i}/{s['name']}") for s in manifest["shards"]])
+    assert np.array_equal(tokens, reference[:max_tokens]), max_tokens
+
+# Run to the end, in order.
+assert [len(t) for t in p.tokenized(iter(docs), 2)] == [len(enc.encode_ordinary(d)) + 1 for d in docs]
+no_workers_left("exhausted")
+
+# The consumer raises.
+with contextlib.suppress(RuntimeError), contextlib.closing(p.tokenized(iter(docs), 2)) as stream:
+    next(stream)
+    raise RuntimeError("the consumer failed")
+no_workers_left("consumer raised")
+
+# fn raises in a worker: a WorkerError naming it, after the items before its chunk.
+seen = []
+try:
+    for value in p.parallel_map(p.tokenize, ["a"] * 9 + [5] + ["b"] * 30, 2, chunk_size=4):
+        seen.append(value)
+except p.WorkerError as e:
+    assert str(e) == "tokenize() failed in a worker process: AttributeError: 'int' object has no attribute " \
+                     "'isspace'", str(e)
+else:
+    raise AssertionError("no WorkerError")
+assert len(seen) == 8, seen
+no_workers_left("fn raised")
+print("ok")
+"""
+
+
+def run_python(script, *args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT)
+
+
+def test_parallel_map_ends_its_workers_however_it_stops(tmp_path):
+    (tmp_path / "docs.json").write_text(json.dumps(BIG_DOCS[:20]))
+    proc = run_python(f"import sys; sys.path.insert(0, {ROOT!r})\n" + PARALLEL_MAP_CASES,
+                      str(tmp_path / "docs.json"), str(tmp_path / "out"))
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-3000:]
+
+
+def worker_pids(pid):
+    """The child processes of `pid` (its workers)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def gone(pid):
+    """Not running: exited and reaped, or at least exited."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+needs_proc = pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                                reason="finds the worker processes through Linux's /proc")
+
+
+def start_and_wait_for_shards(argv, out, stderr, shards=2, **popen):
+    """The CLI started in a subprocess (its stderr to the file `stderr`), once it has finished `shards` shards."""
+    with open(stderr, "w") as f:
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare_fineweb.py"), *argv], cwd=out.parent,
+                                stdout=subprocess.DEVNULL, stderr=f, **popen)
+    deadline = time.time() + SUBPROCESS_TIMEOUT
+    while proc.poll() is None and time.time() < deadline:
+        with contextlib.suppress(OSError, ValueError):  # not there yet
+            if len(json.loads((out / "manifest.json").read_text())["shards"]) >= shards:
+                return proc
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    pytest.fail(f"no {shards} shards before the run ended: {open(stderr).read()[-3000:]}")
+
+
+def wait_or_kill(proc):
+    """Wait for the CLI to end; if it hangs, kill it (its workers then exit too) and fail."""
+    try:
+        proc.wait(timeout=SUBPROCESS_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the run did not end within {SUBPROCESS_TIMEOUT} s")
+
+
+def assert_finished_shards_intact_and_a_rerun_completes(argv, out, docs):
+    assert len(docs) % len(BIG_DOCS) == 0 and docs[:len(BIG_DOCS)] == BIG_DOCS
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert not manifest["finished"] and len(manifest["shards"]) >= 2
+    assert [len(read_shard(out / s["name"])) for s in manifest["shards"]] == [s["tokens"] for s in manifest["shards"]]
+    main(argv)
+    assert np.array_equal(read_all(out), np.tile(expected_stream(BIG_DOCS), len(docs) // len(BIG_DOCS)))
+    assert json.loads((out / "manifest.json").read_text())["finished"]
+    assert not glob.glob(str(out / "*tmp*"))
+
+
+@needs_proc
+def test_a_worker_killed_mid_run_is_one_error_line_and_a_rerun_resumes(tmp_path):
+    docs = BIG_DOCS * 2  # ~1M tokens in 50 shards
+    out = tmp_path / "out"
+    argv = ["--source", "local", "--input", write_jsonl(tmp_path / "c.jsonl", docs), "--shard_size", "20000",
+            "--workers", "2", "--out_dir", str(out)]
+    proc = start_and_wait_for_shards(argv, out, tmp_path / "stderr")
+    workers = worker_pids(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)  # as the out-of-memory killer would
+    wait_or_kill(proc)
+    stderr = (tmp_path / "stderr").read_text()
+    lines = stderr.splitlines()
+    assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert lines[-1] == "error: a worker process died (killed by SIGKILL, as the out-of-memory killer does when " \
+                        f"memory runs out); {prepare_fineweb.KEPT}", stderr[-3000:]
+    assert [line for line in lines if "error" in line] == [lines[-1]]
+    assert gone(workers[0])
+    assert_finished_shards_intact_and_a_rerun_completes(argv, out, docs)
+
+
+POISONED_TOKENIZER = """
+import sys
+import prepare_fineweb
+
+real_tokenize = prepare_fineweb.tokenize
+
+def tokenize(text):
+    if "POISON" in text:
+        raise ValueError("a poisoned document\\nwith a second line")
+    return real_tokenize(text)
+
+prepare_fineweb.tokenize = tokenize  # the workers are forked after this: they run it too
+prepare_fineweb.main(sys.argv[1:])
+"""
+
+
+def test_an_exception_in_a_worker_is_one_error_line(tmp_path):
+    docs = BIG_DOCS[:12] + ["POISON"] + BIG_DOCS[12:24]
+    out = tmp_path / "out"
+    argv = ["--source", "local", "--input", write_jsonl(tmp_path / "c.jsonl", docs), "--shard_size", "20000",
+            "--workers", "2", "--out_dir", str(out)]
+    proc = run_python(POISONED_TOKENIZER, *argv)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1] == "error: tokenize() failed in a worker process: ValueError: a poisoned document; " \
+                        f"{prepare_fineweb.KEPT}", proc.stderr[-3000:]
+    assert [line for line in lines if "error" in line] == [lines[-1]]
+    # The shards of the documents before the poisoned one's chunk were finished and kept.
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["shards"]) >= 3 and not manifest["finished"]
+    assert np.array_equal(read_all(out), expected_stream(docs[:12])[:manifest["tokens"]])
+
+
+@needs_proc
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_stops_at_once_and_a_rerun_resumes(tmp_path, signum, code):
+    docs = BIG_DOCS * 2
+    out = tmp_path / "out"
+    argv = ["--source", "local", "--input", write_jsonl(tmp_path / "c.jsonl", docs), "--shard_size", "20000",
+            "--workers", "2", "--out_dir", str(out)]
+    # Its own process group, signalled as a whole, as a terminal's Ctrl-C or a job scheduler does.
+    proc = start_and_wait_for_shards(argv, out, tmp_path / "stderr", start_new_session=True)
+    workers = worker_pids(proc.pid)
+    os.killpg(proc.pid, signum)
+    wait_or_kill(proc)
+    stderr = (tmp_path / "stderr").read_text()
+    assert proc.returncode == code and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.splitlines()[-1] == prepare_fineweb.INTERRUPTED
+    assert len(workers) == 2 and all(gone(pid) for pid in workers)
+    assert_finished_shards_intact_and_a_rerun_completes(argv, out, docs)

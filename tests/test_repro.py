@@ -34,9 +34,9 @@ def test_repro_pipeline_smoke(tmp_path):
     proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "run.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "complete in" in (runs / "rope_seed1.log").read_text()
+    assert "passkey.json complete, kept" in (runs / "rope_seed1.log").read_text()
     assert (runs / "rope_seed1" / "eval" / "passkey.json").read_bytes() == kept
-    assert "complete in" not in (runs / "bam_ssmax_seed2.log").read_text()
+    assert "passkey.json complete, kept" not in (runs / "bam_ssmax_seed2.log").read_text()
     assert json.loads((runs / "bam_ssmax_seed2" / "eval" / "passkey.json").read_text())["settings"]["samples"] == 2
 
     # configs/repro/rope_extensions.sh on the same grid: RoPE's scaling methods at evaluation time, and a

@@ -352,7 +352,7 @@ def demo_corpus(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("demo"))
     proc = subprocess.run([sys.executable, "prepare_fineweb.py", "--source", "demo", "--out_dir", path,
                            "--max_tokens", "150000", "--shard_size", "25000"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return path
 

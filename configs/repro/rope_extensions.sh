@@ -29,19 +29,17 @@ rope_runs=("$OUT"/rope_seed*/)
 (( ${#rope_runs[@]} )) || { echo "error: no $OUT/rope_seed*/ run; train them first (configs/repro/run.sh)" >&2; exit 1; }
 [[ -d $FT_FROM ]] || { echo "error: FT_FROM=$FT_FROM is not a run directory" >&2; exit 1; }
 
-passkey() {  # the grid's passkey settings (run.sh), at lengths in tokens
-  python -m eval.passkey "$@" --lengths "$LENGTHS" --samples "$SAMPLES" --digits "$DIGITS" \
-      --depths equidistant --stop_after_zero 0 --seed 0 --no_progress
-}
+source configs/repro/passkey.sh  # grid_passkey: eval.passkey at the grid's settings, kept when complete
 
 for dir in "${rope_runs[@]}"; do
   dir=${dir%/}
   echo "== $dir: RoPE-local (W=$CONTEXT), PI, NTK, dynamic NTK, YaRN"
-  passkey "$dir" --window "$CONTEXT"
+  grid_passkey "$dir" "passkey_window$CONTEXT" --window "$CONTEXT" --no_progress
   for method in linear ntk yarn; do
-    passkey "$dir" --rope_scaling "$method" --rope_factor auto
+    grid_passkey "$dir" "passkey_${method}_auto" --rope_scaling "$method" --rope_factor auto --no_progress
   done
-  passkey "$dir" --rope_scaling dynamic_ntk  # factor 1: the scale is (length / CONTEXT), per forward
+  # factor 1: the scale is (length / CONTEXT), per forward
+  grid_passkey "$dir" passkey_dynamic_ntk --rope_scaling dynamic_ntk --no_progress
 done
 
 echo "== fine-tune $FT_FROM at $(( 4 * CONTEXT )) tokens with YaRN x4"
@@ -53,6 +51,6 @@ extra=()
 [[ -n $FT_STEPS ]] && extra+=(--train.max_steps="$FT_STEPS")
 [[ -n $FT_STEPS ]] && (( FT_STEPS < 100 )) && extra+=(--train.warmup_steps=0)  # a smoke run: no warmup
 python train.py configs/repro/rope_yarn_ft.toml --train.init_from="$FT_FROM" --data.data_dir="$FT_DATA" \
-    --log.out_dir="$ft" "${extra[@]}"
-passkey "$ft"
+    --log.out_dir="$ft" --resume "${extra[@]}"
+grid_passkey "$ft" passkey --no_progress
 echo "done: results in $OUT/rope_seed*/eval and $ft/eval; python -m eval.report $OUT/*/ compares them"

@@ -39,17 +39,7 @@ TOKENS=${TOKENS:-4194304}
 python prepare_fineweb.py --source retrieval --retrieval_length 128 --retrieval_min_length 128 \
     --retrieval_filler garbage --key_digits "$DIGITS" --max_tokens "$TOKENS" --out_dir "$DATA"
 
-passkey_done() {  # results file: complete, and at the lengths, samples and digits asked for now
-  python - "$1" "$LENGTHS" "$SAMPLES" "$DIGITS" <<'PY' 2>/dev/null
-import json, sys
-path, lengths, samples, digits = sys.argv[1:]
-r = json.load(open(path))
-s = r["settings"]
-asked = sorted(round(float(x[:-1]) * s["block_size"]) if x.endswith("x") else int(x) for x in lengths.split(","))
-sys.exit(0 if r["complete"] and s["lengths"] == asked and s["samples"] == int(samples)
-         and s["digits"] == int(digits) and s["seed"] == 0 else 1)
-PY
-}
+source configs/repro/passkey.sh  # grid_passkey: eval.passkey at the grid's settings, kept when complete
 
 one_run() {  # name seed dir: train, then passkey and the learned priors; stops at the first failure
   local name=$1 seed=$2 dir=$3
@@ -60,13 +50,7 @@ one_run() {  # name seed dir: train, then passkey and the learned priors; stops 
   # `|| return 1` on every step: bash ignores set -e inside a function called from an `if`.
   echo "== train $name (seed $seed) -> $dir"
   python train.py "configs/repro/$name.toml" "${extra[@]}" --resume || return 1
-  if passkey_done "$dir/eval/passkey.json"; then
-    echo "== passkey $name (seed $seed): complete in $dir/eval/passkey.json, kept"
-  else
-    echo "== passkey $name (seed $seed)"
-    python -m eval.passkey "$dir" --lengths "$LENGTHS" --samples "$SAMPLES" --digits "$DIGITS" \
-        --depths equidistant --stop_after_zero 0 --seed 0 || return 1
-  fi
+  grid_passkey "$dir" passkey || return 1
   python -m eval.priors "$dir" || return 1  # NoPE/RoPE/sinusoidal have no prior: it says so, exits 0
 }
 

@@ -1,0 +1,74 @@
+"""
+Runs as variants: the runs whose resolved configs differ only in the seed (and in where they were written)
+are one variant, the experiment that eval.report aggregates over seeds.
+
+Evaluator overrides (`--window`, `--rope_scaling yarn --rope_factor auto`, ...) make variants of their own:
+"rope + YaRN auto" evaluated on four RoPE seeds is a variant of four seeds, next to plain "rope".
+
+A variant is named by what tells its config apart from the others in the same report: the encoding's label
+(eval's `overrides_label`: "bam + ssmax", "rope + YaRN auto"), then the settings in which it differs from
+the variants that share that label, skipping a setting at its default value: "bam + ssmax" (the paper's
+ALiBi init), "bam + ssmax, init uniform", "bam + ssmax, prior lr x10". Folder names never enter a name.
+"""
+
+import json
+
+# Settings that do not change what a run learns: the seed (what a variant averages over), where its files
+# go and how it logs, and implementation choices that are proven equal (attention paths, compilation) or
+# only decide how often something is saved or measured.
+NOT_THE_EXPERIMENT = ("train.seed", "data.data_dir", "log.", "model.attn_impl", "train.compile",
+                      "train.ckpt_every", "train.keep_last", "train.val_every", "train.val_tokens")
+
+
+def flatten(config):
+    """{"model": {"pe": "bam"}, ...} -> {"model.pe": "bam", ...}; a model config alone (no sections) is
+    read as the model section."""
+    if config and not any(isinstance(v, dict) for v in config.values()):
+        config = {"model": config}
+    return {f"{section}.{key}": value for section, table in (config or {}).items() if isinstance(table, dict)
+            for key, value in table.items()}
+
+
+def experiment(config):
+    """The flattened settings that define the experiment (NOT_THE_EXPERIMENT left out)."""
+    return {k: v for k, v in flatten(config).items() if not k.startswith(NOT_THE_EXPERIMENT)}
+
+
+def variant_key(config, overrides):
+    """Equal for two runs exactly when they are seeds of one variant."""
+    return json.dumps([experiment(config), overrides or {}], sort_keys=True, default=str)
+
+
+def group(items, config_of, overrides_of):
+    """`items` (runs) grouped into variants, in the order each variant first appears."""
+    variants = {}
+    for item in items:
+        variants.setdefault(variant_key(config_of(item), overrides_of(item)), []).append(item)
+    return list(variants.values())
+
+
+def _number(value):
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def describe_setting(key, value, settings):
+    """How a variant's name says one of its settings, e.g. "init uniform", "prior lr x10"."""
+    name = key.split(".", 1)[1]
+    if key == "model.bam_init":
+        return f"init {value}"
+    if key == "train.prior_lr" and value and settings.get("train.lr"):
+        return f"prior lr x{_number(round(value / settings['train.lr'], 3))}"
+    return f"{name.replace('_', ' ')} {_number(value)}"
+
+
+def names(labels, configs, defaults):
+    """A name per variant: its label, then the settings that differ among the variants sharing that label,
+    except those at their default value (`defaults`: flattened settings of the schema's defaults)."""
+    settings = [experiment(c) for c in configs]
+    out = []
+    for label, mine in zip(labels, settings):
+        peers = [s for l, s in zip(labels, settings) if l == label]
+        differing = sorted({k for s in peers for k in s if any(p.get(k) != s.get(k) for p in peers)})
+        parts = [describe_setting(k, mine[k], mine) for k in differing if k in mine and mine[k] != defaults.get(k)]
+        out.append(", ".join([label] + parts))
+    return out

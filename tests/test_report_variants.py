@@ -1,0 +1,99 @@
+"""eval.report over seeds: runs grouped into variants, cells aggregated over seeds with intervals, --compare,
+the small-multiples plot, and images copied next to the report (no broken link)."""
+
+import json
+import os
+import re
+
+import pytest
+
+from cli import run_cli
+from config import load_config, to_toml
+from eval import report
+from eval.results import SCHEMA_VERSION
+
+LENGTHS = [128, 256, 512]
+
+
+def fake_run(root, name, seed, correct, overrides=(), model_overrides=None, legacy=False, samples=20):
+    """A run directory as train.py and eval.passkey leave it: config.toml, checkpoints/, eval/passkey*.json
+    with `correct` prompts right (of `samples`) at each of LENGTHS."""
+    run = root / name
+    (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+    cfg = load_config(None, ["--model.pe=bam", "--model.ssmax=true", "--model.n_layer=3", "--model.n_embd=96",
+                             "--model.n_head=6", "--model.block_size=128", "--train.lr=3e-3",
+                             f"--train.seed={seed}", f"--log.out_dir={run}", *overrides])
+    text = to_toml(cfg)
+    if legacy:  # written before doc_mask moved to [data]: the old key in [train]
+        text = text.replace("doc_mask = true\n", "").replace("[train]\n", "[train]\ndoc_mask = true\n")
+    (run / "config.toml").write_text(text)
+    (run / "eval").mkdir(exist_ok=True)
+    suffix = "".join(f"_{k}{v}" for k, v in (model_overrides or {}).items()).replace("attn_window", "window")
+    rows = [{"length": n, "correct": c, "samples": samples, "accuracy": c / samples,
+             "factor": n / 128, "by_depth": []} for n, c in zip(LENGTHS, correct)]
+    results = {"schema": "passkey", "schema_version": SCHEMA_VERSION,
+               "model": {"config": {**json.loads(json.dumps(cfg.model.__dict__))}, "name": name,
+                         "num_params": 1000, "num_params_non_embedding": 100, "step": 10, "tokens_seen": 100},
+               "settings": {"model_overrides": model_overrides or {}, "samples": samples,
+                            "depth_mode": "equidistant", "depth_bins": 1, "given_tokens": 0},
+               "results": rows, "stopped": None, "complete": True}
+    (run / "eval" / f"passkey{suffix}.json").write_text(json.dumps(results))
+    (run / "eval" / f"passkey{suffix}.png").write_bytes(b"\x89PNG fake")
+    return str(run)
+
+
+@pytest.fixture
+def grid(tmp_path):
+    root = tmp_path / "runs"
+    return [fake_run(root, "bam_ssmax_seed1", 1, [20, 15, 10]),
+            fake_run(root, "bam_ssmax_seed2", 2, [19, 12, 4], legacy=True),
+            fake_run(root, "bam_ssmax_seed3", 3, [18, 10, 8]),
+            fake_run(root, "bam_ssmax_uniform_seed1", 1, [20, 20, 20], ["--model.bam_init=uniform"]),
+            fake_run(root, "bam_ssmax_uniform_seed2", 2, [20, 19, 18], ["--model.bam_init=uniform"]),
+            fake_run(root, "bam_ssmax_prior_lr_seed1", 1, [20, 18, 17], ["--train.prior_lr=3e-2"]),
+            fake_run(root, "bam_ssmax_seed1", 1, [20, 20, 19], model_overrides={"attn_window": 64})]
+
+
+def test_seeds_are_one_variant_named_by_what_sets_it_apart(grid, tmp_path):
+    runs = [r for path in dict.fromkeys(grid) for r in report.load_runs(path)]
+    report.assign_variants(runs)
+    variant = {r.name: r.variant for r in runs}
+    assert variant["bam_ssmax_seed1"] == variant["bam_ssmax_seed2"] == variant["bam_ssmax_seed3"] == "bam + ssmax"
+    assert variant["bam_ssmax_uniform_seed1"] == variant["bam_ssmax_uniform_seed2"] == "bam + ssmax, init uniform"
+    assert variant["bam_ssmax_prior_lr_seed1"] == "bam + ssmax, prior lr x10"
+    assert variant["bam_ssmax_seed1: bam-local + ssmax (W=64)"] == "bam-local + ssmax (W=64)"
+    assert {r.name: r.seed for r in runs}["bam_ssmax_seed2"] == 2  # the legacy config.toml was read too
+
+
+def test_report_aggregates_seeds_compares_variants_and_links_only_what_exists(grid, tmp_path):
+    out = tmp_path / "docs" / "report.md"
+    assert report.main([*dict.fromkeys(grid), "--out", str(out),
+                        "--compare", "bam + ssmax, init uniform", "bam + ssmax"]) == 0
+    text = out.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| bam + ssmax | 3 |"))
+    # 512 tokens: seeds at 10, 4, 8 of 20 -> 50, 20, 40 %, mean 37 (rounded), with the two-level interval
+    assert "37 [50 20 40] (" in row, row
+    single = next(line for line in text.splitlines() if line.startswith("| bam + ssmax, prior lr x10 | 1 |"))
+    assert "85 (64-95, n=20)" in single  # one seed: its Wilson interval
+    compare = text[text.index("**bam + ssmax, init uniform** against **bam + ssmax**"):]
+    line512 = next(line for line in compare.splitlines() if line.startswith("| 512"))
+    assert "| 95 (2) | 37 (3) | +58 (" in line512
+    # 2 against 3 seeds: of the C(5, 2) = 10 relabellings only the observed one is as extreme
+    assert line512.rstrip(" |").endswith("| 0.1")
+    assert "every run" in text and "bam_ssmax_seed2" in text
+    # every image the report shows exists, relative to the report: the summary plot and copied run plots
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert any(link.endswith("report_passkey.png") for link in links)
+    assert any("report_plots/" in link for link in links)
+    for link in links:
+        assert (out.parent / link).is_file(), link
+
+
+def test_an_unknown_variant_to_compare_is_one_line_and_writes_nothing(grid, tmp_path, capsys):
+    out = tmp_path / "report.md"
+    with pytest.raises(SystemExit):
+        run_cli(report.main, [grid[0], "--out", str(out), "--compare", "bam + ssmax", "rope"])
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --compare 'rope': no such variant") and "'bam + ssmax'" in err
+    assert len(err.splitlines()) == 1 and not out.exists()
+    assert not os.path.exists(tmp_path / "report_passkey.png")

@@ -1,0 +1,46 @@
+"""eval.variants: which runs are seeds of one variant, and what each variant is called."""
+
+from eval.variants import experiment, group, names, variant_key
+
+DEFAULTS = {"model.bam_init": "alibi", "train.prior_lr": 0.0, "train.lr": 1e-3, "model.ssmax": False}
+
+
+def config(seed=1, out="runs/x", **changes):
+    c = {"model": {"pe": "bam", "ssmax": True, "bam_init": "alibi", "attn_impl": "auto"},
+         "data": {"data_dir": "data/repro5", "batch_size": 32},
+         "train": {"seed": seed, "lr": 3e-3, "prior_lr": 0.0, "max_steps": 2000, "compile": False},
+         "log": {"out_dir": out, "run_name": ""}}
+    for key, value in changes.items():
+        section, name = key.split("__")
+        c[section][name] = value
+    return c
+
+
+def test_seeds_and_output_folders_do_not_make_a_variant_but_a_setting_or_an_override_does():
+    runs = [("a", config(1, "runs/bam_ssmax_seed1"), {}),
+            ("b", config(2, "runs/bam_ssmax_seed2", data__data_dir="/elsewhere/repro5"), {}),
+            ("c", config(1, "runs/u", model__bam_init="uniform"), {}),
+            ("d", config(3, "runs/d", model__attn_impl="sdpa", train__compile=True), {}),
+            ("e", config(1, "runs/bam_ssmax_seed1"), {"attn_window": 128}),
+            ("f", config(1, "runs/f", train__max_steps=4000), {})]
+    variants = group(runs, lambda r: r[1], lambda r: r[2])
+    assert [[r[0] for r in v] for v in variants] == [["a", "b", "d"], ["c"], ["e"], ["f"]]
+    assert variant_key(config(1), {}) == variant_key(config(9, "other"), {})
+    assert "train.seed" not in experiment(config()) and "log.out_dir" not in experiment(config())
+    assert experiment({"pe": "rope"}) == {"model.pe": "rope"}  # a results file's model config alone
+
+
+def test_a_variant_is_named_by_what_sets_it_apart_from_its_peers():
+    configs = [config(), config(model__bam_init="uniform"), config(train__prior_lr=3e-2), config(),
+               {"model": {"pe": "rope"}, "train": {"lr": 3e-3}}]
+    labels = ["bam + ssmax", "bam + ssmax", "bam + ssmax", "bam + ssmax (W=128)", "rope"]
+    assert names(labels, configs, DEFAULTS) == ["bam + ssmax", "bam + ssmax, init uniform",
+                                                 "bam + ssmax, prior lr x10", "bam + ssmax (W=128)", "rope"]
+    # Two variants with one label and no default among their values are both named
+    both = names(["bam", "bam"], [config(model__bam_init="uniform"), config(model__bam_init="sampled")], DEFAULTS)
+    assert both == ["bam, init uniform", "bam, init sampled"]
+    # any other setting by its own name; without a default to leave out, each variant says its value
+    assert names(["bam", "bam"], [config(), config(train__max_steps=4000)], DEFAULTS) == ["bam, max steps 2000",
+                                                                                       "bam, max steps 4000"]
+    assert names(["bam", "bam"], [config(), config(train__max_steps=4000)], {**DEFAULTS, "train.max_steps": 2000}) \
+        == ["bam", "bam, max steps 4000"]
