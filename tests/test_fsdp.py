@@ -230,8 +230,13 @@ def test_a_sharded_run_is_evaluated_exported_converted_and_fine_tuned_like_a_ddp
 
     whole = weights(fsdp2)
     assert load_model(fsdp2).state_dict().keys() == whole.keys()
-    results = evaluate_passkey(fsdp2, lengths="96", samples=2, out=str(tmp_path / "eval"), progress=False,
-                               verbose=False)
+    from eval.loading import output_dir
+    from eval.options import EvalOptions
+
+    folder = checkpoint.step_path(fsdp2, 6, sharded=True)  # given itself, a folder is a checkpoint, not a run:
+    assert output_dir(folder) == os.path.join(os.path.dirname(folder), "eval", "step_00000006")  # results beside it
+    options = EvalOptions(out=str(tmp_path / "eval"), progress=False, verbose=False)
+    results = evaluate_passkey(fsdp2, options=options, lengths="96", samples=2)
     assert results["model"]["checkpoint"].endswith("step_00000006") and len(results["results"]) == 1
 
     export_hf.main([fsdp2, str(tmp_path / "hf")])
