@@ -308,6 +308,7 @@ def test_per_block_compile_under_fsdp_matches_eager(one_rank):
     """AC, then torch.compile of each Block, then fully_shard, as torchtitan orders them (aot_eager: dynamo and
     AOT autograd trace forward and backward as on a GPU, without inductor's minutes of C++ on a CPU)."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() leaves the counters of earlier tests
     torch.manual_seed(0)
     eager = Transformer(tiny_model())
     torch.manual_seed(0)
