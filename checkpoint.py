@@ -11,6 +11,19 @@ The run directory and its checkpoints, and the repository's one atomic file writ
 A checkpoint is a dict with "model_config" (ModelConfig as a dict) and "model" (the state dict); train.py
 adds optimizer, loader, RNG and train state next to them (checkpoint_dict builds all of them).
 
+A sharded run (train.parallel = "fsdp") writes the same names without ".pt" as folders (step_XXXXXXXX/,
+best/), each a torch.distributed.checkpoint (DCP) checkpoint that every rank writes its shards into:
+
+    .metadata, __R_0.distcp   DCP: the model's and the optimizer's tensors, as the ranks held them
+    state.json                everything else (model_config, config, step, loader, every rank's RNG, ...)
+    DONE                      written last: the name and size of every other file
+
+A folder is written as NAME.tmp-PID and renamed once DONE is in it, so a reader sees a whole checkpoint or
+none, and one whose files do not match DONE (a copy cut short) is refused as damaged. load_checkpoint reads
+both kinds into the same dict (a folder's shards joined into whole tensors, in one process): every reader of
+checkpoints (the evaluators, sample.py, export_hf.py, train.init_from) takes an FSDP run as it takes a DDP
+run. `python checkpoint.py SOURCE OUT.pt` writes any checkpoint as one .pt file.
+
 Every file the repository writes for keeps (checkpoints, shards, manifests, metrics, eval results) goes
 through atomic_file: a temp file next to the target, fsync, rename, fsync of the directory. A crash at
 any moment leaves the previous file or the complete new one, never a torn one; the temp file of a killed
@@ -20,24 +33,30 @@ writer never matches a checkpoint name and is removed by the next run.
 import dataclasses
 import fcntl
 import glob
+import json
 import os
+import re
 import shutil
 import socket
 import tempfile
+import warnings
 import zipfile
 from contextlib import contextmanager
 
 import torch
 
-from cli import WriteError
+from cli import Parser, UserError, WriteError, run_cli
 from config import upgrade
 
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
-BEST = "best.pt"
+BEST = "best"
 LOCK = ".lock"
 REJECTED = ".rejected"
+SHARDED_STATE = "state.json"  # in a sharded checkpoint folder: everything that is not a tensor
+DONE = "DONE"  # in a sharded checkpoint folder, written last
+STEP_NAME = re.compile(r"step_(\d{8})(\.pt)?")  # a step checkpoint, file or folder (never a temp or rejected one)
 
 
 def config_path(run_dir):
@@ -52,13 +71,13 @@ def checkpoint_dir(run_dir):
     return os.path.join(run_dir, CHECKPOINTS)
 
 
-def step_path(run_dir, step):
+def step_path(run_dir, step, sharded=False):
     # Zero-padded so that names sort by step.
-    return os.path.join(run_dir, CHECKPOINTS, f"step_{step:08d}.pt")
+    return os.path.join(run_dir, CHECKPOINTS, f"step_{step:08d}" + ("" if sharded else ".pt"))
 
 
-def best_path(run_dir):
-    return os.path.join(run_dir, CHECKPOINTS, BEST)
+def best_path(run_dir, sharded=False):
+    return os.path.join(run_dir, CHECKPOINTS, BEST + ("" if sharded else ".pt"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,9 +196,13 @@ def save_atomic(obj, path):
 
 
 def remove_temp_files(directory):
-    """Temp files of writes that were killed before their rename; nothing else ever reads them."""
+    """Temp files (and sharded checkpoint folders) of writes that were killed before their rename; nothing
+    else ever reads them."""
     for stale in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
-        os.remove(stale)
+        if os.path.isdir(stale):
+            shutil.rmtree(stale)
+        else:
+            os.remove(stale)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,21 +216,32 @@ def checkpoint_dict(model, **state):
 
 
 def step_checkpoints(run_dir):
-    """A run's step checkpoints, oldest first (temp files never match)."""
-    return sorted(glob.glob(os.path.join(glob.escape(checkpoint_dir(run_dir)), "step_*.pt")))
+    """A run's step checkpoints, files and sharded folders, oldest first (temp and rejected ones never match)."""
+    paths = glob.glob(os.path.join(glob.escape(checkpoint_dir(run_dir)), "step_*"))
+    return sorted((p for p in paths if STEP_NAME.fullmatch(os.path.basename(p))), key=checkpoint_step)
+
+
+def is_sharded(path):
+    """Whether `path` is a sharded (DCP) checkpoint folder, complete or not, rather than a run directory."""
+    return os.path.isdir(path) and (os.path.exists(os.path.join(path, DONE))
+                                    or os.path.exists(os.path.join(path, ".metadata")))
 
 
 def find_checkpoint(path):
-    """A checkpoint file as given, or a run directory's newest step checkpoint (its best.pt when it has no
-    step checkpoint). FileNotFoundError names what was looked for."""
+    """A checkpoint (file or sharded folder) as given, or a run directory's newest step checkpoint (its best
+    checkpoint when it has no step checkpoint). FileNotFoundError names what was looked for."""
     path = os.fspath(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not is_sharded(path):
         steps = step_checkpoints(path)
         if steps:
             return steps[-1]
-        if os.path.isfile(best_path(path)):
-            return best_path(path)
-        raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(path)} (expected step_*.pt files)")
+        for best in (best_path(path), best_path(path, sharded=True)):
+            if os.path.exists(best):
+                return best
+        raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(path)} (expected step_*.pt files or "
+                                "step_* folders)")
+    if is_sharded(path):
+        return path
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint file or run directory at {path}")
     return path
@@ -226,43 +260,188 @@ class CheckpointNotFound(CheckpointError, FileNotFoundError):
     """No checkpoint at that path (also a FileNotFoundError, as find_checkpoint's)."""
 
 
-def load_checkpoint(path, mmap=True):
-    """(file, checkpoint dict) of a checkpoint file or of a run directory's newest checkpoint (find_checkpoint):
-    the one place the repository reads the format. With mmap the tensors stay on disk until read, so loading
-    the weights of a training checkpoint never pages its optimizer state in; a resume that keeps the tensors
-    (the optimizer state) loads without it. Anything unusable is a CheckpointError of one line."""
+def load_checkpoint(path, mmap=True, optimizer=False, join_shards=True):
+    """(file, checkpoint dict) of a checkpoint or of a run directory's newest checkpoint (find_checkpoint):
+    the one place the repository reads the format. With mmap the tensors of a .pt file stay on disk until
+    read, so loading the weights of a training checkpoint never pages its optimizer state in; a resume that
+    keeps the tensors (the optimizer state) loads without it. A sharded folder is joined into whole tensors
+    in this process; its optimizer state (twice the weights) is read only with optimizer=True, and with
+    join_shards=False no tensor is read (train.py loads them into its sharded model). Anything unusable is a
+    CheckpointError of one line."""
     try:
         file = find_checkpoint(path)
     except FileNotFoundError as e:
         raise CheckpointNotFound(str(e)) from None
+    if os.path.isdir(file):
+        ckpt = load_sharded_whole(file, optimizer) if join_shards else check_sharded(file)
+    else:
+        ckpt = _load_file(file, mmap)
+    if "config" in ckpt:  # train.py's run config, with the keys older versions kept elsewhere moved
+        ckpt["config"] = upgrade(ckpt["config"])
+    return file, ckpt
+
+
+def _load_file(file, mmap):
     if not zipfile.is_zipfile(file):  # torch.save's format; anything else would fail with a puzzling message
         raise CheckpointError(f"{file} is not a checkpoint (torch.save writes a zip archive; this file is not one)",
                               "not a whole zip archive, as torch.save writes: cut short, or not a checkpoint")
     try:
         ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # a torn zip, a truncated pickle, a file of something else: all unusable
-        reason = (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)[:200]
-        raise CheckpointError(f"cannot load the checkpoint {file}: {reason}", reason) from None
+        raise CheckpointError(f"cannot load the checkpoint {file}: {_reason(e)}", _reason(e)) from None
     if not isinstance(ckpt, dict) or not {"model_config", "model"} <= set(ckpt):
         raise CheckpointError(f"{file} is not a checkpoint of this repository (it has no model_config and model)",
                               "not a checkpoint of this repository")
-    if "config" in ckpt:  # train.py's run config, with the keys older versions kept elsewhere moved
-        ckpt["config"] = upgrade(ckpt["config"])
-    return file, ckpt
+    return ckpt
+
+
+def _reason(e):
+    return (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)[:200]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sharded checkpoints (torch.distributed.checkpoint), written by every rank of a train.parallel = "fsdp" run
+
+
+def save_sharded(tensors, state, path):
+    """Write the sharded checkpoint folder `path`: a collective that every rank joins with its own shards
+    (`tensors`: nested dicts of DTensors and tensors, saved by torch.distributed.checkpoint) and the same
+    `state` (JSON-able; rank 0 writes it as state.json). The folder is written as PATH.tmp-PID, DONE goes in
+    last, and only then is it renamed to `path` (an old `path`, best/, is replaced whole). An OSError on any
+    rank (a full disk) is raised on every rank, so that they stop together."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    master = dist.get_rank() == 0
+    names = [f"{path}.tmp-{os.getpid()}"]
+    dist.broadcast_object_list(names, src=0)  # rank 0's pid: one folder for all ranks
+    tmp = names[0]
+    _on_rank0(lambda: os.makedirs(tmp))  # before any rank writes into it
+    try:
+        dcp.save(tensors, checkpoint_id=tmp)  # each rank's files fsynced; rank 0 writes .metadata last
+    except CheckpointException as e:
+        errors = [error for error, _ in e.failures.values()]
+        oserror = next((error for error in errors if isinstance(error, OSError)), None)
+        if oserror is not None:
+            raise OSError(oserror.errno, oserror.strerror, path) from None
+        raise
+    dist.barrier()  # every rank's shards are on disk
+
+    def finish():
+        write_text(os.path.join(tmp, SHARDED_STATE), json.dumps(state, default=_as_list))
+        sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+        write_text(os.path.join(tmp, DONE), json.dumps(sizes, indent=0) + "\n")
+        if os.path.exists(path):
+            replace_dir(tmp, path)
+        else:
+            os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    try:
+        _on_rank0(finish)
+    except OSError as e:
+        if not master:
+            raise
+        raise WriteError(e, path, "its previous version is unchanged" if os.path.exists(path) else
+                         "nothing was written") from None
+
+
+def _as_list(value):
+    if isinstance(value, torch.Tensor):  # an RNG state (bytes) in state.json
+        return value.tolist()
+    raise TypeError(f"cannot write {type(value).__name__} into {SHARDED_STATE}")
+
+
+def _on_rank0(job):
+    """Run job() on rank 0 only, then tell every rank whether it failed: the others must not wait at the next
+    collective for a rank that has given up. Rank 0 raises the job's own OSError, the others an OSError too."""
+    import torch.distributed as dist
+
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            job()
+        except OSError as e:
+            error = e
+    failed = [error is not None]
+    dist.broadcast_object_list(failed, src=0)
+    if error is not None:
+        raise error
+    if failed[0]:
+        raise OSError(None, "rank 0 could not write the checkpoint")
+
+
+def check_sharded(path):
+    """The state.json of a complete sharded checkpoint folder; a CheckpointError when it is incomplete or
+    damaged (no DONE, or files that do not match it: a copy cut short)."""
+    try:
+        with open(os.path.join(path, DONE)) as f:
+            sizes = json.load(f)
+        for name, size in sizes.items():
+            if os.path.getsize(os.path.join(path, name)) != size:
+                reason = f"damaged: {name} has {os.path.getsize(os.path.join(path, name)):,} bytes, not {size:,}"
+                raise CheckpointError(f"the sharded checkpoint {path} is {reason}", reason)
+        with open(os.path.join(path, SHARDED_STATE)) as f:
+            state = json.load(f)
+    except CheckpointError:
+        raise
+    except FileNotFoundError as e:
+        reason = f"incomplete: {os.path.basename(e.filename)} is missing"
+        raise CheckpointError(f"the sharded checkpoint {path} is {reason}", reason) from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the checkpoint {path}: {_reason(e)}", _reason(e)) from None
+    if not isinstance(state, dict) or "model_config" not in state:
+        raise CheckpointError(f"{path} is not a checkpoint of this repository (its state.json has no model_config)",
+                              "not a checkpoint of this repository")
+    return state
+
+
+def load_sharded_whole(path, optimizer=False):
+    """A sharded checkpoint folder as the dict a .pt checkpoint holds: whole tensors, read in this process
+    without torch.distributed (torch.distributed.checkpoint joins the shards). The optimizer's state, saved
+    by parameter name, comes back in torch's layout (numbered in the order of its param groups), as a DDP
+    run's checkpoint has it."""
+    # torch's reader of a whole DCP checkpoint into one process (what format_utils.dcp_to_torch_save uses)
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    ckpt = check_sharded(path)
+    groups = ckpt.pop("optimizer_param_groups", None)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore")
+            tensors = _load_state_dict_from_keys({"model", "optimizer"} if optimizer else {"model"}, checkpoint_id=path)
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
+            raise
+        raise CheckpointError(f"cannot load the checkpoint {path}: {_reason(e)}", _reason(e)) from None
+    ckpt["model"] = tensors["model"]
+    if optimizer and groups is not None:
+        ckpt["optimizer"] = numbered_optimizer_state(tensors.get("optimizer", {}).get("state", {}), groups)
+    return ckpt
+
+
+def numbered_optimizer_state(by_name, groups):
+    """torch.optim's state_dict layout from per-parameter-name state and param groups that list names."""
+    index = {name: i for i, name in enumerate(name for group in groups for name in group["params"])}
+    return {"state": {index[name]: state for name, state in by_name.items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]} for group in groups]}
 
 
 def keep_last(run_dir, k):
-    """Delete all but the newest k step checkpoints (best.pt is not one of them)."""
+    """Delete all but the newest k step checkpoints (best is not one of them)."""
     for old in step_checkpoints(run_dir)[:-k]:
-        os.remove(old)
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+        else:
+            os.remove(old)
 
 
 def checkpoint_step(path):
-    return int(os.path.basename(path).removeprefix("step_").removesuffix(".pt"))
+    return int(STEP_NAME.match(os.path.basename(path)).group(1))
 
 
 def reject_after(run_dir, step):
-    """Set aside (as *.pt.rejected, which nothing loads) every step checkpoint newer than `step`, so that
+    """Set aside (as *.rejected, which nothing loads) every step checkpoint newer than `step`, so that
     `--resume` continues from the one before them. Returns the paths set aside."""
     rejected = [p for p in step_checkpoints(run_dir) if checkpoint_step(p) > step]
     for path in rejected:
@@ -270,12 +449,13 @@ def reject_after(run_dir, step):
     return rejected
 
 
-def load_newest(paths, warn=print):
-    """(path, checkpoint) of the newest of `paths` (oldest first) that loads; each one that does not is
-    named through `warn` with the reason. (None, None) when none does."""
+def load_newest(paths, warn=print, join_shards=True):
+    """(path, checkpoint) of the newest of `paths` (oldest first) that loads (with its optimizer state; a
+    sharded one as join_shards says); each one that does not is named through `warn` with the reason.
+    (None, None) when none does."""
     for path in reversed(paths):
         try:
-            return load_checkpoint(path, mmap=False)
+            return load_checkpoint(path, mmap=False, optimizer=True, join_shards=join_shards)
         except CheckpointError as e:
             warn(f"warning: cannot load {path} ({e.reason}); trying the one before it")
     return None, None
@@ -315,3 +495,24 @@ def run_dir_lock(run_dir):
         raise
     finally:
         f.close()  # releases the lock; the file stays (removing it would race with a process about to lock it)
+
+
+def main(argv=None):
+    parser = Parser(prog="checkpoint.py", description=(
+        "Write a checkpoint as one .pt file: a sharded step folder of an FSDP run (or a run directory, whose "
+        "newest checkpoint is taken) in the layout of a DDP run's step_*.pt: model, optimizer and train state, "
+        "read by torch.load(weights_only=True). Nothing needs it (every reader takes the folders as they are); "
+        "it is for copying one file elsewhere."))
+    parser.add_argument("source", help="a checkpoint folder or file, or a run directory")
+    parser.add_argument("out", help="the .pt file to write")
+    args = parser.parse_args(argv)
+    try:
+        path, ckpt = load_checkpoint(args.source, optimizer=True)
+    except CheckpointError as e:
+        raise UserError(e) from None
+    save_atomic(ckpt, args.out)
+    print(f"{path} -> {args.out} (step {ckpt.get('step', '?')}, {len(ckpt['model'])} tensors)")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -47,7 +47,8 @@ CHECKPOINT_CHANGES = {
     "data": {"data_dir": "resume", "batch_size": "resume"},
     "train": dict.fromkeys(("max_steps", "lr", "prior_lr", "grad_clip", "val_every", "val_tokens", "ckpt_every",
                             "keep_last", "compile", "dtype", "seed", "spike_window", "spike_threshold",
-                            "spike_grad_factor"), "resume"),
+                            "spike_grad_factor", "parallel", "reshard_after_forward", "fsdp_grad_sync",
+                            "activation_checkpointing"), "resume"),
     "log": dict.fromkeys(("out_dir", "log_every", "wandb", "wandb_project", "run_name", "peak_tflops"), "resume"),
 }
 CHANGEABLE_ON_RESUME = {section: tuple(key for key, kind in keys.items() if kind == "resume")
@@ -135,8 +136,22 @@ class TrainConfig:
     val_tokens: int = 10_485_760  # rounded down to a multiple of batch_size x block_size x world size
     ckpt_every: int = 1000  # steps between checkpoints; one is always written at the end
     keep_last: int = 3  # step checkpoints kept on disk, at least 2 (best.pt is kept apart; docs/training.md)
-    compile: bool = True
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 autocast on a GPU that has it
+    compile: bool = True  # torch.compile: the whole model under DDP, each Block under FSDP
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 on a GPU that has it (autocast; FSDP's policy)
+    # How the ranks share the work (parallel.py, docs/training.md "Past one GPU's memory"): "ddp" gives each
+    # rank the whole model and optimizer; "fsdp" (FSDP2) shards weights, gradients and optimizer state over
+    # the ranks and checkpoints through torch.distributed.checkpoint, as step folders instead of .pt files.
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    # FSDP: free each Block's gathered weights after its forward and gather them again for its backward
+    # (less memory); false keeps them until the backward (one all-gather less per Block and step).
+    reshard_after_forward: bool = True
+    # FSDP with accumulation: reduce-scatter the gradients after every micro-batch ("micro_batch": they stay
+    # sharded) or only after the last one ("step": less communication, but every rank holds the whole
+    # model's fp32 gradients in between, as DDP does).
+    fsdp_grad_sync: Literal["micro_batch", "step"] = "micro_batch"
+    # "full": each Block keeps only its input for the backward and recomputes the rest (about a third more
+    # compute for a fraction of the activation memory; `train.py CONFIG --dry_run` shows how much).
+    activation_checkpointing: Literal["none", "full"] = "none"
     seed: int = 1337
     # The spike guard (docs/training.md, "Preemption and recovery"): a step whose loss is more than
     # spike_threshold robust standard deviations above the median of the last spike_window steps, or

@@ -36,6 +36,9 @@ PRESETS = {
     "275m": dict(n_embd=1152, n_layer=15, n_head=24),
     "525m": dict(n_embd=1536, n_layer=18, n_head=32),
     "1.1b": dict(n_embd=2048, n_layer=24, n_head=64),
+    # Beyond the paper, Llama's shapes (configs/paper/sizes, docs/training.md "Past one GPU's memory")
+    "3b": dict(n_embd=3072, n_layer=28, n_head=24, n_kv_head=8, mlp_hidden=8192),  # Llama 3.2 3B
+    "7b": dict(n_embd=4096, n_layer=32, n_head=32, mlp_hidden=11008),  # Llama 2 7B
 }
 
 

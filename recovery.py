@@ -117,7 +117,7 @@ def spike(history, loss, grad_norm, train, vocab_size):
 def diverged(run, step, why):
     """Stop before update `step` is applied. Its loss and gradient were computed on the weights of step - 1,
     so those are suspect too: the newest checkpoint that can be trusted is from step - 2 or before. Newer ones
-    are set aside (renamed *.pt.rejected, not deleted), so that `--resume` continues from the good one."""
+    are set aside (renamed *.rejected, not deleted), so that `--resume` continues from the good one."""
     run_dir, lr = run.cfg.log.out_dir, run.cfg.train.lr
     good = [p for p in step_checkpoints(run_dir) if checkpoint_step(p) <= step - 2]
     if run.procs.master:
@@ -125,7 +125,7 @@ def diverged(run, step, why):
     start = f"continues from {good[-1]}" if good else "starts over (no checkpoint predates it)"
     raise Diverged(f"diverged at step {step}: {why}; stopped without applying it. `--resume --train.lr={lr / 2:.3g}` "
                    f"{start}; lowering train.lr further, raising train.warmup_steps or setting train.grad_clip "
-                   "also help (newer checkpoints are kept as *.pt.rejected)")
+                   "also help (newer checkpoints are kept as *.rejected)")
 
 
 def check_step(run, step, loss, grad_norm):
@@ -143,16 +143,19 @@ def check_step(run, step, loss, grad_norm):
 
 
 def load_resume_state(cfg, resume, master):
-    """The checkpoint to continue from, or None for a fresh run. A run directory that holds another run's
-    checkpoints, or settings that would make the resumed run a different experiment, are refused."""
+    """(path, checkpoint) to continue from, or (None, None) for a fresh run. A run directory that holds another
+    run's checkpoints, or settings that would make the resumed run a different experiment, are refused. An FSDP
+    run reads a sharded checkpoint's tensors later, into its shards (train.restore); any other run gets them
+    here, a sharded checkpoint joined into whole tensors."""
     run_dir = cfg.log.out_dir
     existing = step_checkpoints(run_dir)
     if existing and not resume:
         raise UserError(f"{run_dir} already holds checkpoints (newest {os.path.basename(existing[-1])}); "
                         "pass --resume to continue that run or choose another --log.out_dir")
     if not existing:
-        return None
-    path, ckpt = load_newest(existing, warn=print if master else lambda message: None)
+        return None, None
+    path, ckpt = load_newest(existing, warn=print if master else lambda message: None,
+                             join_shards=cfg.train.parallel != "fsdp")
     if ckpt is None:
         raise UserError(f"no checkpoint in {checkpoint_dir(run_dir)} can be loaded (all {len(existing)} are damaged); "
                         "move them away to start over")
@@ -163,7 +166,7 @@ def load_resume_state(cfg, resume, master):
                         f"only these may change: {allowed}")
     if master and changed:
         print(f"resuming with changed settings: {'; '.join(changed)}")
-    return ckpt
+    return path, ckpt
 
 
 def follow_moved_run_dir(cfg, path, overrides, master):
@@ -189,12 +192,15 @@ def rng_state():
 
 
 def set_rng_state(state):
-    random.setstate(state["python"])
+    """rng_state()'s state back; also as a sharded checkpoint's state.json holds it (lists for tuples and
+    byte tensors)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     key, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
     if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
 def metrics_rows_until(path, step):

@@ -5,6 +5,8 @@ each optionally with SSMax) on token shards, on CPU, one GPU, or many through to
     python train.py                                    # configs/tiny.toml: a few minutes on CPU
     python train.py configs/paper/bam_ssmax_512.toml --train.max_steps=100 --log.out_dir=runs/try
     torchrun --standalone --nproc_per_node=8 train.py configs/paper/bam_ssmax_512.toml
+    torchrun --standalone --nproc_per_node=8 train.py configs/paper/sizes/bam_ssmax_512_7b.toml   # sharded: FSDP
+    python train.py configs/paper/sizes/bam_ssmax_512_7b.toml --dry_run --world_size=8,64      # memory per GPU
     python train.py configs/paper/bam_ssmax_512.toml --resume    # continue from the newest checkpoint
     python train.py configs/paper/rope_512.toml --train.init_from=runs/rope_512 --model.block_size=2048 \
         --model.rope_scaling=yarn --model.rope_factor=4 --log.out_dir=runs/rope_yarn_2048   # fine-tune longer
@@ -12,7 +14,8 @@ each optionally with SSMax) on token shards, on CPU, one GPU, or many through to
 The run directory (log.out_dir) gets config.toml (the resolved config), metrics.jsonl (one JSON
 object per logged step, including every head's prior parameters) and checkpoints/ (the last
 train.keep_last step checkpoints, each enough to resume exactly, and best.pt, the weights with the
-lowest validation loss). `python train.py --help` lists every config key and its default.
+lowest validation loss; folders of shards instead under train.parallel = "fsdp", parallel.py).
+`python train.py --help` lists every config key and its default.
 
 Exit status: 0 when max_steps are done; 1 for a mistake the user can fix (one `error: ...` line),
 including a diverged run (non-finite loss or a loss spike: the line says which checkpoint to resume
@@ -28,6 +31,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -36,17 +40,18 @@ from contextlib import ExitStack, contextmanager, nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (CheckpointError, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, config_path, keep_last,
-                        load_checkpoint, metrics_path, remove_temp_files, run_dir_lock, save_atomic, step_checkpoints,
-                        step_path, write_text)
+from checkpoint import (CheckpointError, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, config_path,
+                        keep_last, load_checkpoint, metrics_path, remove_temp_files, run_dir_lock, save_atomic,
+                        step_checkpoints, step_path, write_text)
 from cli import Parser, UserError, os_reason, user_errors
 from config import (SHAPE_FREE_MODEL_KEYS, ConfigError, check, checkpoint_differences, describe, load_config, to_dict,
                     to_toml)
 from data import EOT, ShardLoader, check_shard_tokens, check_token_ids, get_tokenizer
 from model import Transformer
+from parallel import (clip_grad_norm, init_distributed, load_fsdp_checkpoint, load_whole_optimizer, micro_step, prepare,
+                      prior_summary, rank_rng_state, save_fsdp_checkpoint, wrap)
 from recovery import (Diverged, StopRequest, Stopped, check_step, follow_moved_run_dir, interrupted, load_resume_state,
                       metrics_rows_until, rng_state, set_rng_state)
 from retrieval import passkey_answer_targets
@@ -103,7 +108,7 @@ def targets_in(batch, loss_on) -> int:
     return 1 if loss_on == "all" else int((batch[1] != -1).sum())
 
 
-def loss_weights(batches, loss_on, device, ddp, world_size):
+def loss_weights(batches, loss_on, device, distributed, world_size):
     """Weights of the micro-batches' mean losses that make the step's gradient the mean over every
     target of the step on every rank (DDP then averages over ranks): n_i * world_size / N. That is
     1 / accum_steps when every token is a target; passkey answers differ in number per micro-batch,
@@ -112,13 +117,13 @@ def loss_weights(batches, loss_on, device, ddp, world_size):
         return [1 / len(batches)] * len(batches)  # no count to exchange: they are all equal
     counts = [targets_in(b, loss_on) for b in batches]
     total = torch.tensor(float(sum(counts)), device=device)
-    if ddp:
+    if distributed:
         dist.all_reduce(total)
     return [n * world_size / max(total.item(), 1.0) for n in counts]
 
 
 @torch.no_grad()
-def evaluate(model, loader, batches, autocast, device, doc_mask, loss_on, ddp):
+def evaluate(model, loader, batches, autocast, device, doc_mask, loss_on, distributed):
     # The same slice every time (reset), so val losses of one run compare across steps.
     model.eval()
     loader.reset()
@@ -131,7 +136,7 @@ def evaluate(model, loader, batches, autocast, device, doc_mask, loss_on, ddp):
         loss_sum += loss.float() * n
         count += n
     total = torch.stack([loss_sum, torch.tensor(float(count), device=device)])
-    if ddp:
+    if distributed:
         dist.all_reduce(total)
     model.train()
     return (total[0] / total[1].clamp_min(1)).item()
@@ -154,7 +159,7 @@ def rounded(tree):
 class Processes:
     """Where this process runs. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we are alone."""
 
-    ddp: bool
+    distributed: bool  # started by torchrun
     rank: int
     local_rank: int
     world_size: int
@@ -213,18 +218,24 @@ class Run:
     train_loader: ShardLoader
     val_loader: ShardLoader | None
     val_batches: int
-    raw_model: Transformer  # unwrapped: its state_dict has no DDP/compile prefixes
+    raw_model: Transformer  # unwrapped: its state_dict has no DDP/compile prefixes (under FSDP its tensors are shards)
     optimizer: torch.optim.Optimizer
     base_lr: dict  # per param group name, before the schedule's factor
-    model: torch.nn.Module = None  # raw_model compiled and/or DDP-wrapped: what the steps run
+    model: torch.nn.Module = None  # what the steps run: raw_model compiled and/or DDP-wrapped (FSDP: raw_model)
     state: TrainState = dataclasses.field(default_factory=TrainState)
     metrics: MetricsLog = dataclasses.field(default_factory=MetricsLog)
     peak_flops: float | None = None  # of one device, for MFU
     stop: StopRequest = dataclasses.field(default_factory=lambda: StopRequest(speak=False))  # installed by main
 
     @property
+    def sharded(self):
+        return self.cfg.train.parallel == "fsdp"
+
+    @property
     def autocast(self):
-        return torch.autocast(self.procs.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+        # Under FSDP, bf16 is its mixed-precision policy (weights gathered in bf16) instead of autocast.
+        bf16_autocast = self.bf16 and not self.sharded
+        return torch.autocast(self.procs.device.type, dtype=torch.bfloat16) if bf16_autocast else nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -239,6 +250,12 @@ def parse_args(argv):
     parser.add_argument("config", nargs="?", default="configs/tiny.toml", help="TOML file (default: %(default)s)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in log.out_dir (start fresh if there is none)")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="train nothing: print the parameters and the memory per rank (weights, gradients, "
+                             "optimizer, activations per micro-batch with and without activation checkpointing) "
+                             "under DDP and FSDP")
+    parser.add_argument("--world_size", default="8,64", metavar="N[,N...]",
+                        help="with --dry_run: the numbers of GPUs to size for (default: %(default)s)")
     return parser.parse_known_args(argv)
 
 
@@ -250,7 +267,7 @@ def setup_processes():
         torch.set_float32_matmul_precision("high")  # TF32 for whatever stays in fp32
     else:
         device = torch.device("cpu")
-    return Processes(ddp="RANK" in os.environ, rank=int(os.environ.get("RANK", 0)), local_rank=local_rank,
+    return Processes(distributed="RANK" in os.environ, rank=int(os.environ.get("RANK", 0)), local_rank=local_rank,
                      world_size=int(os.environ.get("WORLD_SIZE", 1)), device=device)
 
 
@@ -306,8 +323,8 @@ def load_init_weights(cfg, master):
         path, ckpt = load_checkpoint(source)
     except CheckpointError as e:
         raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({e})") from None
-    forbidden, changed = checkpoint_differences({"model": ckpt["model_config"]}, {"model": dataclasses.asdict(cfg.model)},
-                                                {"model": SHAPE_FREE_MODEL_KEYS})
+    saved, current = {"model": ckpt["model_config"]}, {"model": dataclasses.asdict(cfg.model)}
+    forbidden, changed = checkpoint_differences(saved, current, {"model": SHAPE_FREE_MODEL_KEYS})
     if forbidden:
         raise UserError(f"train.init_from = {source!r} has other parameter shapes ({'; '.join(forbidden)}); only "
                         f"these model settings may change: {', '.join(SHAPE_FREE_MODEL_KEYS)}")
@@ -317,19 +334,24 @@ def load_init_weights(cfg, master):
     return ckpt["model"]
 
 
-def build_model(cfg, device, ckpt, init_weights=None):
-    """(model, optimizer, base learning rate per param group), with the checkpoint's weights and
-    optimizer state when resuming, or with `init_weights` alone (train.init_from)."""
-    t = cfg.train
-    # Every rank seeds alike so the initial weights agree (DDP also broadcasts rank 0's at wrap time);
-    # the model has no dropout, so nothing else draws.
+def build_model(cfg, procs, bf16, ckpt, init_weights=None):
+    """(model, optimizer, base learning rate per param group), spread over the ranks as train.parallel says
+    (parallel.prepare), with the checkpoint's weights and optimizer state when resuming, or with
+    `init_weights` alone (train.init_from). A sharded checkpoint (no "model" in `ckpt`: its tensors are
+    read into the shards later, by restore) leaves them freshly initialised."""
+    t, device = cfg.train, procs.device
+    # Every rank seeds alike so the initial weights agree: DDP broadcasts rank 0's at wrap time, but
+    # fully_shard keeps each rank's own. The model has no dropout, so nothing else draws.
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
     model = Transformer(cfg.model)
-    if ckpt or init_weights:
-        model.load_state_dict(ckpt["model"] if ckpt else init_weights)
-    model.to(device)
+    weights = ckpt.get("model") if ckpt else init_weights
+    if weights is not None:
+        model.load_state_dict(weights)
+    if t.parallel != "fsdp":
+        model.to(device)  # fully_shard moves each group to the device as it shards it
+    prepare(model, t, procs, bf16)
     groups = model.optim_groups(t.weight_decay)
     base_lr = {"decay": t.lr, "no_decay": t.lr, "prior": t.prior_lr or t.lr}
     for group in groups:
@@ -339,29 +361,30 @@ def build_model(cfg, device, ckpt, init_weights=None):
     else:
         # The paper's optimiser; decoupled weight decay is AdamW-style, as in the official code.
         optimizer = torch.optim.RAdam(groups, lr=t.lr, betas=t.betas, eps=t.eps, decoupled_weight_decay=True)
-    if ckpt:
-        optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt and "optimizer" in ckpt:
+        if t.parallel == "fsdp":
+            load_whole_optimizer(model, optimizer, ckpt["optimizer"])
+        else:
+            optimizer.load_state_dict(ckpt["optimizer"])
     return model, optimizer, base_lr
 
 
-def restore(run, ckpt):
-    """The rest of a checkpoint's state: where the data stands, the RNGs, the train state."""
+def restore(run, path, ckpt):
+    """The rest of a checkpoint's state: a sharded checkpoint's tensors, where the data stands, the RNGs, the
+    train state."""
+    if "model" not in ckpt:  # a sharded checkpoint folder, read into this run's shards (resharded if need be)
+        try:
+            load_fsdp_checkpoint(run.raw_model, run.optimizer, path, ckpt)
+        except CheckpointError as e:  # files that match DONE but do not read (bit rot): move it away
+            raise UserError(f"{e}; move {path} away to resume from the checkpoint before it") from None
     # A position in the token stream, the same for every rank: seeking there replaces replaying.
     try:
         run.train_loader.load_state_dict(ckpt["loader"])
     except ValueError as e:  # the shards changed since the checkpoint
         raise UserError(f"cannot resume from step {ckpt['step']}: {e}") from None
-    set_rng_state(ckpt["rng"])
+    set_rng_state(rank_rng_state(ckpt, run.procs.rank))
     run.state = TrainState(step=ckpt["step"], tokens_seen=ckpt["tokens_seen"], best_val_loss=ckpt["best_val_loss"],
                            wandb_id=ckpt.get("wandb_id"), recent=ckpt.get("recent", []))
-
-
-def wrap_model(model, compile_model, procs):
-    if compile_model:
-        model = torch.compile(model)
-    if procs.ddp:
-        model = DDP(model, device_ids=[procs.local_rank] if procs.device.type == "cuda" else None)
-    return model
 
 
 def setup_run_dir(cfg, state, resumed_step):
@@ -390,9 +413,11 @@ def print_summary(run, resumed):
     m, t, procs = run.cfg.model, run.cfg.train, run.procs
     print(f"model: {run.raw_model.num_params():,} parameters, pe={m.pe}{' + ssmax' if m.ssmax else ''}, "
           f"{m.n_layer} layers x {m.n_embd} wide, context {m.block_size}")
+    precision = ("bf16 weights (FSDP policy)" if run.sharded else "bf16 autocast") if run.bf16 else "fp32"
     print(f"batch: {t.tokens_per_step:,} tokens per step = {run.cfg.data.batch_size} x {m.block_size} x "
           f"{procs.world_size} ranks x {run.accum_steps} accumulation steps; {t.max_steps:,} steps; device "
-          f"{procs.device}, {'bf16 autocast' if run.bf16 else 'fp32'}{', compiled' if t.compile else ''}")
+          f"{procs.device}, {t.parallel}, {precision}{', compiled' if t.compile else ''}"
+          f"{', activation checkpointing' if t.activation_checkpointing != 'none' else ''}")
     print(f"run dir: {run.cfg.log.out_dir}" + (f" (resuming at step {run.state.step})" if resumed else ""))
 
 
@@ -413,19 +438,18 @@ def build_run(args, overrides, procs, held):
     train_loader, val_loader, val_batches = build_data(cfg, procs)
     if procs.master:
         lock_run_dir(cfg.log.out_dir, held)
-    ckpt = load_resume_state(cfg, args.resume, procs.master)
+    path, ckpt = load_resume_state(cfg, args.resume, procs.master)
     init_weights = None if ckpt else load_init_weights(cfg, procs.master)
-    if procs.ddp:
-        dist.init_process_group(backend="nccl" if procs.device.type == "cuda" else "gloo",
-                                device_id=procs.device if procs.device.type == "cuda" else None)
+    init_distributed(procs, cfg.train.parallel)
     t, device = cfg.train, procs.device
     bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
     accum_steps = t.tokens_per_step // (cfg.data.batch_size * cfg.model.block_size * procs.world_size)
     run = Run(cfg, procs, bf16, accum_steps, train_loader, val_loader, val_batches,
-              *build_model(cfg, device, ckpt, init_weights), peak_flops=peak_flops(device, bf16, cfg.log.peak_tflops))
+              *build_model(cfg, procs, bf16, ckpt, init_weights),
+              peak_flops=peak_flops(device, bf16, cfg.log.peak_tflops))
     if ckpt:
-        restore(run, ckpt)
-    run.model = wrap_model(run.raw_model, t.compile, procs)
+        restore(run, path, ckpt)
+    run.model = wrap(run.raw_model, t, procs)
     if procs.master:
         with writes_to(cfg.log.out_dir):
             run.metrics = setup_run_dir(cfg, run.state, ckpt["step"] if ckpt else None)
@@ -447,13 +471,12 @@ def train_step(run, step):
         group["lr"] = run.base_lr[group["name"]] * lr_scale
     vocab_size = run.cfg.model.vocab_size
     batches = [next_batch(run.train_loader, loss_on, procs.device, vocab_size) for _ in range(run.accum_steps)]
-    weights = loss_weights(batches, loss_on, procs.device, procs.ddp, procs.world_size)
+    weights = loss_weights(batches, loss_on, procs.device, procs.distributed, procs.world_size)
     loss_sum = torch.zeros((), device=procs.device)
-    for micro_step, (batch, weight) in enumerate(zip(batches, weights)):
-        # Gradients are averaged across ranks only on the last micro-step; syncing on the others
-        # would send the same bytes accum_steps times for nothing.
-        sync = run.model.no_sync() if procs.ddp and micro_step < run.accum_steps - 1 else nullcontext()
-        with sync:
+    for i, (batch, weight) in enumerate(zip(batches, weights)):
+        # When the ranks exchange gradients (after the last micro-batch only, unless FSDP keeps them
+        # sharded after each one): parallel.micro_step.
+        with micro_step(run.model, t, procs, last=i == run.accum_steps - 1):
             with run.autocast:
                 loss = loss_of(run.model, batch, run.cfg.data.doc_mask, loss_on)
             # Summed gradients of weighted mean losses (1 / accum_steps each when every token counts):
@@ -462,10 +485,10 @@ def train_step(run, step):
         loss_sum += loss.detach().float() * weight
     # The stop flag rides on the loss's all_reduce: a signal to any rank stops every rank after this step.
     reduced = torch.stack([loss_sum, torch.tensor(float(run.stop.signum is not None), device=procs.device)])
-    if procs.ddp:
+    if procs.distributed:
         dist.all_reduce(reduced)
         reduced[0] /= procs.world_size
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), t.grad_clip or math.inf)
+    grad_norm = clip_grad_norm(run.model.parameters(), t.grad_clip or math.inf)  # of the whole model on every rank
     # One sync per step: it lets every rank agree to stop before a diverging update is applied.
     (loss_value, stop), grad_norm_value = reduced.tolist(), grad_norm.item()
     check_step(run, step, loss_value, grad_norm_value)
@@ -480,30 +503,37 @@ def validate(run, row):
     """Adds the validation loss to `row` (the metrics row of step row["step"]); a new best is saved."""
     cfg, procs = run.cfg, run.procs
     row["val_loss"] = evaluate(run.model, run.val_loader, run.val_batches, run.autocast, procs.device,
-                               cfg.data.doc_mask, cfg.data.loss_on, procs.ddp)
+                               cfg.data.doc_mask, cfg.data.loss_on, procs.distributed)
     if row["val_loss"] < run.state.best_val_loss:
         run.state.best_val_loss = row["val_loss"]
-        if procs.master:
-            path = best_path(cfg.log.out_dir)
-            with writes_to(path):
-                save_atomic(checkpoint_dict(run.raw_model, config=to_dict(cfg), step=row["step"],
-                                            val_loss=row["val_loss"]), path)
+        path, state = best_path(cfg.log.out_dir, run.sharded), dict(config=to_dict(cfg), step=row["step"],
+                                                                    val_loss=row["val_loss"])
+        with writes_to(path):
+            if run.sharded:  # every rank writes its shards of the weights
+                save_fsdp_checkpoint(run.raw_model, None, state, path)
+            elif procs.master:
+                save_atomic(checkpoint_dict(run.raw_model, **state), path)
+            other = best_path(cfg.log.out_dir, not run.sharded)  # from before a change of train.parallel
+            if procs.master and os.path.exists(other):
+                shutil.rmtree(other) if os.path.isdir(other) else os.remove(other)
 
 
 def save_checkpoint(run):
-    """Everything an exact resume needs, as step_XXXXXXXX.pt; only the newest train.keep_last stay, and
-    never fewer than 2: the newest one's weights have not been trained on yet, so after a divergence
-    (diverged) the one before it is the one to resume from."""
-    if not run.procs.master:
-        return
+    """Everything an exact resume needs, as step_XXXXXXXX.pt (under FSDP the folder step_XXXXXXXX, which every
+    rank writes its shards into); only the newest train.keep_last stay, and never fewer than 2: the newest
+    one's weights have not been trained on yet, so after a divergence (recovery.diverged) the one before it
+    is the one to resume from."""
     s, run_dir = run.state, run.cfg.log.out_dir
-    path = step_path(run_dir, s.step)
+    state = dict(step=s.step, tokens_seen=s.tokens_seen, best_val_loss=s.best_val_loss, config=to_dict(run.cfg),
+                 loader=run.train_loader.state_dict(), rng=rng_state(), wandb_id=s.wandb_id, recent=s.recent)
+    path = step_path(run_dir, s.step, run.sharded)
     with writes_to(path):
-        save_atomic(checkpoint_dict(run.raw_model, optimizer=run.optimizer.state_dict(), step=s.step,
-                                    tokens_seen=s.tokens_seen, best_val_loss=s.best_val_loss, config=to_dict(run.cfg),
-                                    loader=run.train_loader.state_dict(), rng=rng_state(), wandb_id=s.wandb_id,
-                                    recent=s.recent), path)
-    keep_last(run_dir, max(2, run.cfg.train.keep_last))
+        if run.sharded:
+            save_fsdp_checkpoint(run.raw_model, run.optimizer, state, path)
+        elif run.procs.master:
+            save_atomic(checkpoint_dict(run.raw_model, optimizer=run.optimizer.state_dict(), **state), path)
+    if run.procs.master:
+        keep_last(run_dir, max(2, run.cfg.train.keep_last))
 
 
 @contextmanager
@@ -513,7 +543,8 @@ def writes_to(path):
     try:
         yield
     except OSError as e:
-        kept = step_checkpoints(os.path.dirname(os.path.dirname(path))) if path.endswith(".pt") else []
+        in_checkpoints = os.path.basename(os.path.dirname(path)) == "checkpoints"
+        kept = step_checkpoints(os.path.dirname(os.path.dirname(path))) if in_checkpoints else []
         raise UserError(f"cannot write {e.filename or path}: {os_reason(e)}"
                         + (f"; the previous checkpoint {kept[-1]} is intact" if kept else "")
                         + "; make room and rerun with --resume") from None
@@ -528,7 +559,7 @@ def log_step(run, loss, grad_norm, lr_scale, tokens_per_s, val_due):
         row["mfu"] = flops / (run.peak_flops * run.procs.world_size)
     if val_due:
         validate(run, row)
-    row["prior"] = rounded(run.raw_model.prior_summary())
+    row["prior"] = rounded(prior_summary(run.raw_model))
     run.metrics.record(row)
     return row
 
@@ -547,7 +578,7 @@ def train_loop(run):
     """`step` counts finished optimizer updates; a row for step s describes update s."""
     t, log = run.cfg.train, run.cfg.log
     if run.val_batches and run.state.step == 0:  # the untrained model's validation loss
-        row = {"step": 0, "tokens": 0, "prior": rounded(run.raw_model.prior_summary())}
+        row = {"step": 0, "tokens": 0, "prior": rounded(prior_summary(run.raw_model))}
         validate(run, row)
         run.metrics.record(row)
     train_time, interval_tokens, postfix = 0.0, 0, {}
@@ -578,15 +609,35 @@ def finish(run, exit_code=0, together=True):
                   + (f", best val loss {best:.4f}" if math.isfinite(best) else "")
                   + f"; checkpoints in {checkpoint_dir(run.cfg.log.out_dir)}")
         run.metrics.close(exit_code)
-    if run.procs.ddp and together:
+    if dist.is_initialized() and (together or not run.procs.distributed):
         # Leave together: a rank that tears down gloo while rank 0 still writes the last checkpoint
-        # can hang at exit.
+        # can hang at exit. (FSDP without torchrun has a group of one rank: nothing to wait for.)
         dist.barrier()
         dist.destroy_process_group()
 
 
+def dry_run(args, overrides):
+    """train.py CONFIG --dry_run: the memory plan (sizing.py), without data, processes or a run directory."""
+    from sizing import dry_run as plan
+
+    with user_errors():
+        try:
+            worlds = [int(n) for n in args.world_size.split(",")]
+            assert worlds and min(worlds) > 0
+        except (ValueError, AssertionError):
+            raise UserError(f"--world_size={args.world_size}: give numbers of GPUs, like 8 or 8,64") from None
+        try:
+            cfg = load_config(args.config, overrides)
+        except ConfigError as e:
+            raise UserError(e) from None
+        print(f"{args.config}:")
+        print(plan(cfg, worlds))
+
+
 def main(argv=None):
     args, overrides = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args, overrides)
     procs = setup_processes()
     run = None
     try:

@@ -3,7 +3,7 @@ One command that proves the GPU path: FlexAttention's compiled forward and backw
 reference for every encoding, the compiled bf16 training step, long-context inference and the cost of
 attention, with the issue's targets checked. It writes OUT/gpu_check.md and OUT/gpu_check.json.
 
-    python bench/gpu_check.py --out runs/gpu_check                  # one GPU: the full check, < 8 min on an H200
+    python bench/gpu_check.py --out runs/gpu_check                  # one GPU: the full check, < 9 min on an H200
     python bench/gpu_check.py --device cpu --quick --out /tmp/gc    # every code path but CUDA's, tiny shapes, ~1 min
     python bench/gpu_check.py --out runs/gpu_check --sections training,attention   # a part, e.g. after a fix
 
@@ -27,6 +27,8 @@ Sections, in the order they run:
   long_context  a passkey-style forward (the evaluators' predict_spans) at 64K and 256K tokens, 121M shapes.
   attention     forward+backward of one attention call, 12-layer head shapes, bf16: RoPE, ALiBi, BAM+SSMax
                 against NoPE on flash (sdpa) at T = 512, 1024, 4096.
+  fsdp          train.parallel = "fsdp" on a world of one rank: each Block compiled (flex on CUDA), sharded
+                with the bf16 policy, 3 steps against bf16 autocast; a DCP save/load round trip.
 
 --quick runs the same code on tiny shapes with the CPU's attention path (sdpa; flex forward only where it
 is compared) and torch.compile's aot_eager backend (dynamo and AOT autograd trace forward and backward as
@@ -40,6 +42,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -61,9 +64,9 @@ from eval.scoring import Sample, predict_spans  # noqa: E402
 from model import PE_CHOICES, Transformer  # noqa: E402
 from train import PEAK_BF16_TFLOPS  # noqa: E402
 
-# (section, budget in seconds on one H200). The budgets add up to 430 s; with ~20 s of start-up (imports,
+# (section, budget in seconds on one H200). The budgets add up to 490 s; with ~20 s of start-up (imports,
 # CUDA context) and one case overrunning its section by its own expected time at most, the run stays
-# under 8 minutes. Expected times, all dominated by compilation (Triton for flex, inductor for the model):
+# under 9 minutes. Expected times, all dominated by compilation (Triton for flex, inductor for the model):
 #   graphs       10 traces, no code generation: ~2 s each.
 #   correctness  40 cases on a 2-layer model; a flex kernel is compiled per (prior, SSMax, mask kind,
 #                dtype), 24 at most, ~4 s each with its backward; the rest is milliseconds. Then the whole
@@ -74,7 +77,8 @@ from train import PEAK_BF16_TFLOPS  # noqa: E402
 #   long_context flex compiled for a static then a dynamic length (~15 s), 64K (~1 s), 256K (~5-10 s:
 #                ~1.3 PFLOP of attention).
 #   attention    a flex kernel per (encoding, T) with backward, ~4 s each, 9 of them; timing is milliseconds.
-SECTIONS = {"graphs": 20, "correctness": 140, "training": 170, "long_context": 50, "attention": 50}
+#   fsdp         the 121M model's Block compiled once (inductor, flex inside: ~40 s), 3 steps, a DCP save/load.
+SECTIONS = {"graphs": 20, "correctness": 140, "training": 170, "long_context": 50, "attention": 50, "fsdp": 60}
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_CONFIG = os.path.join(ROOT, "configs/paper/bam_ssmax_512.toml")  # the 121M model, the paper's training
@@ -605,8 +609,104 @@ def check_attention(s, report):
                   None if ratio is None or not s.cuda else ratio <= 1.3)
 
 
+# ---------------------------------------------------------------------------------------------------
+# fsdp: train.parallel = "fsdp" on this one device, a world of one rank: the code path of many GPUs
+
+
+def check_fsdp(s, report):
+    """parallel.prepare as train.py runs it (each Block compiled, flex inside on CUDA, then fully_shard with
+    the bf16 policy), BAM + SSMax with document masks, against the same model unsharded under bf16 autocast
+    (the DDP path), and a torch.distributed.checkpoint save and load of its shards. The process group has one
+    rank (NCCL on CUDA, gloo on CPU) and is taken down at the end."""
+    import torch.distributed as dist
+
+    import parallel
+    from checkpoint import load_checkpoint, step_path
+
+    procs = argparse.Namespace(device=s.device, distributed=False)
+    parallel.init_distributed(procs, "fsdp")
+    try:
+        _fsdp_cases(s, report, parallel, load_checkpoint, step_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_cases(s, report, parallel, load_checkpoint, step_path):
+    base = s.base
+    if s.quick:
+        model_cfg, batch_size = dataclasses.replace(base.model, n_layer=2, n_embd=64, n_head=4, vocab_size=512,
+                                                    block_size=64), 2
+    else:
+        model_cfg, batch_size = base.model, 8
+    model_cfg = dataclasses.replace(model_cfg, pe="bam", ssmax=True, attn_impl="auto")
+    train_cfg = dataclasses.replace(base.train, parallel="fsdp", compile=True, optimizer="adamw", lr=1e-3)
+    T = model_cfg.block_size
+    batches = [documents_batch(batch_size, T, model_cfg.vocab_size, s.device, seed, used_tokens=64) for seed in range(3)]
+    bf16 = s.bf16 is not None
+    state = {}
+
+    def steps(model, optimizer, autocast):
+        losses = []
+        for x, y, doc_ids in batches:
+            with autocast:
+                _, loss = model(x, y, doc_ids=doc_ids)
+            loss.backward()
+            parallel.clip_grad_norm(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    def sharded_model():
+        torch.manual_seed(0)
+        model = Transformer(model_cfg)
+        parallel.prepare(model, train_cfg, argparse.Namespace(device=s.device), bf16, s.compile_backend)
+        return model, build_optimizer(model, train_cfg, s.device)
+
+    def policy_case():
+        torch.manual_seed(0)
+        reference = Transformer(model_cfg).to(s.device)
+        ref_losses = steps(reference, build_optimizer(reference, train_cfg, s.device), s.autocast(s.bf16))
+        model, optimizer = sharded_model()
+        seen = []
+        hook = model.blocks[0].attn.wq.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+        losses = steps(model, optimizer, nullcontext())
+        hook.remove()
+        state.update(model=model, optimizer=optimizer)
+        diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        drift = max(rel_err(weights[k], v) for k, v in reference.state_dict().items())
+        # Adam moves every weight by ~lr a step whatever its gradient's size, so a weight whose bf16 gradient
+        # differs in sign between the two paths ends lr-sized apart: the weights are shown, the losses judged.
+        return {"ok": diff < 0.05 and seen[0] == (torch.bfloat16 if bf16 else torch.float32),
+                "impl": reference.attention_impl(T, T, True), "compiled": f"per Block, {s.compile_backend}",
+                "weights_in_forward": str(seen[0]).removeprefix("torch."), "max_loss_diff": diff,
+                "weights_rel_diff": drift, "losses": [round(v, 4) for v in losses]}
+    report.run("fsdp (world 1) bam+ssmax docs, bf16 policy, compiled Blocks vs bf16 autocast", policy_case,
+               expected_s=10 if s.quick else 60)
+
+    def checkpoint_case():
+        model, optimizer = state["model"], state["optimizer"]
+        run_dir = os.path.join(report.out_dir, "fsdp_run")
+        folder = step_path(run_dir, len(batches), sharded=True)
+        parallel.save_fsdp_checkpoint(model, optimizer, {"step": len(batches)}, folder)
+        fresh, fresh_optimizer = sharded_model()
+        parallel.load_fsdp_checkpoint(fresh, fresh_optimizer, folder, load_checkpoint(folder, join_shards=False)[1])
+        same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.state_dict().values(),
+                                                                          fresh.state_dict().values()))
+        whole = load_checkpoint(folder)[1]["model"]  # joined in this process, as the evaluators read it
+        joined = all(torch.equal(whole[k], v.full_tensor().cpu()) for k, v in model.state_dict().items())
+        next_loss = [steps(m, o, nullcontext())[0] for m, o in ((model, optimizer), (fresh, fresh_optimizer))]
+        files = len(os.listdir(folder))
+        shutil.rmtree(run_dir)
+        return {"ok": same and joined and next_loss[0] == next_loss[1], "shards_equal": same, "joined_equal": joined,
+                "next_step_loss": next_loss[0], "resumed_next_step_loss": next_loss[1],
+                "files": files}
+    report.run("fsdp DCP save + load (and joined into one process)", checkpoint_case, expected_s=5 if s.quick else 30)
+
+
 SECTION_FUNCTIONS = {"graphs": check_graphs, "correctness": check_correctness, "training": check_training,
-                     "long_context": check_long_context, "attention": check_attention}
+                     "long_context": check_long_context, "attention": check_attention, "fsdp": check_fsdp}
 
 
 # ---------------------------------------------------------------------------------------------------

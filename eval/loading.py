@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint
+from checkpoint import CheckpointError, is_sharded, load_checkpoint
 from data import EOT
 from eval import EvalError
 from eval.options import EvalOptions
@@ -143,7 +143,7 @@ def describe_model(model, checkpoint=None, ckpt=None):
 
 def run_name(path):
     path = os.path.normpath(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not is_sharded(path):  # a run directory (an FSDP checkpoint is a folder too)
         return os.path.basename(os.path.abspath(path))
     parent = os.path.dirname(os.path.abspath(path))
     stem = os.path.splitext(os.path.basename(path))[0]
@@ -158,7 +158,7 @@ def output_dir(source, out=None):
     if out:
         return out
     if isinstance(source, str):
-        if os.path.isdir(source):
+        if os.path.isdir(source) and not is_sharded(source):
             return os.path.join(source, "eval")
         stem = os.path.splitext(os.path.basename(source))[0]
         return os.path.join(os.path.dirname(os.path.abspath(source)), "eval", stem)

@@ -28,6 +28,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from checkpoint import is_sharded
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval, output_dir
@@ -90,7 +91,8 @@ def training_history(metrics_path):
 def metrics_file(source):
     if not isinstance(source, str):
         return None
-    run = source if os.path.isdir(source) else os.path.dirname(os.path.dirname(os.path.abspath(source)))
+    run = source if os.path.isdir(source) and not is_sharded(source) else \
+        os.path.dirname(os.path.dirname(os.path.abspath(source)))
     path = os.path.join(run, "metrics.jsonl")
     return path if os.path.isfile(path) else None
 

@@ -5,6 +5,7 @@ repository's only writer that renames files into place."""
 import ast
 import dataclasses
 import glob
+import json
 import os
 
 import pytest
@@ -107,3 +108,59 @@ def test_checkpoint_is_the_only_module_that_renames_files_into_place():
                  and isinstance(node.func, ast.Attribute) and node.func.attr in ("replace", "rename")
                  and isinstance(node.func.value, ast.Name) and node.func.value.id == "os"]
         assert not calls, f"{os.path.relpath(path, ROOT)}:{calls[0].lineno} renames a file itself"
+
+
+def sharded_folder(path, files=None):
+    """A sharded checkpoint folder as save_sharded leaves it (the shards are stand-ins: only sizes are checked)."""
+    files = files or {".metadata": b"meta", "__0_0.distcp": b"shard 0", "state.json": b'{"model_config": {}}'}
+    os.makedirs(path)
+    for name, content in files.items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(content)
+    write_text(os.path.join(path, checkpoint.DONE), json.dumps({name: len(c) for name, c in files.items()}))
+    return path
+
+
+def test_sharded_folders_are_step_checkpoints_found_kept_and_set_aside_like_files(tmp_path):
+    run = str(tmp_path / "run")
+    for step in (3, 12):
+        sharded_folder(step_path(run, step, sharded=True))
+    touch(step_path(run, 5))  # a .pt from before train.parallel changed
+    os.makedirs(step_path(run, 13, sharded=True) + ".tmp-77")  # a save killed before its rename
+    sharded_folder(best_path(run, sharded=True))
+    assert step_checkpoints(run) == [step_path(run, 3, True), step_path(run, 5), step_path(run, 12, True)]
+    assert find_checkpoint(run) == step_path(run, 12, True)
+    assert find_checkpoint(step_path(run, 3, True)) == step_path(run, 3, True)  # a folder is a checkpoint, not a run
+    assert checkpoint.reject_after(run, 4) == [step_path(run, 5), step_path(run, 12, True)]
+    assert os.path.isdir(step_path(run, 12, True) + ".rejected") and step_checkpoints(run) == [step_path(run, 3, True)]
+    for name in ("step_00000005.pt.rejected", "step_00000012.rejected"):
+        os.replace(os.path.join(checkpoint.checkpoint_dir(run), name),
+                   os.path.join(checkpoint.checkpoint_dir(run), name.removesuffix(".rejected")))
+    keep_last(run, 1)
+    remove_temp_files(checkpoint.checkpoint_dir(run))
+    assert sorted(os.listdir(checkpoint.checkpoint_dir(run))) == ["best", "step_00000012"]
+    only_best = str(tmp_path / "only_best")
+    sharded_folder(best_path(only_best, sharded=True))
+    assert find_checkpoint(only_best) == best_path(only_best, sharded=True)
+
+
+def test_an_incomplete_or_damaged_sharded_folder_is_refused_and_skipped(tmp_path):
+    run = str(tmp_path / "run")
+    good = sharded_folder(step_path(run, 1, sharded=True))
+    cut = sharded_folder(step_path(run, 2, sharded=True))
+    with open(os.path.join(cut, "__0_0.distcp"), "wb") as f:
+        f.write(b"sh")  # a copy cut short
+    unfinished = step_path(run, 3, sharded=True)
+    os.makedirs(unfinished)  # DONE missing (not made by save_sharded, which renames only complete folders)
+    with open(os.path.join(unfinished, ".metadata"), "wb") as f:
+        f.write(b"meta")
+    with pytest.raises(checkpoint.CheckpointError, match="is damaged: __0_0.distcp has 2 bytes, not 7"):
+        checkpoint.check_sharded(cut)
+    with pytest.raises(checkpoint.CheckpointError, match="is incomplete: DONE is missing"):
+        checkpoint.check_sharded(unfinished)
+    warnings = []
+    path, state = checkpoint.load_newest(step_checkpoints(run), warn=warnings.append, join_shards=False)
+    assert path == good and state == {"model_config": {}}
+    assert warnings == [f"warning: cannot load {unfinished} (incomplete: DONE is missing); trying the one before it",
+                        f"warning: cannot load {cut} (damaged: __0_0.distcp has 2 bytes, not 7); trying the one "
+                        "before it"]

@@ -40,6 +40,11 @@ def test_quick_mode_runs_every_section_and_every_case_passes(tmp_path):
     training = [c for c in result["cases"] if c["name"].startswith("train ")]
     assert training and all(c["loss_falls"] and c["tokens_per_s"] > 0 for c in training)
     assert all(t["met"] is None for t in result["targets"])  # GPU targets are not judged on a CPU
+    # FSDP on a world of one rank: the bf16 policy really computes in bf16, the DCP round trip is exact
+    fsdp = {c["name"].split(" ")[1]: c for c in result["cases"] if c["section"] == "fsdp"}
+    assert fsdp["(world"]["weights_in_forward"] == "bfloat16" and fsdp["(world"]["compiled"].startswith("per Block")
+    assert fsdp["DCP"]["shards_equal"] and fsdp["DCP"]["joined_equal"]
+    assert not os.path.exists(out / "fsdp_run")  # its checkpoint folder is removed again
 
 
 def test_zero_budget_skips_every_case_and_still_writes_both_files(tmp_path):
