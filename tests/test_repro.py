@@ -67,3 +67,19 @@ def test_unknown_run_name_is_one_clear_error(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == "error: no configs/repro/bogus.toml (a name in RUNS)"
     assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()  # checked before any work
+
+
+def test_rope_extensions_skip_unfinished_runs_and_check_methods(tmp_path):
+    # A RoPE run the grid is still training (no complete eval/passkey.json) is left alone, so the
+    # extensions may run beside run.sh; an unknown method is refused before any work.
+    (tmp_path / "runs" / "rope_seed3" / "checkpoints").mkdir(parents=True)
+    script = os.path.join(ROOT, "configs", "repro", "rope_extensions.sh")
+    env = dict(os.environ, OUT=str(tmp_path / "runs"), METHODS="linear yarn", FINE_TUNE="0")
+    proc = subprocess.run(["bash", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rope_seed3: not finished by the grid" in proc.stdout
+    assert not (tmp_path / "runs" / "rope_seed3" / "eval").exists()
+    env["METHODS"] = "yarn pi"
+    proc = subprocess.run(["bash", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: METHODS has pi; allowed: window linear ntk yarn dynamic_ntk"

@@ -8,7 +8,10 @@
 #
 #   DIGITS=5 OUT=runs/repro5 bash configs/repro/rope_extensions.sh   # after run.sh trained rope, rope@2
 #   LENGTHS=128,256 SAMPLES=2 FT_STEPS=2 FT_TOKENS=200000 ... bash configs/repro/rope_extensions.sh   # smoke
+#   METHODS="linear yarn" FINE_TUNE=0 ... bash configs/repro/rope_extensions.sh   # PI and YaRN only (grid5.sh)
 #
+# Only runs the grid has finished are evaluated (their passkey result is complete), so this may run while
+# run.sh still trains other seeds.
 # Each evaluation writes its own file (RUN/eval/passkey_yarn_auto.json, ...), so eval.report over the
 # runs gives every method a row of its own.
 set -euo pipefail
@@ -23,24 +26,37 @@ FT_FROM=${FT_FROM:-$OUT/rope_seed1}                   # the run whose weights th
 FT_DATA=${FT_DATA:-data/repro_$(( 4 * CONTEXT ))_${DIGITS}digits}
 FT_TOKENS=${FT_TOKENS:-2097152}                       # more than 400 steps x 4,096 tokens
 FT_STEPS=${FT_STEPS:-}                                # override rope_yarn_ft.toml's train.max_steps
+METHODS=${METHODS:-"window linear ntk yarn dynamic_ntk"}  # window: RoPE-local; linear = PI; *_auto factors
+FINE_TUNE=${FINE_TUNE:-1}                             # 0: the evaluations only, no YaRN x4 fine-tune
+for method in $METHODS; do
+  [[ $method =~ ^(window|linear|ntk|yarn|dynamic_ntk)$ ]] || {
+    echo "error: METHODS has $method; allowed: window linear ntk yarn dynamic_ntk" >&2; exit 1; }
+done
 
 shopt -s nullglob
 rope_runs=("$OUT"/rope_seed*/)
 (( ${#rope_runs[@]} )) || { echo "error: no $OUT/rope_seed*/ run; train them first (configs/repro/run.sh)" >&2; exit 1; }
-[[ -d $FT_FROM ]] || { echo "error: FT_FROM=$FT_FROM is not a run directory" >&2; exit 1; }
+(( ! FINE_TUNE )) || [[ -d $FT_FROM ]] || { echo "error: FT_FROM=$FT_FROM is not a run directory" >&2; exit 1; }
 
 source configs/repro/passkey.sh  # grid_passkey: eval.passkey at the grid's settings, kept when complete
 
 for dir in "${rope_runs[@]}"; do
   dir=${dir%/}
-  echo "== $dir: RoPE-local (W=$CONTEXT), PI, NTK, dynamic NTK, YaRN"
-  grid_passkey "$dir" "passkey_window$CONTEXT" --window "$CONTEXT" --no_progress
-  for method in linear ntk yarn; do
-    grid_passkey "$dir" "passkey_${method}_auto" --rope_scaling "$method" --rope_factor auto --no_progress
+  if ! passkey_done "$dir/eval/passkey.json"; then
+    echo "== $dir: not finished by the grid (no complete eval/passkey.json), skipped"
+    continue
+  fi
+  echo "== $dir: $METHODS"
+  for method in $METHODS; do
+    case $method in
+      window) grid_passkey "$dir" "passkey_window$CONTEXT" --window "$CONTEXT" --no_progress ;;
+      # factor 1: the scale is (length / CONTEXT), per forward
+      dynamic_ntk) grid_passkey "$dir" passkey_dynamic_ntk --rope_scaling dynamic_ntk --no_progress ;;
+      *) grid_passkey "$dir" "passkey_${method}_auto" --rope_scaling "$method" --rope_factor auto --no_progress ;;
+    esac
   done
-  # factor 1: the scale is (length / CONTEXT), per forward
-  grid_passkey "$dir" passkey_dynamic_ntk --rope_scaling dynamic_ntk --no_progress
 done
+(( FINE_TUNE )) || { echo "done: results in $OUT/rope_seed*/eval"; exit 0; }
 
 echo "== fine-tune $FT_FROM at $(( 4 * CONTEXT )) tokens with YaRN x4"
 python prepare_fineweb.py --source retrieval --retrieval_length $(( 4 * CONTEXT )) \
