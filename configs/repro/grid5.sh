@@ -31,13 +31,16 @@ export RUNS
 
 collect() {  # copy every finished run's small files to $RESULTS (a run is finished when its passkey is)
   source configs/repro/passkey.sh
-  local dir name
+  local dir name file
   for dir in "$OUT"/*_seed*/; do
     dir=${dir%/}; name=${dir##*/}
     passkey_done "$dir/eval/passkey.json" || continue
     mkdir -p "$RESULTS/$name/eval"
     cp "$dir/config.toml" "$dir/metrics.jsonl" "$RESULTS/$name/"
-    cp "$dir"/eval/*.json "$RESULTS/$name/eval/"
+    for file in "$dir"/eval/*.json; do
+      [[ ${file##*/} == passkey* ]] && ! passkey_done "$file" && continue  # incomplete: not the grid's yet
+      cp "$file" "$RESULTS/$name/eval/"
+    done
   done
 }
 
