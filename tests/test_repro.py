@@ -70,7 +70,7 @@ def test_unknown_run_name_is_one_clear_error(tmp_path):
 
 
 def test_rope_extensions_skip_unfinished_runs_and_check_methods(tmp_path):
-    # A RoPE run the grid is still training (no complete eval/passkey.json) is left alone, so the
+    # A RoPE run the grid is still training (its passkey result is not complete) is left alone, so the
     # extensions may run beside run.sh; an unknown method is refused before any work.
     (tmp_path / "runs" / "rope_seed3" / "checkpoints").mkdir(parents=True)
     script = os.path.join(ROOT, "configs", "repro", "rope_extensions.sh")
