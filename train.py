@@ -48,13 +48,14 @@ from checkpoint import (CheckpointError, RunDirInUse, best_path, checkpoint_dict
 from cli import Parser, UserError, os_reason, user_errors
 from config import (SHAPE_FREE_MODEL_KEYS, ConfigError, check, checkpoint_differences, describe, load_config, to_dict,
                     to_toml)
-from data import EOT, ShardLoader, check_shard_tokens, check_token_ids, get_tokenizer
+from data import ShardLoader, check_shard_tokens, check_token_ids
 from model import Transformer
 from parallel import (clip_grad_norm, init_distributed, load_fsdp_checkpoint, load_whole_optimizer, micro_step, prepare,
                       prior_summary, rank_rng_state, save_fsdp_checkpoint, wrap)
 from recovery import (Diverged, StopRequest, Stopped, check_step, follow_moved_run_dir, interrupted, load_resume_state,
                       metrics_rows_until, rng_state, set_rng_state)
 from retrieval import passkey_answer_targets
+from tokenizer import GPT2, GPT2_IDENTITY, TokenizerError, check_vocab, load_tokenizer
 
 # Dense bf16 tensor-core peaks per GPU in TFLOPs, matched against the CUDA device name in this order.
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
@@ -94,7 +95,7 @@ def next_batch(loader, loss_on, device, vocab_size=None):
         except ValueError as e:
             raise UserError(e) from None
     if loss_on == "passkey_answers":
-        y = passkey_answer_targets(x, y, get_tokenizer())
+        y = passkey_answer_targets(x, y, load_tokenizer(loader.tokenizer.name))
     return tuple(v.to(device, non_blocking=True) for v in (x, y, doc_ids))
 
 
@@ -271,15 +272,25 @@ def setup_processes():
                      world_size=int(os.environ.get("WORLD_SIZE", 1)), device=device)
 
 
+def run_tokenizer(name):
+    """The TokenizerIdentity of data.tokenizer; GPT-2's without loading tiktoken (only what reads text needs it)."""
+    if name == GPT2:
+        return GPT2_IDENTITY
+    try:
+        return load_tokenizer(name).identity
+    except TokenizerError as e:
+        raise UserError(f"data.tokenizer = {name!r}: {e}") from None
+
+
 def load_checked_config(path, overrides, world_size, master):
     try:
         cfg = load_config(path, overrides)
         check(cfg, world_size)
     except ConfigError as e:
         raise UserError(e) from None
-    if cfg.model.vocab_size <= EOT:
-        raise UserError(f"model.vocab_size = {cfg.model.vocab_size} cannot hold the GPT-2 tokens of the shards "
-                        f"(up to {EOT}); use 50257 or more")
+    too_small = check_vocab(cfg.model.vocab_size, run_tokenizer(cfg.data.tokenizer))
+    if too_small:
+        raise UserError(too_small)
     follow_moved_run_dir(cfg, path, overrides, master)
     return cfg
 
@@ -287,7 +298,7 @@ def load_checked_config(path, overrides, world_size, master):
 def build_data(cfg, procs):
     """(train loader, validation loader or None, validation batches per evaluation)."""
     d, t = cfg.data, cfg.train
-    shape = (d.batch_size, cfg.model.block_size, procs.rank, procs.world_size)
+    shape = (d.batch_size, cfg.model.block_size, procs.rank, procs.world_size, run_tokenizer(d.tokenizer))
     if not glob.glob(os.path.join(d.data_dir, "*_train_*.bin")):
         raise UserError(f"data.data_dir = {d.data_dir!r} holds no *_train_*.bin shards; make them with "
                         f"prepare_fineweb.py (e.g. `python prepare_fineweb.py --source demo --out_dir {d.data_dir}`)")
@@ -507,7 +518,8 @@ def validate(run, row):
     if row["val_loss"] < run.state.best_val_loss:
         run.state.best_val_loss = row["val_loss"]
         path, state = best_path(cfg.log.out_dir, run.sharded), dict(config=to_dict(cfg), step=row["step"],
-                                                                    val_loss=row["val_loss"])
+                                                                    val_loss=row["val_loss"],
+                                                                    tokenizer=run.train_loader.tokenizer.to_dict())
         with writes_to(path):
             if run.sharded:  # every rank writes its shards of the weights
                 save_fsdp_checkpoint(run.raw_model, None, state, path)
@@ -525,6 +537,7 @@ def save_checkpoint(run):
     is the one to resume from."""
     s, run_dir = run.state, run.cfg.log.out_dir
     state = dict(step=s.step, tokens_seen=s.tokens_seen, best_val_loss=s.best_val_loss, config=to_dict(run.cfg),
+                 tokenizer=run.train_loader.tokenizer.to_dict(),
                  loader=run.train_loader.state_dict(), rng=rng_state(), wandb_id=s.wandb_id, recent=s.recent)
     path = step_path(run_dir, s.step, run.sharded)
     with writes_to(path):
