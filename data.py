@@ -216,8 +216,9 @@ def shard_header(path: str):
         raise ShardError(f"{path}: magic {magic}, expected {' or '.join(map(str, sorted(magics)))} (not an llm.c "
                          f"token shard)")
     if version not in SHARD_FORMATS or SHARD_FORMATS[version][0] != magic:
-        raise ShardError(f"{path}: version {version} with magic {magic}; expected version 1 (magic {SHARD_MAGIC}, "
-                         f"uint16 tokens) or 7 (magic {SHARD_FORMATS[SHARD_VERSION_UINT32][0]}, uint32 tokens)")
+        expected = next(v for v, (m, _) in SHARD_FORMATS.items() if m == magic)
+        width = "uint16 tokens" if expected == SHARD_VERSION_UINT16 else "uint32 tokens"
+        raise ShardError(f"{path}: version {version}, expected {expected} with magic {magic} ({width})")
     dtype = SHARD_FORMATS[version][1]
     expected = HEADER_BYTES + dtype.itemsize * n
     if n < 0 or size != expected:
