@@ -516,7 +516,8 @@ def _check_out_dir(out_dir, manifest, *, prefix, source, shard_size, max_tokens,
         return
     recorded = _manifest_tokenizer(manifest)
     if recorded.sha256 != tokenizer.sha256:
-        raise PrepareError(f"{out_dir} holds shards of the tokenizer {recorded.describe()}, not "
+        details = f" ({recorded.vocab_size:,} tokens, sha256 {recorded.sha256[:12]})" if recorded.vocab_size else ""
+        raise PrepareError(f"{out_dir} holds shards of the {recorded.name!r} tokenizer{details}, not "
                            f"{tokenizer.describe()}; use another --out_dir")
     for key, value in (("source", source), ("prefix", prefix), ("shard_size", shard_size)):
         if manifest.get(key) != value:

@@ -74,14 +74,14 @@ class RetrievalDocuments:
         fixed = f"{TASK} {INFO.format(key='0' * key_digits)} {QUESTION} {'0' * key_digits}."
         # + the separators, and 3 more: keys and joins may tokenise differently
         self.overhead = self._length(fixed) + len(enc.separators) + 3
-        self._zero_key = len(enc.encode_ordinary(" " + "0" * key_digits))
+        self._zero_key = len(enc.encode_continuation(" " + "0" * key_digits))
         if self.overhead >= self.max_tokens:
             raise ValueError(f"retrieval documents of {self.max_tokens} tokens leave no room for filler: the "
                              f"task, information line, question and answer alone take {self.overhead}")
 
     def _length(self, sentence):
         if sentence not in self._lengths:
-            self._lengths[sentence] = len(self.enc.encode_ordinary(" " + sentence))
+            self._lengths[sentence] = len(self.enc.encode_continuation(" " + sentence))
         return self._lengths[sentence]
 
     def document(self):
@@ -96,7 +96,7 @@ class RetrievalDocuments:
         rng = self.rng
         key = str(rng.randrange(10 ** (self.key_digits - 1), 10 ** self.key_digits))
         # The key appears three times; it may take more tokens than the all-zero key of `overhead`.
-        key_extra = 3 * max(0, len(self.enc.encode_ordinary(" " + key)) - self._zero_key)
+        key_extra = 3 * max(0, len(self.enc.encode_continuation(" " + key)) - self._zero_key)
         budget = rng.randint(self.min_tokens, self.max_tokens) - self.overhead - key_extra
         exact = self.min_tokens == self.max_tokens
         after = rng.randint(0, max(0, budget) // 2) if exact else 0  # filler tokens after the answer
@@ -138,7 +138,7 @@ class RetrievalDocuments:
         if source == "text":  # every real sentence has at least one token, most several
             candidates.insert(0, " ".join(self.rng.choice(self.real) for _ in range(missing)))
         for filler in candidates:
-            tail = self.enc.decode(self.enc.encode_ordinary(" " + filler)[:missing]).strip()
+            tail = self.enc.decode(self.enc.encode_continuation(" " + filler)[:missing]).strip()
             topped = f"{text} {tail}"
             if len(self.enc.encode_ordinary(topped)) == self.text_tokens:
                 return topped
@@ -168,12 +168,16 @@ def mix(documents, synthetic, fraction, length_of):
 
 @functools.lru_cache(maxsize=None)
 def _patterns(enc):
-    """Token ids of the two places a key is asked for, and of every all-digit token."""
-    question = tuple(enc.encode_ordinary(" " + QUESTION))  # ... The pass key is| 12345.
-    remember = tuple(enc.encode_ordinary(INFO.split("{key}")[1].rstrip()))  # . Remember it.| 12345 is
+    """Token ids of the two places a key is asked for, of every all-digit token and of the tokens a tokenizer
+    that splits digits writes the space before a key with (" 5" -> " ", "5"; GPT-2 has none: " 5" is one)."""
+    # As they read inside a document (Tokenizer.encode_continuation), where the patterns are looked for
+    question = tuple(enc.encode_continuation(" " + QUESTION))  # ... The pass key is| 12345.
+    remember = tuple(enc.encode_continuation(INFO.split("{key}")[1].rstrip()))  # . Remember it.| 12345 is
     specials = set(enc.separators)
-    digits = frozenset(i for i in range(enc.n_vocab) if i not in specials and enc.decode([i]).strip().isdigit())
-    return question, remember, digits, enc.encode_ordinary(".")[0]
+    texts = [(i, enc.decode([i])) for i in range(enc.n_vocab) if i not in specials]
+    digits = frozenset(i for i, text in texts if text.strip().isdigit())
+    spaces = frozenset(t for d in "0123456789" for t in enc.encode_continuation(" " + d)[:-1])
+    return question, remember, digits, spaces, enc.encode_continuation(".")[0]
 
 
 def passkey_answer_targets(x, y, enc):
@@ -186,7 +190,7 @@ def passkey_answer_targets(x, y, enc):
     BOS, is there), so the model is never asked for a key whose information line fell into the previous row.
     """
     enc = as_tokenizer(enc)
-    question, remember, digits, full_stop = _patterns(enc)
+    question, remember, digits, spaces, full_stop = _patterns(enc)
     out = torch.full_like(y, -1)
     opened = document_ids(x, enc.doc_open) > 0  # a document opened at or before this position, in this row
     y_list = y.tolist()
@@ -200,6 +204,9 @@ def passkey_answer_targets(x, y, enc):
             if not opened[row, j]:
                 continue
             k = j
+            if k + 1 < x.shape[1] and y_list[row][k] in spaces and y_list[row][k + 1] in digits:
+                out[row, k] = y_list[row][k]  # the key's own space token, before its digits
+                k += 1
             while k < x.shape[1] and y_list[row][k] in digits:
                 out[row, k] = y_list[row][k]
                 k += 1

@@ -34,7 +34,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # How long to wait for the Hub before deciding it cannot be reached: huggingface_hub itself retries with
 # back-off for a minute and more, printing each retry, before it looks for a cached copy.
 HUB_PROBE_TIMEOUT_S = 5
-UINT16_VOCAB = 2 ** 16  # ids below this fit llm.c's version-1 (uint16) shards
+UINT16_VOCAB = 2 ** 16
+# Text that ends a word in every tokenizer, encoded before a continuation (HFTokenizer.encode_continuation)
+CONTINUATION_ANCHOR = "\n"  # ids below this fit llm.c's version-1 (uint16) shards
 
 
 class TokenizerError(RuntimeError):
@@ -96,6 +98,13 @@ class Tokenizer:
         """The separator tokens (dropped where text is concatenated across documents)."""
         return tuple(t for t in (self.doc_open, self.doc_close) if t is not None)
 
+    def encode_continuation(self, text):
+        """The tokens `text` adds inside a document, after other text (a slot of a prompt template, a sentence
+        of filler). GPT-2's BPE and byte-level BPEs: encode_ordinary(text). A SentencePiece-style tokenizer
+        (Llama 2, Mistral) puts a word boundary before any text it encodes on its own, which mid-document
+        would be a space that is not there; see HFTokenizer."""
+        return self.encode_ordinary(text)
+
     def document(self, text):
         """The tokens of one document in the token stream, separators included."""
         close = [] if self.doc_close is None else [self.doc_close]
@@ -153,6 +162,22 @@ class HFTokenizer(Tokenizer):
         else:
             doc_open, doc_close = (bos if bos is not None else eos), None
         self.identity = TokenizerIdentity(name, vocab_size, files_sha256(folder), doc_open, doc_close)
+        # Does encoding text on its own add a word boundary (Metaspace's prepended "▁")? Then a continuation
+        # is encoded after an anchor whose tokens are cut off again.
+        self._anchor = self.encode_ordinary(CONTINUATION_ANCHOR)
+        self._prepends = self._continued("a") != self.encode_ordinary("a")
+
+    def _continued(self, text):
+        ids = self.encode_ordinary(CONTINUATION_ANCHOR + text)
+        n = len(self._anchor)
+        return ids[n:] if ids[:n] == self._anchor else None
+
+    def encode_continuation(self, text):
+        if self._prepends:
+            ids = self._continued(text)
+            if ids is not None:
+                return ids
+        return self.encode_ordinary(text)
 
     def encode_ordinary(self, text):
         return self.backend.encode(text, add_special_tokens=False).ids

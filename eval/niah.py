@@ -92,7 +92,7 @@ class NeedlePrompts:
         if text_stream is not None:
             if self.enc.doc_close is not None:  # [BOS] doc [EOS]: one paragraph break between documents
                 text_stream = text_stream[text_stream != self.enc.doc_close]
-            stream = np.where(text_stream == self.enc.doc_open, self.enc.encode_ordinary("\n\n")[0], text_stream)
+            stream = np.where(text_stream == self.enc.doc_open, self.enc.encode_continuation("\n\n")[0], text_stream)
             self.text = (stream, sentence_end_tokens(self.enc))
 
     def haystack(self, name, n, rng):
@@ -149,7 +149,7 @@ class NeedlePrompts:
             answer, slots = encode_template(self.enc, template, {**{f"k{j}": keys[i] for j, i in enumerate(asked)},
                                                                  **{f"v{j}": values[i] for j, i in enumerate(asked)}})
             spans = [slots[f"v{j}"][0] for j in range(len(asked))]
-        question = self.enc.encode_ordinary(question)
+        question = self.enc.encode_continuation(question)
         n = length + 1 - len(self.head) - sum(len(t) for t, _ in needles) - len(question) - len(answer)
         if n < 0:
             return None

@@ -48,14 +48,14 @@ class PasskeyPrompts:
         self.enc = as_tokenizer(enc) if enc is not None else tokenizer()  # the run's; GPT-2 without one
         self.digits, self.given = digits, given_tokens
         self.head = [self.enc.doc_open] + self.enc.encode_ordinary(TASK)
-        self.question = self.enc.encode_ordinary(" " + QUESTION)
+        self.question = self.enc.encode_continuation(" " + QUESTION)
         self.haystack = repeat_haystack(self.enc, GARBAGE, 0)
         # The most tokens a key can take: GPT-2 makes at most `digits` of any key; a tokenizer that splits
         # digits may add one for the space before them (" 12345" -> " ", "1", ..., "5").
         self.key_max = max(digits, *(len(self.key_tokens(str(d) * digits)) for d in range(1, 10)))
 
     def key_tokens(self, key):
-        return self.enc.encode_ordinary(f" {key}")
+        return self.enc.encode_continuation(f" {key}")
 
     def min_length(self):
         """The shortest length every key fits in (no garbage at all): a key is at most `key_max` tokens."""

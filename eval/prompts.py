@@ -11,6 +11,7 @@ import numpy as np
 
 from data import EOT
 from eval import EvalError
+from tokenizer import as_tokenizer
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,16 +28,18 @@ def tokenizer(name="gpt2"):
 def encode_template(enc, template, values):
     """Tokens of a template with {slots}, each slot's value tokenised on its own together with the space
     before it, so a value's tokens inside the haystack are exactly the tokens the answer must reproduce.
-    Returns (tokens, {slot: [(start, end), ...]})."""
+    Returns (tokens, {slot: [(start, end), ...]}). Every piece is encoded as it reads inside the prompt
+    (Tokenizer.encode_continuation)."""
+    enc = as_tokenizer(enc)
     parts = re.split(r"(\{\w+\})", template)  # text, slot, text, slot, ..., text
     tokens, spans = [], {}
     for i, part in enumerate(parts):
         if i % 2 == 0:
             text = part[:-1] if i + 1 < len(parts) and part.endswith(" ") else part
-            tokens += enc.encode_ordinary(text) if text else []
+            tokens += enc.encode_continuation(text) if text else []
         else:
             prefix = " " if parts[i - 1].endswith(" ") else ""
-            piece = enc.encode_ordinary(prefix + str(values[part[1:-1]]))
+            piece = enc.encode_continuation(prefix + str(values[part[1:-1]]))
             spans.setdefault(part[1:-1], []).append((len(tokens), len(tokens) + len(piece)))
             tokens += piece
     return tokens, spans
@@ -58,7 +61,8 @@ class Haystack:
 
 def repeat_haystack(enc, text, n):
     """`text`'s sentences, each tokenised with a leading space, repeated to at least n tokens."""
-    sentences = [enc.encode_ordinary(" " + s.strip() + ".") for s in text.split(".") if s.strip()]
+    enc = as_tokenizer(enc)
+    sentences = [enc.encode_continuation(" " + s.strip() + ".") for s in text.split(".") if s.strip()]
     unit = np.array([t for s in sentences for t in s], dtype=np.int64)
     reps = n // len(unit) + 1
     ends = np.cumsum([len(s) for s in sentences])

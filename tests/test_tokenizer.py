@@ -35,6 +35,12 @@ def small(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def sentencepiece(tmp_path_factory):
+    """A SentencePiece-style BPE (Metaspace "▁" boundaries, prepended to the text), as Llama 2's and Mistral's."""
+    return bpe_folder(str(tmp_path_factory.mktemp("tok") / "sp"), vocab_size=2000, sentencepiece_style=True)
+
+
+@pytest.fixture(scope="module")
 def large(tmp_path_factory):
     """The same BPE with 66,000 more tokens before BOS and EOS: ids past 65,535, uint32 shards."""
     return bpe_folder(str(tmp_path_factory.mktemp("tok") / "large"), vocab_size=2000, padding_tokens=66_000)
@@ -152,6 +158,35 @@ def test_a_vocabulary_past_65535_makes_uint32_shards(large, tmp_path):
     assert {data.shard_header(p)[0] for p in paths} == {7}
     stream = np.concatenate([data.read_shard(p) for p in paths])
     assert stream.tolist() == [t for d in docs for t in enc.document(d)] and stream.max() == 68_001
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "byte-level BPE", "sentencepiece-style BPE"])
+def test_prompts_are_exactly_the_tokens_of_their_text(kind, small, sentencepiece):
+    """Passkey and NIAH prompts, built from token pieces, are the run's tokenizer's encoding of the prompt's text
+    (a SentencePiece-style tokenizer would otherwise put a word boundary before every piece), of exactly the
+    length asked for; and the passkey training targets are found in documents that tokenizer encoded whole."""
+    from eval.niah import NeedlePrompts
+    from eval.passkey import PasskeyPrompts
+    from retrieval import RetrievalDocuments, passkey_answer_targets
+
+    enc = load_tokenizer({"gpt2": "gpt2", "byte-level BPE": small, "sentencepiece-style BPE": sentencepiece}[kind])
+    sample = PasskeyPrompts(enc=enc).build(300, 0.4, 48213)
+    assert len(sample.tokens) == 301 and sample.tokens[0] == enc.doc_open
+    text = enc.decode(sample.tokens[1:].tolist())
+    assert "  " not in text and text.endswith("The pass key is 48213")
+    assert enc.encode_ordinary(text) == sample.tokens[1:].tolist()
+    (start, end), = sample.spans
+    assert sample.tokens[start:end].tolist() == enc.encode_continuation(" 48213")
+    needle = NeedlePrompts(enc=enc).build("single_number", "repeat", 400, np.random.default_rng(0))
+    assert len(needle.tokens) == 401
+    assert enc.encode_ordinary(enc.decode(needle.tokens[1:].tolist())) == needle.tokens[1:].tolist()
+    documents = RetrievalDocuments(enc, 128, 128, filler="garbage", seed=1)
+    rows = [enc.document(documents.document()) for _ in range(4)]
+    assert all(len(r) == 128 for r in rows)
+    x = torch.tensor([r[:-1] for r in rows])
+    y = torch.tensor([r[1:] for r in rows])
+    targets = passkey_answer_targets(x, y, enc)
+    assert ((targets != -1).sum(dim=1) >= 3).all()  # the key (at least a token) twice and the full stop, every row
 
 
 def test_hub_name_that_cannot_be_fetched_is_one_line(tmp_path, capfd):
