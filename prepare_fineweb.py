@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 from checkpoint import check_writable, write_bytes
 from cli import Parser, UserError, describe_os_error, os_reason, user_errors
-from data import MANIFEST, ShardError, shard_num_tokens, write_shard
+from data import EOT, MANIFEST, ShardError, shard_num_tokens, write_shard  # noqa: F401 (EOT: GPT-2's, for callers)
 from tokenizer import GPT2, GPT2_IDENTITY, TokenizerError, TokenizerIdentity, load_tokenizer, shard_version
 
 HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
@@ -69,6 +69,7 @@ DEMO_SHARD_SIZE = 50_000
 RETRIEVAL_SHARD_SIZE = 2**16
 LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+TOKENIZER = GPT2  # the tokenizer of this process's tokenize() calls; tokenized() sets it, forked workers inherit it
 CHUNK_DOCS = 64  # documents per chunk sent to a worker: fewer, larger messages keep the main process light
 CHUNK_CHARS = 1 << 18  # ... and fewer when they are long: a chunk ends once it holds this many characters
 CHUNKS_PER_WORKER = 4  # chunks in flight per worker: enough that it never waits for the main process
@@ -302,10 +303,10 @@ def token_dtype(identity) -> np.dtype:
     return np.dtype(np.uint16) if shard_version(identity.vocab_size) == 1 else np.dtype(np.uint32)
 
 
-def tokenize(text: str, tokenizer: str = GPT2) -> np.ndarray:
+def tokenize(text: str, tokenizer: str = None) -> np.ndarray:
     """The tokens of one document with its separators ([EOT] + GPT-2 tokens; [BOS] + tokens + [EOS]), as the
-    tokenizer's shard dtype (empty documents give nothing)."""
-    enc = load_tokenizer(tokenizer)
+    tokenizer's shard dtype (empty documents give nothing). `tokenizer` defaults to TOKENIZER."""
+    enc = load_tokenizer(tokenizer or TOKENIZER)
     dtype = token_dtype(enc.identity)
     if not text or text.isspace():
         return np.zeros(0, dtype=dtype)
@@ -317,14 +318,13 @@ def tokenize(text: str, tokenizer: str = GPT2) -> np.ndarray:
 
 def tokenized(texts, workers: int, tokenizer: str = GPT2):
     """tokenize() over texts, in order, on `workers` processes."""
-    def tokenize_document(text):  # a closure: forked workers inherit the loaded tokenizer with it
-        return tokenize(text, tokenizer)
-
+    global TOKENIZER
+    TOKENIZER = tokenizer  # before the workers fork, so that they inherit it
     if workers == 1:
-        yield from map(tokenize_document, texts)
+        yield from map(tokenize, texts)
         return
     load_tokenizer(tokenizer)  # load once here; forked workers inherit it instead of each loading it
-    yield from parallel_map(tokenize_document, texts, workers, chunk_chars=CHUNK_CHARS)
+    yield from parallel_map(tokenize, texts, workers, chunk_chars=CHUNK_CHARS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -784,10 +784,12 @@ def make_shards(args):
         source["retrieval"] = {k: getattr(args, k) for k in ("retrieval_fraction", "retrieval_length",
                                                               "retrieval_min_length", "retrieval_filler",
                                                               "key_digits", "seed")}
-    # Refuse an unwritable out_dir before touching the network; one of another tokenizer once it is loaded.
+    # Refuse an incompatible or unwritable out_dir before touching the network (a Hugging Face tokenizer's
+    # shards are compared once it is loaded: only then is its hash known).
     manifest = _read_manifest(args.out_dir)
+    early = GPT2_IDENTITY if args.tokenizer == GPT2 else _manifest_tokenizer(manifest) if manifest else GPT2_IDENTITY
     _check_out_dir(args.out_dir, manifest, prefix=args.prefix, source=source, shard_size=args.shard_size,
-                   max_tokens=args.max_tokens, tokenizer=_manifest_tokenizer(manifest) if manifest else GPT2_IDENTITY)
+                   max_tokens=args.max_tokens, tokenizer=early)
     try:
         check_writable(args.out_dir)
     except OSError as e:

@@ -8,7 +8,7 @@ Every consumer (prepare_fineweb.py, the loader, train.py, the evaluators, sample
 eval.downstream) goes through the `Tokenizer` below, whose method names are tiktoken's (`encode_ordinary`,
 `decode`, `decode_single_token_bytes`, `n_vocab`), so GPT-2 runs through the very calls it always has.
 
-Documents are separated as the tokenizer's own models expect (docs/data.md):
+Documents are separated as the tokenizer's own models expect (docs/training.md, "Tokenizers"):
     GPT-2, and any tokenizer with one special token for both ends: that token before every document
         ([EOT] doc), as llm.c writes GPT-2 shards;
     a tokenizer with distinct BOS and EOS tokens (Mistral, Llama): [BOS] doc [EOS], the paper's convention.

@@ -55,7 +55,7 @@ from parallel import (clip_grad_norm, init_distributed, load_fsdp_checkpoint, lo
 from recovery import (Diverged, StopRequest, Stopped, check_step, follow_moved_run_dir, interrupted, load_resume_state,
                       metrics_rows_until, rng_state, set_rng_state)
 from retrieval import passkey_answer_targets
-from tokenizer import GPT2, GPT2_IDENTITY, TokenizerError, check_vocab, load_tokenizer
+from tokenizer import GPT2, GPT2_IDENTITY, TokenizerError, TokenizerIdentity, check_vocab, load_tokenizer
 
 # Dense bf16 tensor-core peaks per GPU in TFLOPs, matched against the CUDA device name in this order.
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
@@ -323,6 +323,21 @@ def build_data(cfg, procs):
     return train_loader, val_loader, min(t.val_tokens // per_batch, val_loader.batches_per_epoch)
 
 
+def check_checkpoint_tokenizer(ckpt, cfg, what):
+    """UserError when the checkpoint was trained with another tokenizer than data.tokenizer: the same name whose
+    files changed (the recorded sha256 differs), or another name (older checkpoints: GPT-2's)."""
+    current = run_tokenizer(cfg.data.tokenizer)
+    recorded = ckpt.get("tokenizer")
+    if recorded:
+        recorded = TokenizerIdentity.from_dict(recorded)
+    else:
+        name = ((ckpt.get("config") or {}).get("data") or {}).get("tokenizer", GPT2)
+        recorded = GPT2_IDENTITY if name == GPT2 else None
+    if recorded is not None and recorded.sha256 != current.sha256:
+        raise UserError(f"{what} was trained with the tokenizer {recorded.describe()}, not data.tokenizer = "
+                        f"{current.describe()}: its token ids mean other text")
+
+
 def load_init_weights(cfg, master):
     """The weights train.init_from names (a state dict), or None. Only for a fresh run: a run directory
     with checkpoints of its own resumes from them (load_resume_state), whatever init_from says. Model
@@ -334,6 +349,7 @@ def load_init_weights(cfg, master):
         path, ckpt = load_checkpoint(source)
     except CheckpointError as e:
         raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({e})") from None
+    check_checkpoint_tokenizer(ckpt, cfg, f"train.init_from = {source!r}")
     saved, current = {"model": ckpt["model_config"]}, {"model": dataclasses.asdict(cfg.model)}
     forbidden, changed = checkpoint_differences(saved, current, {"model": SHAPE_FREE_MODEL_KEYS})
     if forbidden:
@@ -450,6 +466,8 @@ def build_run(args, overrides, procs, held):
     if procs.master:
         lock_run_dir(cfg.log.out_dir, held)
     path, ckpt = load_resume_state(cfg, args.resume, procs.master)
+    if ckpt:
+        check_checkpoint_tokenizer(ckpt, cfg, path)
     init_weights = None if ckpt else load_init_weights(cfg, procs.master)
     init_distributed(procs, cfg.train.parallel)
     t, device = cfg.train, procs.device

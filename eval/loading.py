@@ -72,6 +72,7 @@ def load_for_eval(source, options=None):
     else:
         trained, path, ckpt = read_model(source, pick_device(options.device))
         info = describe_model(trained, path, ckpt)
+        check_vocab_holds_tokenizer(trained, path, ckpt)
     model = overridden(trained, options.attn_impl, options.model_overrides)
     device = model_device(trained)
     return EvalModel(model, info, dict(options.model_overrides), device, pick_dtype(options.dtype, device))
@@ -91,6 +92,23 @@ def read_model(source, device):
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise EvalError(f"cannot load the checkpoint {path}: {reason}") from None
     return model.eval(), path, ckpt
+
+
+def check_vocab_holds_tokenizer(model, path, ckpt):
+    """EvalError when the model's vocabulary cannot hold the ids of its run's tokenizer (as the checkpoint records
+    it; GPT-2's without a record), which every evaluator and sample.py feed it. No tokenizer is loaded."""
+    from tokenizer import GPT2_IDENTITY, TokenizerIdentity
+
+    recorded = ckpt.get("tokenizer")
+    identity = TokenizerIdentity.from_dict(recorded) if recorded else None
+    name = ((ckpt.get("config") or {}).get("data") or {}).get("tokenizer", "gpt2")
+    if identity is None and name == "gpt2":
+        identity = GPT2_IDENTITY
+    if identity is None or model.config.vocab_size >= identity.vocab_size:
+        return
+    what = "GPT-2 tokens" if identity.sha256 == GPT2_IDENTITY.sha256 else f"the tokens of its tokenizer {identity.name!r}"
+    raise EvalError(f"{path}: the model's vocab_size {model.config.vocab_size} cannot read {what} (ids up to "
+                    f"{identity.vocab_size - 1}), which every evaluator and sample.py feed it")
 
 
 def run_tokenizer(info, config=None):

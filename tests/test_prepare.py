@@ -175,7 +175,7 @@ def test_resume_after_an_interruption_gives_the_same_shards(tmp_path, monkeypatc
     tokenized_docs = []
     real_tokenize = prepare_fineweb.tokenize
     monkeypatch.setattr(prepare_fineweb, "tokenize",
-                        lambda text, *tokenizer: tokenized_docs.append(text) or real_tokenize(text, *tokenizer))
+                        lambda text: tokenized_docs.append(text) or real_tokenize(text))
     main(args + ["--out_dir", str(tmp_path / "resumed")])
     clean, resumed = shard_files(tmp_path / "clean"), shard_files(tmp_path / "resumed")
     assert [os.path.basename(f) for f in clean] == [os.path.basename(f) for f in resumed]

@@ -328,3 +328,25 @@ def test_shards_of_another_tokenizer_are_refused(small, large, tmp_path):
                            f"--log.out_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and done.stderr.strip().count("\n") == 0, done.stderr
     assert "made with the tokenizer" in done.stderr and "data.tokenizer" in done.stderr
+
+
+def test_checkpoints_of_another_tokenizer_are_refused(small, large):
+    """Resuming, train.init_from and the evaluators compare the checkpoint's recorded tokenizer with the run's."""
+    from eval import EvalError
+    from eval.loading import run_tokenizer
+
+    cfg = load_config(overrides=[f"--data.tokenizer={small}"])
+    mine = {"config": {"data": {"tokenizer": small}}, "tokenizer": load_tokenizer(small).identity.to_dict()}
+    train.check_checkpoint_tokenizer(mine, cfg, "ckpt")
+    for other in ({"config": {"data": {"tokenizer": large}}, "tokenizer": load_tokenizer(large).identity.to_dict()},
+                  {"config": {"data": {}}}):  # a checkpoint from before data.tokenizer: GPT-2's
+        with pytest.raises(UserError, match="was trained with the tokenizer"):
+            train.check_checkpoint_tokenizer(other, cfg, "ckpt")
+    info = {"tokenizer": small, "tokenizer_sha256": "f" * 64, "name": "run"}
+    with pytest.raises(EvalError, match="its files changed"):
+        run_tokenizer(info)
+    info["tokenizer_sha256"] = load_tokenizer(small).identity.sha256
+    assert run_tokenizer(info) is load_tokenizer(small)
+    too_small = load_config(overrides=["--model.vocab_size=100"]).model
+    with pytest.raises(EvalError, match="cannot hold every id"):
+        run_tokenizer(info, too_small)
