@@ -235,16 +235,20 @@ def read_shard(path: str) -> np.memmap:
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
 
 
-def check_token_ids(tokens, vocab_size: int, where: str) -> None:
+def _tokenizer_words(tokenizer_name):
+    return "the GPT-2 tokenizer" if tokenizer_name in (None, "gpt2") else f"the run's tokenizer ({tokenizer_name})"
+
+
+def check_token_ids(tokens, vocab_size: int, where: str, tokenizer_name=None) -> None:
     """ValueError naming `where` when a token id is outside the model's vocabulary [0, vocab_size)
     (tokens are unsigned: uint16 in shards, non-negative int64 in batches)."""
     top = int(tokens.max()) if len(tokens) else 0
     if top >= vocab_size:
         raise ValueError(f"{where} holds token id {top}, outside the model's vocabulary (model.vocab_size = "
-                         f"{vocab_size}); raise model.vocab_size or re-tokenize with the run's tokenizer")
+                         f"{vocab_size}); raise model.vocab_size or re-tokenize with {_tokenizer_words(tokenizer_name)}")
 
 
-def check_shard_tokens(paths, vocab_size: int, chunk: int = 1 << 24) -> None:
+def check_shard_tokens(paths, vocab_size: int, chunk: int = 1 << 24, tokenizer_name=None) -> None:
     """ShardError naming the shard and position of the first token id >= vocab_size. The embedding would
     otherwise fail with an IndexError deep inside the first forward that meets it (or, on a GPU, an
     asynchronous device assert). A chunked, memmapped scan: about one read of the data."""
@@ -256,7 +260,7 @@ def check_shard_tokens(paths, vocab_size: int, chunk: int = 1 << 24) -> None:
                 where = start + int(np.argmax(piece >= vocab_size))
                 raise ShardError(f"{path}: token {where:,} has id {int(piece[where - start])}, outside the model's "
                                  f"vocabulary (model.vocab_size = {vocab_size}); raise model.vocab_size or "
-                                 f"re-tokenize with the run's tokenizer")
+                                 f"re-tokenize with {_tokenizer_words(tokenizer_name)}")
 
 
 def document_ids(tokens, eot=EOT):

@@ -199,12 +199,16 @@ def files_sha256(folder):
 
 
 def hub_reachable(timeout=HUB_PROBE_TIMEOUT_S):
-    """Whether a TCP connection to the Hub opens within `timeout` seconds (no request is made)."""
+    """Whether a TCP connection to the Hub opens within `timeout` seconds (no request is made). Behind a proxy
+    the Hub is not reached directly, so then the answer is yes and huggingface_hub finds out itself."""
     from huggingface_hub import constants
 
-    host = urllib.parse.urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urllib.parse.urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
+        socket.create_connection((host, port), timeout=timeout).close()
         return True
     except OSError:
         return False
@@ -230,10 +234,10 @@ def hub_folder(name):
         return snapshot_download(name, allow_patterns=list(TOKENIZER_FILES), local_files_only=offline)
     except Exception as e:
         kind = type(e).__name__
-        if "Gated" in kind or "401" in str(e) or "403" in str(e):
+        if "Gated" in kind:
             raise TokenizerError(f"the Hub tokenizer {name!r} is gated: accept its terms on huggingface.co and "
                                  f"log in (`hf auth login`), or {fix}") from None
-        if "RepositoryNotFound" in kind or "404" in str(e):
+        if "RepositoryNotFound" in kind:
             raise TokenizerError(f"no tokenizer {name!r} on the Hugging Face Hub (and no local folder of that "
                                  f"name); check the name") from None
         where = "the Hub cannot be reached and there is no cached copy" if offline else \

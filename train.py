@@ -90,8 +90,8 @@ def next_batch(loader, loss_on, device, vocab_size=None):
         start = loader.position - (loader.world_size - loader.rank) * loader.window  # of this rank's window
         try:
             for tokens in (x, y[:, -1]):  # y is x shifted by one: only its last column is new
-                check_token_ids(tokens, vocab_size, f"the {loader.split} split in {loader.data_dir} "
-                                                    f"(tokens {start}..{start + loader.window})")
+                where = f"the {loader.split} split in {loader.data_dir} (tokens {start}..{start + loader.window})"
+                check_token_ids(tokens, vocab_size, where, tokenizer_name=loader.tokenizer.name)
         except ValueError as e:
             raise UserError(e) from None
     if loss_on == "passkey_answers":
@@ -288,7 +288,11 @@ def load_checked_config(path, overrides, world_size, master):
         check(cfg, world_size)
     except ConfigError as e:
         raise UserError(e) from None
-    too_small = check_vocab(cfg.model.vocab_size, run_tokenizer(cfg.data.tokenizer))
+    identity = run_tokenizer(cfg.data.tokenizer)
+    if identity == GPT2_IDENTITY and cfg.model.vocab_size < identity.vocab_size:  # as GPT-2 runs always said
+        raise UserError(f"model.vocab_size = {cfg.model.vocab_size} cannot hold the GPT-2 tokens of the shards "
+                        f"(up to {identity.vocab_size - 1}); use {identity.vocab_size} or more")
+    too_small = check_vocab(cfg.model.vocab_size, identity)
     if too_small:
         raise UserError(too_small)
     follow_moved_run_dir(cfg, path, overrides, master)
@@ -307,8 +311,8 @@ def build_data(cfg, procs):
         val_loader = ShardLoader(d.data_dir, "val", *shape) if t.val_every else None
         # Token ids past the vocabulary would be an IndexError deep in the embedding at step 1: the validation
         # split and the first training shard are read whole here, every later batch as it is loaded.
-        check_shard_tokens(val_loader.paths if val_loader else [], cfg.model.vocab_size)
-        check_shard_tokens(train_loader.paths[:1], cfg.model.vocab_size)
+        check_shard_tokens(val_loader.paths if val_loader else [], cfg.model.vocab_size, tokenizer_name=d.tokenizer)
+        check_shard_tokens(train_loader.paths[:1], cfg.model.vocab_size, tokenizer_name=d.tokenizer)
     except (OSError, ValueError) as e:  # data.ShardError is a ValueError
         raise UserError(f"cannot use the shards in {d.data_dir}: {e}") from None
     if d.loss_on != "all":  # a look at the first batch (a fresh loader: nothing is consumed)
