@@ -305,7 +305,8 @@ def build_data(cfg, procs):
     shape = (d.batch_size, cfg.model.block_size, procs.rank, procs.world_size, run_tokenizer(d.tokenizer))
     if not glob.glob(os.path.join(d.data_dir, "*_train_*.bin")):
         raise UserError(f"data.data_dir = {d.data_dir!r} holds no *_train_*.bin shards; make them with "
-                        f"prepare_fineweb.py (e.g. `python prepare_fineweb.py --source demo --out_dir {d.data_dir}`)")
+                        f"prepare_fineweb.py (e.g. `python prepare_fineweb.py --source demo "
+                        f"{'' if d.tokenizer == GPT2 else f'--tokenizer {d.tokenizer} '}--out_dir {d.data_dir}`)")
     try:
         train_loader = ShardLoader(d.data_dir, "train", *shape)
         val_loader = ShardLoader(d.data_dir, "val", *shape) if t.val_every else None
