@@ -106,6 +106,10 @@ def upgrade(values):
 @dataclass
 class DataConfig:
     data_dir: str = "data/fineweb10B"  # token shards written by prepare_fineweb.py
+    # The tokenizer of the shards and of everything that reads or writes text for this run (evaluators,
+    # sample.py, export_hf.py): "gpt2" (tiktoken) or a Hugging Face fast tokenizer by Hub name or local folder,
+    # e.g. "mistralai/Mistral-7B-v0.3", the paper's (tokenizer.py). model.vocab_size follows it unless set.
+    tokenizer: str = "gpt2"
     # Sequences per micro-batch on each rank. The sequence length is model.block_size: the model is
     # trained at exactly its context, so there is one knob, not two that must agree.
     batch_size: int = 48
@@ -240,6 +244,15 @@ def load_config(path=None, overrides=()):
         # One directory per config file by default, so two paper runs never share a run dir.
         stem = os.path.splitext(os.path.basename(path))[0] if path else "default"
         values["log"]["out_dir"] = os.path.join("runs", stem)
+
+    # model.vocab_size follows the tokenizer unless given (GPT-2's 50,257 is also ModelConfig's default).
+    tokenizer = values["data"].get("tokenizer", DataConfig.tokenizer)
+    if "vocab_size" not in values["model"] and isinstance(tokenizer, str) and tokenizer != DataConfig.tokenizer:
+        from tokenizer import TokenizerError, load_tokenizer
+        try:
+            values["model"]["vocab_size"] = load_tokenizer(tokenizer).n_vocab
+        except TokenizerError as e:
+            raise ConfigError(f"data.tokenizer = {tokenizer!r}: {e}") from None
 
     # A preset (one of the paper's model sizes) fills n_embd/n_layer/n_head; keys set explicitly,
     # in the file or on the command line, still win over it.

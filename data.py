@@ -1,22 +1,28 @@
 """Token shards, the GPT-2 tokenizer, and a resumable distributed loader.
 
-Shard format (llm.c's, so the GPT-2 FineWeb shards that llm.c and modded-nanogpt publish,
-`fineweb_val_000000.bin`, `fineweb_train_000001.bin`, ..., load as they are):
+Shard format (llm.c's, so the FineWeb shards that llm.c and modded-nanogpt publish,
+`fineweb_val_000000.bin`, `fineweb_train_000001.bin`, ..., load as they are), in two widths:
 
-    header  256 little-endian int32; [0] = magic 20240520, [1] = version 1 (GPT-2: uint16 tokens),
-            [2] = n, the number of tokens that follow the header; the other 253 are zero.
-    body    n little-endian uint16 token ids.
-    size    exactly 256 * 4 + 2 * n bytes; anything else is a truncated or corrupt file.
+    header  256 little-endian int32; [0] = magic, [1] = version, [2] = n, the number of tokens that
+            follow the header; the other 253 are zero. As llm.c's dev/data/data_common.py defines them:
+            magic 20240520, version 1: uint16 tokens (GPT-2, any vocabulary of at most 65,536 ids);
+            magic 20240801, version 7: uint32 tokens (llm.c's Llama-3 shards; any larger vocabulary).
+    body    n little-endian token ids of that width.
+    size    exactly 256 * 4 + width * n bytes; anything else is a truncated or corrupt file.
 
-Every document is preceded by an EOT token (50256), as in llm.c's fineweb.py, and a document may
+Every document opens with the tokenizer's document token (GPT-2: EOT 50256 *before* every document, as in
+llm.c's fineweb.py; a tokenizer with BOS and EOS: [BOS] doc [EOS], see tokenizer.py), and a document may
 continue from one shard into the next: the shards of a split, in name order, are one token stream.
-The first shard of a prepared directory (`<prefix>_val_000000.bin`) is the validation split.
+The first shard of a prepared directory (`<prefix>_val_000000.bin`) is the validation split. The
+manifest.json that prepare_fineweb.py writes beside the shards names their tokenizer; the loader refuses
+shards of another tokenizer than the run's.
 """
 
 import bisect
 import functools
 import glob
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -32,13 +38,19 @@ from checkpoint import write_bytes
 EOT = 50256  # <|endoftext|>; llm.c writes it *before* every document
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1  # version 1 = GPT-2 tokens as uint16 (llm.c's llama-3 shards use 7 and uint32)
+SHARD_VERSION_UINT16 = SHARD_VERSION
+SHARD_VERSION_UINT32 = 7
+# version -> (magic, token dtype), as llm.c's dev/data/data_common.py writes them ("gpt-2", "llama-3")
+SHARD_FORMATS = {SHARD_VERSION_UINT16: (SHARD_MAGIC, np.dtype("<u2")),
+                 SHARD_VERSION_UINT32: (20240801, np.dtype("<u4"))}
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
+MANIFEST = "manifest.json"  # written by prepare_fineweb.py next to its shards
 
 
 class ShardError(ValueError):
-    """A shard file that is not a valid llm.c GPT-2 shard; the message names the file."""
+    """A shard file that is not a valid llm.c token shard; the message names the file."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,20 +179,28 @@ def get_tokenizer():
 # ----------------------------------------------------------------------------------------------
 # Shards
 
-def write_shard(path: str, tokens) -> None:
-    """Write `tokens` (ints < 2**16) as an llm.c GPT-2 shard, atomically."""
+def write_shard(path: str, tokens, version: int = SHARD_VERSION_UINT16) -> None:
+    """Write `tokens` as an llm.c shard of `version` (1: ids < 2**16 as uint16; 7: ids < 2**32 as uint32),
+    atomically."""
+    magic, dtype = SHARD_FORMATS[version]
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError(f"{path}: token ids must be in [0, 65536) to fit uint16")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2 ** (8 * dtype.itemsize)):
+        raise ValueError(f"{path}: token ids must be in [0, {2 ** (8 * dtype.itemsize)}) to fit "
+                         f"{dtype.name} (version {version} shards)")
     if tokens.size >= 2**31:
         raise ValueError(f"{path}: {tokens.size} tokens do not fit the int32 count of the header")
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    write_bytes(path, [header.tobytes(), tokens.astype(TOKEN_DTYPE, copy=False).tobytes()])
+    header[:3] = magic, version, tokens.size
+    write_bytes(path, [header.tobytes(), tokens.astype(dtype, copy=False).tobytes()])
 
 
 def shard_num_tokens(path: str) -> int:
     """Validate a shard's header against its file size and return its token count."""
+    return shard_header(path)[1]
+
+
+def shard_header(path: str):
+    """(version, token count, token dtype) of a shard, after validating its header against its size."""
     if os.path.isdir(path):
         raise ShardError(f"{path} is a directory, not a shard file")
     try:
@@ -191,35 +211,44 @@ def shard_num_tokens(path: str) -> int:
     if size < HEADER_BYTES:
         raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header")
     magic, version, n = (int(v) for v in header[:3])
-    if magic != SHARD_MAGIC:
-        raise ShardError(f"{path}: magic {magic}, expected {SHARD_MAGIC} (not an llm.c token shard)")
-    if version != SHARD_VERSION:
-        raise ShardError(f"{path}: version {version}, expected {SHARD_VERSION} (GPT-2 uint16 tokens)")
-    expected = HEADER_BYTES + 2 * n
+    magics = {m for m, _ in SHARD_FORMATS.values()}
+    if magic not in magics:
+        raise ShardError(f"{path}: magic {magic}, expected {' or '.join(map(str, sorted(magics)))} (not an llm.c "
+                         f"token shard)")
+    if version not in SHARD_FORMATS or SHARD_FORMATS[version][0] != magic:
+        expected = next(v for v, (m, _) in SHARD_FORMATS.items() if m == magic)
+        width = "uint16 tokens" if expected == SHARD_VERSION_UINT16 else "uint32 tokens"
+        raise ShardError(f"{path}: version {version}, expected {expected} with magic {magic} ({width})")
+    dtype = SHARD_FORMATS[version][1]
+    expected = HEADER_BYTES + dtype.itemsize * n
     if n < 0 or size != expected:
         raise ShardError(f"{path}: header declares {n} tokens ({expected} bytes) but the file has "
                          f"{size} bytes (truncated or corrupt)")
-    return n
+    return version, n, dtype
 
 
 def read_shard(path: str) -> np.memmap:
-    """The tokens of a shard as a read-only uint16 memmap (no copy), after validating it."""
-    n = shard_num_tokens(path)
+    """The tokens of a shard as a read-only memmap (no copy; uint16 or uint32), after validating it."""
+    _, n, dtype = shard_header(path)
     if n == 0:
-        return np.zeros(0, dtype=TOKEN_DTYPE)  # numpy cannot map zero bytes
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n,))
+        return np.zeros(0, dtype=dtype)  # numpy cannot map zero bytes
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
 
 
-def check_token_ids(tokens, vocab_size: int, where: str) -> None:
+def _tokenizer_words(tokenizer_name):
+    return "the GPT-2 tokenizer" if tokenizer_name in (None, "gpt2") else f"the run's tokenizer ({tokenizer_name})"
+
+
+def check_token_ids(tokens, vocab_size: int, where: str, tokenizer_name=None) -> None:
     """ValueError naming `where` when a token id is outside the model's vocabulary [0, vocab_size)
     (tokens are unsigned: uint16 in shards, non-negative int64 in batches)."""
     top = int(tokens.max()) if len(tokens) else 0
     if top >= vocab_size:
         raise ValueError(f"{where} holds token id {top}, outside the model's vocabulary (model.vocab_size = "
-                         f"{vocab_size}); raise model.vocab_size or re-tokenize with the GPT-2 tokenizer")
+                         f"{vocab_size}); raise model.vocab_size or re-tokenize with {_tokenizer_words(tokenizer_name)}")
 
 
-def check_shard_tokens(paths, vocab_size: int, chunk: int = 1 << 24) -> None:
+def check_shard_tokens(paths, vocab_size: int, chunk: int = 1 << 24, tokenizer_name=None) -> None:
     """ShardError naming the shard and position of the first token id >= vocab_size. The embedding would
     otherwise fail with an IndexError deep inside the first forward that meets it (or, on a GPU, an
     asynchronous device assert). A chunked, memmapped scan: about one read of the data."""
@@ -231,13 +260,14 @@ def check_shard_tokens(paths, vocab_size: int, chunk: int = 1 << 24) -> None:
                 where = start + int(np.argmax(piece >= vocab_size))
                 raise ShardError(f"{path}: token {where:,} has id {int(piece[where - start])}, outside the model's "
                                  f"vocabulary (model.vocab_size = {vocab_size}); raise model.vocab_size or "
-                                 f"re-tokenize with the GPT-2 tokenizer")
+                                 f"re-tokenize with {_tokenizer_words(tokenizer_name)}")
 
 
 def document_ids(tokens, eot=EOT):
-    """(..., T) tokens -> the document of each token, counted along the last dimension: an EOT opens a
-    document, so positions with equal ids are one document, and 0 marks tokens before the row's first
-    EOT (the tail of a document that began earlier)."""
+    """(..., T) tokens -> the document of each token, counted along the last dimension: `eot`, the token
+    that opens every document (GPT-2's EOT, or the BOS of a BOS/EOS tokenizer, whose EOS then belongs to
+    the document it closes), opens a document, so positions with equal ids are one document, and 0 marks
+    tokens before the row's first opening token (the tail of a document that began earlier)."""
     return torch.cumsum(tokens == eot, dim=-1)
 
 
@@ -246,6 +276,36 @@ def shard_paths(data_dir: str, split: str) -> list:
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     return sorted(glob.glob(os.path.join(glob.escape(data_dir), f"*_{split}_*.bin")))
+
+
+def manifest_tokenizer(data_dir):
+    """The tokenizer.TokenizerIdentity that data_dir's manifest.json records, or None without a manifest
+    (llm.c's and modded-nanogpt's shards have none). A manifest older than the tokenizer fields is GPT-2's."""
+    from tokenizer import GPT2, GPT2_IDENTITY, TokenizerIdentity
+
+    path = os.path.join(data_dir, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ShardError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    record = manifest.get("tokenizer") if isinstance(manifest, dict) else None
+    if isinstance(record, dict):
+        return TokenizerIdentity.from_dict(record)
+    if record == GPT2:
+        return GPT2_IDENTITY
+    raise ShardError(f"{path} names no tokenizer this version knows ({record!r})")
+
+
+def check_shards_tokenizer(data_dir, tokenizer):
+    """ShardError, one line, when data_dir's manifest records another tokenizer than `tokenizer`."""
+    recorded = manifest_tokenizer(data_dir)
+    if recorded is not None and recorded.sha256 != tokenizer.sha256:
+        raise ShardError(f"the shards in {data_dir} were made with the tokenizer {recorded.describe()}, not the "
+                         f"run's {tokenizer.describe()}; set data.tokenizer = {recorded.name!r} or prepare the "
+                         f"data again with --tokenizer {tokenizer.name}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,11 +322,14 @@ class ShardLoader:
     ends (the short remainder is skipped) and the stream starts over from the beginning.
 
     The state is a position in the stream, the same on every rank, so any rank's `state_dict()`
-    restores all ranks, also under a different world size. doc_ids are `document_ids(x)`: positions
-    with equal ids belong to the same document.
+    restores all ranks, also under a different world size. doc_ids are `document_ids(x)` counted from
+    the run's document token: positions with equal ids belong to the same document.
+
+    `tokenizer` is the run's tokenizer.TokenizerIdentity (default GPT-2's): shards whose manifest names
+    another tokenizer, or a split whose shards mix the two widths, are a ShardError up front.
     """
 
-    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1):
+    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1, tokenizer=None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if batch_size < 1 or seq_len < 1:
@@ -276,8 +339,20 @@ class ShardLoader:
         self.paths = shard_paths(data_dir, split)
         if not self.paths:
             raise FileNotFoundError(f"no {split} shards (*_{split}_*.bin) in {data_dir}")
-        self.counts = [shard_num_tokens(p) for p in self.paths]  # validates every header up front
+        headers = [shard_header(p) for p in self.paths]  # validates every header up front
+        self.counts = [n for _, n, _ in headers]
         counts = self.counts
+        if tokenizer is None:
+            from tokenizer import GPT2_IDENTITY as tokenizer
+        self.tokenizer = tokenizer
+        check_shards_tokenizer(data_dir, tokenizer)
+        versions = sorted({v for v, _, _ in headers})
+        if len(versions) > 1:
+            first = {v: next(p for p, (w, _, _) in zip(self.paths, headers) if w == v) for v in versions}
+            raise ShardError(f"the {split} shards in {data_dir} mix llm.c versions {versions[0]} "
+                             f"({os.path.basename(first[versions[0]])}) and {versions[1]} "
+                             f"({os.path.basename(first[versions[1]])}): shards of two tokenizers")
+        self.dtype = headers[0][2]
         self.starts = np.concatenate([[0], np.cumsum(counts)]).tolist()  # stream offset of each shard
         self.num_tokens = self.starts[-1]
         if seq_len + 1 > max(counts):
@@ -307,7 +382,7 @@ class ShardLoader:
                 # A fresh memmap per read, dropped right after, as nanoGPT does: the loader never
                 # holds more than one shard's mapping, and resident memory does not creep up over
                 # a multi-day run. Headers were validated once, in __init__.
-                tokens = np.memmap(self.paths[shard], dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES,
+                tokens = np.memmap(self.paths[shard], dtype=self.dtype, mode="r", offset=HEADER_BYTES,
                                    shape=(self.counts[shard],))
                 offset = start + filled - self.starts[shard]
                 piece = tokens[offset:offset + length - filled]
@@ -324,7 +399,7 @@ class ShardLoader:
         self.position += self.world_size * self.window
         B, T = self.batch_size, self.seq_len
         x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
-        return x, y, document_ids(x)
+        return x, y, document_ids(x, self.tokenizer.doc_open)
 
     def state_dict(self) -> dict:
         shard = bisect.bisect_right(self.starts, self.position) - 1

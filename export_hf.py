@@ -4,8 +4,9 @@ Export a checkpoint as a Hugging Face `transformers` folder that loads without t
     python export_hf.py runs/bam_ssmax_512 hf/bam_ssmax_512        # newest checkpoint of a run
     python export_hf.py runs/bam_ssmax_512/checkpoints/best.pt hf/bam_ssmax_512_best
 
-The folder holds config.json (with `auto_map`), model.safetensors, generation_config.json, the tokenizer
-(tokenizer.json and tokenizer_config.json, built from the project's GPT-2 ranks), and two Python files:
+The folder holds config.json (with `auto_map`), model.safetensors, generation_config.json, the run's
+tokenizer (data.tokenizer: for GPT-2, tokenizer.json and tokenizer_config.json built from the project's GPT-2
+ranks; a Hugging Face tokenizer is saved as it loads), and two Python files:
 model.py, copied verbatim from this repository, and modeling_bam.py, the small wrapper that makes it a
 PreTrainedModel. Because the exported code *is* model.py, every encoding, Scalable-Softmax and every
 config field behave exactly as in training and evaluation here; nothing is re-implemented.
@@ -62,7 +63,8 @@ def check_self_contained(path):
 
 
 def load_checkpoint(source):
-    """(ModelConfig, state dict, checkpoint path) of a run directory or checkpoint file."""
+    """(ModelConfig, state dict, checkpoint path, the run's data.tokenizer) of a run directory or checkpoint
+    file (GPT-2 for checkpoints from before the setting)."""
     from checkpoint import CheckpointError, load_checkpoint as load
     from model import ModelConfig
 
@@ -79,7 +81,7 @@ def load_checkpoint(source):
         cfg = ModelConfig(**saved)
     except (TypeError, ValueError) as e:
         raise ExportError(f"{path}: {e}") from None
-    return cfg, state, path
+    return cfg, state, path, ((ckpt.get("config") or {}).get("data") or {}).get("tokenizer", "gpt2")
 
 
 @functools.lru_cache(maxsize=None)  # converting the 50K ranks takes seconds; one conversion per process
@@ -115,21 +117,25 @@ def export(source, out_dir, overwrite=False):
             raise ExportError(f"{out_dir} is not an exported model folder (no modeling_bam.py); --overwrite "
                               f"replaces only those, choose another OUT_DIR")
     check_self_contained(MODEL_SOURCE)
-    cfg, state, path = load_checkpoint(source)
+    cfg, state, path, tokenizer_name = load_checkpoint(source)
     try:  # only now: a wrong argument is answered without the seconds this import takes
         from transformers import GenerationConfig
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
     except ImportError:
         raise ExportError("export_hf.py needs transformers: pip install -r requirements.txt") from None
 
-    from data import EOT, get_tokenizer
+    from tokenizer import GPT2Tokenizer, TokenizerError, check_vocab, load_tokenizer
 
     try:
-        enc = get_tokenizer()
-    except RuntimeError as e:
-        raise ExportError(str(e)) from None
-    if cfg.vocab_size < enc.n_vocab:
-        raise ExportError(f"the model has {cfg.vocab_size} tokens, fewer than the GPT-2 tokenizer's {enc.n_vocab}")
+        enc = load_tokenizer(tokenizer_name)
+    except TokenizerError as e:
+        raise ExportError(f"the run's tokenizer: {e}") from None
+    too_small = check_vocab(cfg.vocab_size, enc.identity, "the model's vocab_size")
+    if too_small:
+        raise ExportError(too_small)
+    # Generation stops at the token that ends a document: GPT-2's EOT (which also opens one), or the EOS.
+    bos = enc.doc_open
+    eos = enc.doc_close if enc.doc_close is not None else enc.doc_open
 
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -141,15 +147,19 @@ def export(source, out_dir, overwrite=False):
         # users will run builds and saves the model here.
         config_cls = get_class_from_dynamic_module("modeling_bam.BAMConfig", tmp)
         model_cls = get_class_from_dynamic_module("modeling_bam.BAMForCausalLM", tmp)
-        config = config_cls(bam_model=asdict(cfg), eos_token_id=EOT, bos_token_id=EOT, pad_token_id=EOT)
+        config = config_cls(bam_model=asdict(cfg), eos_token_id=eos, bos_token_id=bos, pad_token_id=eos)
         model = model_cls(config)
         missing, unexpected = model.model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ExportError(f"{path} does not match its own config: missing {missing[:3]}, unexpected "
                               f"{unexpected[:3]}")
-        model.generation_config = GenerationConfig(eos_token_id=EOT, bos_token_id=EOT, pad_token_id=EOT)
+        model.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=bos, pad_token_id=eos)
         model.save_pretrained(tmp)
-        hf_tokenizer(enc).save_pretrained(tmp)
+        if isinstance(enc, GPT2Tokenizer):
+            hf_tokenizer(enc.enc).save_pretrained(tmp)
+        else:  # a fresh copy from its folder: the run's own instance reads special-token text as text
+            from transformers import AutoTokenizer
+            AutoTokenizer.from_pretrained(enc.folder, use_fast=True).save_pretrained(tmp)
         replace_dir(tmp, out_dir)  # an old export moves aside first, so one complete folder always exists
     finally:
         if os.path.exists(tmp):

@@ -1,4 +1,4 @@
-"""Turn a text corpus into GPT-2 token shards (llm.c format, see data.py) once; train on them many times.
+"""Turn a text corpus into token shards (llm.c format, see data.py) once; train on them many times.
 
     python prepare_fineweb.py --source fineweb --out_dir data/fineweb10B            # sample-10BT
     python prepare_fineweb.py --source fineweb-edu --sample sample-100BT --out_dir data/edu100B
@@ -6,6 +6,7 @@
     python prepare_fineweb.py --source local --input 'corpus/*.jsonl' --out_dir data/mine
     python prepare_fineweb.py --source demo --out_dir data/demo                     # offline
     python prepare_fineweb.py --source demo --retrieval_fraction 0.5 --out_dir data/demo_passkey
+    python prepare_fineweb.py --source fineweb --tokenizer mistralai/Mistral-7B-v0.3 --out_dir data/fineweb10B_mistral
 
 Sources: FineWeb / FineWeb-Edu samples streamed from the Hugging Face Hub with `datasets` (nothing
 is downloaded in full first); any other text dataset streamed the same way (`--source hub` with
@@ -19,7 +20,10 @@ signatures they document, the prose comments of its source and IDLE's text files
 `--retrieval_fraction F` mixes synthetic passkey documents (retrieval.py) into any of them, F of the
 tokens; `--source retrieval` is those documents alone (bounded by --max_tokens).
 
-Each document becomes [EOT] + its GPT-2 tokens (empty documents are dropped); documents are packed
+--tokenizer is GPT-2 (tiktoken, the default) or any Hugging Face fast tokenizer by Hub name or local folder
+(tokenizer.py). Each document becomes [EOT] + its GPT-2 tokens, or [BOS] + its tokens + [EOS] with a
+tokenizer that has both (empty documents are dropped); ids are uint16 (llm.c version 1) while the
+vocabulary fits, uint32 (version 7) otherwise. Documents are packed
 back to back into shards of --shard_size tokens (a document may continue into the next shard) and
 the first shard is the validation split. Shards are written to a temp file and renamed, and a
 manifest.json next to them records the source, tokenizer and every finished shard with where in the
@@ -52,7 +56,8 @@ from tqdm import tqdm
 
 from checkpoint import check_writable, write_bytes
 from cli import Parser, UserError, describe_os_error, os_reason, user_errors
-from data import EOT, ShardError, get_tokenizer, shard_num_tokens, write_shard
+from data import EOT, MANIFEST, ShardError, shard_num_tokens, write_shard  # noqa: F401 (EOT: GPT-2's, for callers)
+from tokenizer import GPT2, GPT2_IDENTITY, TokenizerError, TokenizerIdentity, load_tokenizer, shard_version
 
 HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 FINEWEB_SAMPLES = ("sample-10BT", "sample-100BT", "sample-350BT")
@@ -64,8 +69,7 @@ DEMO_SHARD_SIZE = 50_000
 RETRIEVAL_SHARD_SIZE = 2**16
 LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
-MANIFEST = "manifest.json"
-TOKENIZER = "gpt2"
+TOKENIZER = GPT2  # the tokenizer of this process's tokenize() calls; tokenized() sets it, forked workers inherit it
 CHUNK_DOCS = 64  # documents per chunk sent to a worker: fewer, larger messages keep the main process light
 CHUNK_CHARS = 1 << 18  # ... and fewer when they are long: a chunk ends once it holds this many characters
 CHUNKS_PER_WORKER = 4  # chunks in flight per worker: enough that it never waits for the main process
@@ -294,22 +298,32 @@ def demo_documents(workers: int = 1) -> list:
 # ----------------------------------------------------------------------------------------------
 # Tokenisation
 
-def tokenize(text: str) -> np.ndarray:
-    """[EOT] + GPT-2 tokens of one document, as uint16 (empty documents give nothing)."""
+def token_dtype(identity) -> np.dtype:
+    """uint16 while every id of the tokenizer fits (llm.c version-1 shards), else uint32 (version 7)."""
+    return np.dtype(np.uint16) if shard_version(identity.vocab_size) == 1 else np.dtype(np.uint32)
+
+
+def tokenize(text: str, tokenizer: str = None) -> np.ndarray:
+    """The tokens of one document with its separators ([EOT] + GPT-2 tokens; [BOS] + tokens + [EOS]), as the
+    tokenizer's shard dtype (empty documents give nothing). `tokenizer` defaults to TOKENIZER."""
+    enc = load_tokenizer(tokenizer or TOKENIZER)
+    dtype = token_dtype(enc.identity)
     if not text or text.isspace():
-        return np.zeros(0, dtype=np.uint16)
-    tokens = np.array([EOT] + get_tokenizer().encode_ordinary(text), dtype=np.uint32)
-    if tokens.max() >= 2**16:
-        raise ValueError("a token id does not fit uint16; the shards hold GPT-2 ids only")
-    return tokens.astype(np.uint16)
+        return np.zeros(0, dtype=dtype)
+    tokens = np.array(enc.document(text), dtype=np.uint64)
+    if tokens.max() >= np.iinfo(dtype).max + 1:
+        raise ValueError(f"token id {int(tokens.max())} does not fit {dtype.name}")
+    return tokens.astype(dtype)
 
 
-def tokenized(texts, workers: int):
+def tokenized(texts, workers: int, tokenizer: str = GPT2):
     """tokenize() over texts, in order, on `workers` processes."""
+    global TOKENIZER
+    TOKENIZER = tokenizer  # before the workers fork, so that they inherit it
     if workers == 1:
         yield from map(tokenize, texts)
         return
-    get_tokenizer()  # load once here; forked workers inherit it instead of each loading it
+    load_tokenizer(tokenizer)  # load once here; forked workers inherit it instead of each loading it
     yield from parallel_map(tokenize, texts, workers, chunk_chars=CHUNK_CHARS)
 
 
@@ -482,7 +496,14 @@ def _write_manifest(out_dir: str, manifest: dict):
     write_bytes(os.path.join(out_dir, MANIFEST), [json.dumps(manifest, indent=1).encode()])
 
 
-def _check_out_dir(out_dir, manifest, *, prefix, source, shard_size, max_tokens):
+def _manifest_tokenizer(manifest) -> TokenizerIdentity:
+    record = manifest.get("tokenizer")
+    if isinstance(record, dict):
+        return TokenizerIdentity.from_dict(record)
+    return GPT2_IDENTITY if record == GPT2 else TokenizerIdentity(str(record), 0, "?", 0, None)
+
+
+def _check_out_dir(out_dir, manifest, *, prefix, source, shard_size, max_tokens, tokenizer=GPT2_IDENTITY):
     """Refuse to mix these shards with shards of another corpus, tokenizer or shard size."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise PrepareError(f"--out_dir {out_dir} is a file, not a directory")
@@ -493,9 +514,11 @@ def _check_out_dir(out_dir, manifest, *, prefix, source, shard_size, max_tokens)
             raise PrepareError(f"{out_dir} already holds token shards without a {MANIFEST} (e.g. "
                                f"{os.path.basename(sorted(foreign)[0])}); use an empty --out_dir")
         return
-    if manifest.get("tokenizer") != TOKENIZER:
-        raise PrepareError(f"{out_dir} holds shards of the {manifest.get('tokenizer')!r} tokenizer, not "
-                           f"{TOKENIZER!r}; use another --out_dir")
+    recorded = _manifest_tokenizer(manifest)
+    if recorded.sha256 != tokenizer.sha256:
+        details = f" ({recorded.vocab_size:,} tokens, sha256 {recorded.sha256[:12]})" if recorded.vocab_size else ""
+        raise PrepareError(f"{out_dir} holds shards of the {recorded.name!r} tokenizer{details}, not "
+                           f"{tokenizer.describe()}; use another --out_dir")
     for key, value in (("source", source), ("prefix", prefix), ("shard_size", shard_size)):
         if manifest.get(key) != value:
             raise PrepareError(f"{out_dir} holds shards made with {key} {manifest.get(key)!r}, not "
@@ -506,15 +529,17 @@ def _check_out_dir(out_dir, manifest, *, prefix, source, shard_size, max_tokens)
 
 
 def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
-            max_tokens=None, workers: int = 1, progress: bool = True) -> dict:
-    """Tokenise `documents` (an iterable of texts, the same on every call) into shards in out_dir.
+            max_tokens=None, workers: int = 1, progress: bool = True, tokenizer: str = GPT2) -> dict:
+    """Tokenise `documents` (an iterable of texts, the same on every call) into shards in out_dir, with the
+    tokenizer that `tokenizer` names (tokenizer.load_tokenizer).
 
     Returns the manifest. Resumes after the last full shard of an earlier run on the same source;
     raises PrepareError, before writing anything, when out_dir holds incompatible shards.
     """
+    identity = load_tokenizer(tokenizer).identity
     manifest = _read_manifest(out_dir)
     _check_out_dir(out_dir, manifest, prefix=prefix, source=source, shard_size=shard_size,
-                   max_tokens=max_tokens)
+                   max_tokens=max_tokens, tokenizer=identity)
     if manifest and manifest["finished"] and (manifest["exhausted"] or manifest["tokens"] == max_tokens):
         return manifest  # nothing left to do
     # Keep the finished full shards (a short last shard is rewritten once there is more to add).
@@ -536,12 +561,14 @@ def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
     stale += glob.glob(os.path.join(glob.escape(out_dir), "manifest.json.tmp-*"))
     for path in stale:
         os.remove(path)  # temp files of a run that was killed mid-write
-    manifest = {"format": "llm.c shards: 256 x int32 header (magic 20240520, version 1, count), uint16",
-                "tokenizer": TOKENIZER, "eot": EOT, "source": source, "prefix": prefix,
+    dtype, version = token_dtype(identity), shard_version(identity.vocab_size)
+    magic = 20240520 if version == 1 else 20240801
+    manifest = {"format": f"llm.c shards: 256 x int32 header (magic {magic}, version {version}, count), {dtype.name}",
+                "tokenizer": identity.to_dict(), "eot": identity.doc_open, "source": source, "prefix": prefix,
                 "shard_size": shard_size, "max_tokens": max_tokens, "finished": False,
                 "exhausted": False, "tokens": total, "documents": num_docs, "shards": kept}
 
-    buffer = np.empty(shard_size, dtype=np.uint16)
+    buffer = np.empty(shard_size, dtype=dtype)
     filled = 0
 
     def finish_shard(doc_index, doc_tokens_used):
@@ -552,7 +579,7 @@ def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
             # The manifest goes first, so a run killed right after its first shard still finds a
             # directory it recognises (and not shards of unknown origin) when it is started again.
             _write_manifest(out_dir, manifest)
-        write_shard(os.path.join(out_dir, name), buffer[:filled])
+        write_shard(os.path.join(out_dir, name), buffer[:filled], version)
         # Where the stream stands after this shard: documents [0, end_doc) are fully written and
         # end_doc_tokens tokens of document end_doc; a resumed run starts exactly there.
         manifest["shards"].append({"name": name, "split": "val" if index == 0 else "train",
@@ -565,7 +592,7 @@ def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
     texts = itertools.islice(iter(documents), end_doc, None)
     stopped_early, doc_index, used = False, end_doc - 1, 0
     with tqdm(total=max_tokens, initial=total, unit="tok", unit_scale=True, disable=not progress,
-              desc=f"tokenizing -> {out_dir}") as bar, contextlib.closing(tokenized(texts, workers)) as docs:
+              desc=f"tokenizing -> {out_dir}") as bar, contextlib.closing(tokenized(texts, workers, tokenizer)) as docs:
         for doc_index, tokens in enumerate(docs, start=end_doc):
             used = end_doc_tokens if doc_index == end_doc else 0  # tokens of it in kept shards
             tokens = tokens[used:]
@@ -622,6 +649,9 @@ def parse_args(argv=None):
                              f"retrieval {RETRIEVAL_SHARD_SIZE:_})")
     parser.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens")
     parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    parser.add_argument("--tokenizer", default=GPT2, metavar="NAME|PATH",
+                        help="gpt2 (tiktoken, default), a Hugging Face Hub tokenizer (e.g. mistralai/Mistral-7B-v0.3) "
+                             "or a local folder with its tokenizer.json; train with the same data.tokenizer")
     parser.add_argument("--prefix", default=None,
                         help="shard file prefix (default fineweb, demo or local by source)")
     retrieval = parser.add_argument_group("synthetic passkey documents (retrieval.py)")
@@ -696,12 +726,12 @@ def passkey_mixture(documents, args):
     from retrieval import RetrievalDocuments, mix, text_sentences
     real = text_sentences(demo_documents(args.workers)) if args.retrieval_filler != "garbage" else ()
     try:
-        synthetic = RetrievalDocuments(get_tokenizer(), args.retrieval_length, args.retrieval_min_length,
+        synthetic = RetrievalDocuments(load_tokenizer(args.tokenizer), args.retrieval_length, args.retrieval_min_length,
                                        key_digits=args.key_digits,
                                        filler=args.retrieval_filler, real_sentences=real, seed=args.seed)
     except ValueError as e:
         raise PrepareError(e)
-    # ~4 characters per GPT-2 token: the mixing ratio only needs to be about right
+    # ~4 characters per token (GPT-2's; about right for any English BPE): the ratio only needs to be close
     return mix(documents, synthetic, args.retrieval_fraction, lambda text: len(text) // 4)
 
 
@@ -754,17 +784,22 @@ def make_shards(args):
         source["retrieval"] = {k: getattr(args, k) for k in ("retrieval_fraction", "retrieval_length",
                                                               "retrieval_min_length", "retrieval_filler",
                                                               "key_digits", "seed")}
-    # Refuse an incompatible or unwritable out_dir before touching the network.
-    _check_out_dir(args.out_dir, _read_manifest(args.out_dir), prefix=args.prefix, source=source,
-                   shard_size=args.shard_size, max_tokens=args.max_tokens)
+    # Refuse an incompatible or unwritable out_dir before touching the network (a Hugging Face tokenizer's
+    # shards are compared once it is loaded: only then is its hash known).
+    manifest = _read_manifest(args.out_dir)
+    early = GPT2_IDENTITY if args.tokenizer == GPT2 else _manifest_tokenizer(manifest) if manifest else GPT2_IDENTITY
+    _check_out_dir(args.out_dir, manifest, prefix=args.prefix, source=source, shard_size=args.shard_size,
+                   max_tokens=args.max_tokens, tokenizer=early)
     try:
         check_writable(args.out_dir)
     except OSError as e:
         raise PrepareError(f"{describe_os_error(e, 'cannot write shards to')} (choose another --out_dir)") from None
     try:
-        get_tokenizer()
-    except RuntimeError as e:
-        raise PrepareError(e)
+        identity = load_tokenizer(args.tokenizer).identity
+    except TokenizerError as e:
+        raise PrepareError(e) from None
+    _check_out_dir(args.out_dir, manifest, prefix=args.prefix, source=source, shard_size=args.shard_size,
+                   max_tokens=args.max_tokens, tokenizer=identity)
     if args.source in HUB_DATASETS:
         documents = hub_documents(HUB_DATASETS[args.source], args.sample)
     elif args.source == "hub":
@@ -783,7 +818,8 @@ def make_shards(args):
         documents = passkey_mixture(documents, args)
     t0 = time.time()
     manifest = prepare(documents, args.out_dir, source=source, prefix=args.prefix,
-                       shard_size=args.shard_size, max_tokens=args.max_tokens, workers=args.workers)
+                       shard_size=args.shard_size, max_tokens=args.max_tokens, workers=args.workers,
+                       tokenizer=args.tokenizer)
     return manifest, time.time() - t0
 
 

@@ -19,6 +19,7 @@ import re
 import torch
 
 from data import document_ids
+from tokenizer import as_tokenizer
 
 # The paper's passkey texts, verbatim (docs/paper.md §5)
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -44,9 +45,9 @@ def text_sentences(documents, min_words=4, max_words=40):
 
 
 class RetrievalDocuments:
-    """An endless, seeded stream of passkey documents of about `min_tokens` ... `max_tokens` GPT-2
-    tokens each, counting the EOT that opens every document in a shard (the count is approximate:
-    filler is added a sentence at a time).
+    """An endless, seeded stream of passkey documents of about `min_tokens` ... `max_tokens` tokens of
+    `enc` (the run's tokenizer) each, counting the separators of every document in a shard (GPT-2's EOT;
+    BOS and EOS) (the count is approximate: filler is added a sentence at a time).
 
     With `min_tokens == max_tokens` every document is exactly that many tokens: the filler is topped
     up with the first words of one more sentence. Shards of such documents, trained at a context of
@@ -62,22 +63,25 @@ class RetrievalDocuments:
             raise ValueError(f"unknown retrieval filler {filler!r}; allowed: {', '.join(FILLERS)}")
         if filler != "garbage" and not real_sentences:
             raise ValueError(f"retrieval filler {filler!r} needs real text sentences")
+        enc = as_tokenizer(enc)
         self.enc, self.key_digits, self.filler = enc, key_digits, filler
+        self.text_tokens = max_tokens - len(enc.separators)  # of an exact document, without its separators
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens or max_tokens // 2
         self.real = list(real_sentences)
         self.rng = random.Random(seed)
         self._lengths = {}
         fixed = f"{TASK} {INFO.format(key='0' * key_digits)} {QUESTION} {'0' * key_digits}."
-        self.overhead = self._length(fixed) + 4  # +EOT, and keys and joins may tokenise differently
-        self._zero_key = len(enc.encode_ordinary(" " + "0" * key_digits))
+        # + the separators, and 3 more: keys and joins may tokenise differently
+        self.overhead = self._length(fixed) + len(enc.separators) + 3
+        self._zero_key = len(enc.encode_continuation(" " + "0" * key_digits))
         if self.overhead >= self.max_tokens:
             raise ValueError(f"retrieval documents of {self.max_tokens} tokens leave no room for filler: the "
                              f"task, information line, question and answer alone take {self.overhead}")
 
     def _length(self, sentence):
         if sentence not in self._lengths:
-            self._lengths[sentence] = len(self.enc.encode_ordinary(" " + sentence))
+            self._lengths[sentence] = len(self.enc.encode_continuation(" " + sentence))
         return self._lengths[sentence]
 
     def document(self):
@@ -92,7 +96,7 @@ class RetrievalDocuments:
         rng = self.rng
         key = str(rng.randrange(10 ** (self.key_digits - 1), 10 ** self.key_digits))
         # The key appears three times; it may take more tokens than the all-zero key of `overhead`.
-        key_extra = 3 * max(0, len(self.enc.encode_ordinary(" " + key)) - self._zero_key)
+        key_extra = 3 * max(0, len(self.enc.encode_continuation(" " + key)) - self._zero_key)
         budget = rng.randint(self.min_tokens, self.max_tokens) - self.overhead - key_extra
         exact = self.min_tokens == self.max_tokens
         after = rng.randint(0, max(0, budget) // 2) if exact else 0  # filler tokens after the answer
@@ -116,9 +120,10 @@ class RetrievalDocuments:
         return self._exact(text, source, g)
 
     def _exact(self, text, source, g):
-        """`text` followed by filler up to exactly max_tokens - 1 GPT-2 tokens (the EOT is the last
-        one), or None when that does not work out for this document (rare: then another one is drawn)."""
-        missing = self.max_tokens - 1 - len(self.enc.encode_ordinary(text))
+        """`text` followed by filler up to exactly max_tokens tokens with the document's separators (GPT-2:
+        max_tokens - 1 text tokens and the EOT), or None when that does not work out for this document
+        (rare: then another one is drawn)."""
+        missing = self.text_tokens - len(self.enc.encode_ordinary(text))
         if missing < 0:
             return None
         if missing == 0:
@@ -133,9 +138,9 @@ class RetrievalDocuments:
         if source == "text":  # every real sentence has at least one token, most several
             candidates.insert(0, " ".join(self.rng.choice(self.real) for _ in range(missing)))
         for filler in candidates:
-            tail = self.enc.decode(self.enc.encode_ordinary(" " + filler)[:missing]).strip()
+            tail = self.enc.decode(self.enc.encode_continuation(" " + filler)[:missing]).strip()
             topped = f"{text} {tail}"
-            if len(self.enc.encode_ordinary(topped)) == self.max_tokens - 1:
+            if len(self.enc.encode_ordinary(topped)) == self.text_tokens:
                 return topped
         return None
 
@@ -163,11 +168,16 @@ def mix(documents, synthetic, fraction, length_of):
 
 @functools.lru_cache(maxsize=None)
 def _patterns(enc):
-    """Token ids of the two places a key is asked for, and of every all-digit token."""
-    question = tuple(enc.encode_ordinary(" " + QUESTION))  # ... The pass key is| 12345.
-    remember = tuple(enc.encode_ordinary(INFO.split("{key}")[1].rstrip()))  # . Remember it.| 12345 is
-    digits = frozenset(i for i in range(enc.n_vocab - 1) if enc.decode([i]).strip().isdigit())
-    return question, remember, digits, enc.encode_ordinary(".")[0]
+    """Token ids of the two places a key is asked for, of every all-digit token and of the tokens a tokenizer
+    that splits digits writes the space before a key with (" 5" -> " ", "5"; GPT-2 has none: " 5" is one)."""
+    # As they read inside a document (Tokenizer.encode_continuation), where the patterns are looked for
+    question = tuple(enc.encode_continuation(" " + QUESTION))  # ... The pass key is| 12345.
+    remember = tuple(enc.encode_continuation(INFO.split("{key}")[1].rstrip()))  # . Remember it.| 12345 is
+    specials = set(enc.separators)
+    texts = [(i, enc.decode([i])) for i in range(enc.n_vocab) if i not in specials]
+    digits = frozenset(i for i, text in texts if text.strip().isdigit())
+    spaces = frozenset(t for d in "0123456789" for t in enc.encode_continuation(" " + d)[:-1])
+    return question, remember, digits, spaces, enc.encode_continuation(".")[0]
 
 
 def passkey_answer_targets(x, y, enc):
@@ -176,12 +186,13 @@ def passkey_answer_targets(x, y, enc):
     key? The pass key is" (the key and its full stop), and the key repeated in the information line
     after "Remember it." (a copy over a few tokens, the same skill at a short distance).
 
-    A target counts only when its whole document is in the row (an EOT opens it there), so the
-    model is never asked for a key whose information line fell into the previous row.
+    A target counts only when its whole document is in the row (its opening token, GPT-2's EOT or the
+    BOS, is there), so the model is never asked for a key whose information line fell into the previous row.
     """
-    question, remember, digits, full_stop = _patterns(enc)
+    enc = as_tokenizer(enc)
+    question, remember, digits, spaces, full_stop = _patterns(enc)
     out = torch.full_like(y, -1)
-    opened = document_ids(x) > 0  # an EOT at or before this position, in this row
+    opened = document_ids(x, enc.doc_open) > 0  # a document opened at or before this position, in this row
     y_list = y.tolist()
     for pattern, then_full_stop in ((question, True), (remember, False)):
         m = len(pattern)
@@ -193,6 +204,9 @@ def passkey_answer_targets(x, y, enc):
             if not opened[row, j]:
                 continue
             k = j
+            if k + 1 < x.shape[1] and y_list[row][k] in spaces and y_list[row][k + 1] in digits:
+                out[row, k] = y_list[row][k]  # the key's own space token, before its digits
+                k += 1
             while k < x.shape[1] and y_list[row][k] in digits:
                 out[row, k] = y_list[row][k]
                 k += 1

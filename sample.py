@@ -9,7 +9,8 @@ Sample text from a trained model, with the KV cache (model.generate).
 Model overrides (--window, --rope_scaling, --rope_factor, --model.key=value) work as in the evaluators
 (docs/evaluation.md); a rope_factor of auto is the prompt plus the new tokens over the training context.
 
-Without a prompt, generation starts from <|endoftext|>, the token every training document begins with.
+The prompt is encoded, and the output decoded, with the run's tokenizer (data.tokenizer). Without a prompt,
+generation starts from the token every training document begins with (GPT-2's <|endoftext|>, or the BOS).
 """
 
 import sys
@@ -17,10 +18,8 @@ import sys
 import torch
 
 from cli import Parser, UserError, describe_os_error, run_cli
-from data import EOT
 from eval.loading import load_for_eval
 from eval.options import add_model_arguments, overrides_label, parse_arguments
-from eval.prompts import tokenizer
 
 
 def read_prompt(path):
@@ -54,8 +53,8 @@ def main(argv=None):
     prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
 
     evaluated = load_for_eval(args.source, options)
-    enc = tokenizer()
-    ids = [EOT] + enc.encode_ordinary(prompt)  # a prompt is the start of a document, as in training
+    enc = evaluated.tokenizer()
+    ids = [enc.doc_open] + enc.encode_ordinary(prompt)  # a prompt is the start of a document, as in training
     model, per_length = evaluated.at_length(len(ids) + args.max_new_tokens)
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=evaluated.device)
     # Every sample draws from one generator, so a seed fixes all of them (and they still differ)
@@ -70,8 +69,11 @@ def main(argv=None):
     for i, row in enumerate(out.tolist()):
         if i:
             print("-" * 80)
-        # Decode from after the leading EOT; a generated EOT ends a document, shown as a marker
-        print(enc.decode(row[1:]).replace("<|endoftext|>", "\n<|endoftext|>\n"))
+        # Decode from after the opening token; a generated separator ends a document, shown as a marker
+        text = enc.decode(row[1:])
+        for marker in dict.fromkeys(enc.decode([t]) for t in enc.separators):
+            text = text.replace(marker, f"\n{marker}\n")
+        print(text)
     return 0
 
 

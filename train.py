@@ -48,13 +48,14 @@ from checkpoint import (CheckpointError, RunDirInUse, best_path, checkpoint_dict
 from cli import Parser, UserError, os_reason, user_errors
 from config import (SHAPE_FREE_MODEL_KEYS, ConfigError, check, checkpoint_differences, describe, load_config, to_dict,
                     to_toml)
-from data import EOT, ShardLoader, check_shard_tokens, check_token_ids, get_tokenizer
+from data import ShardLoader, check_shard_tokens, check_token_ids
 from model import Transformer
 from parallel import (clip_grad_norm, init_distributed, load_fsdp_checkpoint, load_whole_optimizer, micro_step, prepare,
                       prior_summary, rank_rng_state, save_fsdp_checkpoint, wrap)
 from recovery import (Diverged, StopRequest, Stopped, check_step, follow_moved_run_dir, interrupted, load_resume_state,
                       metrics_rows_until, rng_state, set_rng_state)
 from retrieval import passkey_answer_targets
+from tokenizer import GPT2, GPT2_IDENTITY, TokenizerError, TokenizerIdentity, check_vocab, load_tokenizer
 
 # Dense bf16 tensor-core peaks per GPU in TFLOPs, matched against the CUDA device name in this order.
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
@@ -89,12 +90,12 @@ def next_batch(loader, loss_on, device, vocab_size=None):
         start = loader.position - (loader.world_size - loader.rank) * loader.window  # of this rank's window
         try:
             for tokens in (x, y[:, -1]):  # y is x shifted by one: only its last column is new
-                check_token_ids(tokens, vocab_size, f"the {loader.split} split in {loader.data_dir} "
-                                                    f"(tokens {start}..{start + loader.window})")
+                where = f"the {loader.split} split in {loader.data_dir} (tokens {start}..{start + loader.window})"
+                check_token_ids(tokens, vocab_size, where, tokenizer_name=loader.tokenizer.name)
         except ValueError as e:
             raise UserError(e) from None
     if loss_on == "passkey_answers":
-        y = passkey_answer_targets(x, y, get_tokenizer())
+        y = passkey_answer_targets(x, y, load_tokenizer(loader.tokenizer.name))
     return tuple(v.to(device, non_blocking=True) for v in (x, y, doc_ids))
 
 
@@ -271,15 +272,29 @@ def setup_processes():
                      world_size=int(os.environ.get("WORLD_SIZE", 1)), device=device)
 
 
+def run_tokenizer(name):
+    """The TokenizerIdentity of data.tokenizer; GPT-2's without loading tiktoken (only what reads text needs it)."""
+    if name == GPT2:
+        return GPT2_IDENTITY
+    try:
+        return load_tokenizer(name).identity
+    except TokenizerError as e:
+        raise UserError(f"data.tokenizer = {name!r}: {e}") from None
+
+
 def load_checked_config(path, overrides, world_size, master):
     try:
         cfg = load_config(path, overrides)
         check(cfg, world_size)
     except ConfigError as e:
         raise UserError(e) from None
-    if cfg.model.vocab_size <= EOT:
+    identity = run_tokenizer(cfg.data.tokenizer)
+    if identity == GPT2_IDENTITY and cfg.model.vocab_size < identity.vocab_size:  # as GPT-2 runs always said
         raise UserError(f"model.vocab_size = {cfg.model.vocab_size} cannot hold the GPT-2 tokens of the shards "
-                        f"(up to {EOT}); use 50257 or more")
+                        f"(up to {identity.vocab_size - 1}); use {identity.vocab_size} or more")
+    too_small = check_vocab(cfg.model.vocab_size, identity)
+    if too_small:
+        raise UserError(too_small)
     follow_moved_run_dir(cfg, path, overrides, master)
     return cfg
 
@@ -287,17 +302,18 @@ def load_checked_config(path, overrides, world_size, master):
 def build_data(cfg, procs):
     """(train loader, validation loader or None, validation batches per evaluation)."""
     d, t = cfg.data, cfg.train
-    shape = (d.batch_size, cfg.model.block_size, procs.rank, procs.world_size)
+    shape = (d.batch_size, cfg.model.block_size, procs.rank, procs.world_size, run_tokenizer(d.tokenizer))
     if not glob.glob(os.path.join(d.data_dir, "*_train_*.bin")):
         raise UserError(f"data.data_dir = {d.data_dir!r} holds no *_train_*.bin shards; make them with "
-                        f"prepare_fineweb.py (e.g. `python prepare_fineweb.py --source demo --out_dir {d.data_dir}`)")
+                        f"prepare_fineweb.py (e.g. `python prepare_fineweb.py --source demo "
+                        f"{'' if d.tokenizer == GPT2 else f'--tokenizer {d.tokenizer} '}--out_dir {d.data_dir}`)")
     try:
         train_loader = ShardLoader(d.data_dir, "train", *shape)
         val_loader = ShardLoader(d.data_dir, "val", *shape) if t.val_every else None
         # Token ids past the vocabulary would be an IndexError deep in the embedding at step 1: the validation
         # split and the first training shard are read whole here, every later batch as it is loaded.
-        check_shard_tokens(val_loader.paths if val_loader else [], cfg.model.vocab_size)
-        check_shard_tokens(train_loader.paths[:1], cfg.model.vocab_size)
+        check_shard_tokens(val_loader.paths if val_loader else [], cfg.model.vocab_size, tokenizer_name=d.tokenizer)
+        check_shard_tokens(train_loader.paths[:1], cfg.model.vocab_size, tokenizer_name=d.tokenizer)
     except (OSError, ValueError) as e:  # data.ShardError is a ValueError
         raise UserError(f"cannot use the shards in {d.data_dir}: {e}") from None
     if d.loss_on != "all":  # a look at the first batch (a fresh loader: nothing is consumed)
@@ -312,6 +328,21 @@ def build_data(cfg, procs):
     return train_loader, val_loader, min(t.val_tokens // per_batch, val_loader.batches_per_epoch)
 
 
+def check_checkpoint_tokenizer(ckpt, cfg, what):
+    """UserError when the checkpoint was trained with another tokenizer than data.tokenizer: the same name whose
+    files changed (the recorded sha256 differs), or another name (older checkpoints: GPT-2's)."""
+    current = run_tokenizer(cfg.data.tokenizer)
+    recorded = ckpt.get("tokenizer")
+    if recorded:
+        recorded = TokenizerIdentity.from_dict(recorded)
+    else:
+        name = ((ckpt.get("config") or {}).get("data") or {}).get("tokenizer", GPT2)
+        recorded = GPT2_IDENTITY if name == GPT2 else None
+    if recorded is not None and recorded.sha256 != current.sha256:
+        raise UserError(f"{what} was trained with the tokenizer {recorded.describe()}, not data.tokenizer = "
+                        f"{current.describe()}: its token ids mean other text")
+
+
 def load_init_weights(cfg, master):
     """The weights train.init_from names (a state dict), or None. Only for a fresh run: a run directory
     with checkpoints of its own resumes from them (load_resume_state), whatever init_from says. Model
@@ -323,6 +354,7 @@ def load_init_weights(cfg, master):
         path, ckpt = load_checkpoint(source)
     except CheckpointError as e:
         raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({e})") from None
+    check_checkpoint_tokenizer(ckpt, cfg, f"train.init_from = {source!r}")
     saved, current = {"model": ckpt["model_config"]}, {"model": dataclasses.asdict(cfg.model)}
     forbidden, changed = checkpoint_differences(saved, current, {"model": SHAPE_FREE_MODEL_KEYS})
     if forbidden:
@@ -439,6 +471,8 @@ def build_run(args, overrides, procs, held):
     if procs.master:
         lock_run_dir(cfg.log.out_dir, held)
     path, ckpt = load_resume_state(cfg, args.resume, procs.master)
+    if ckpt:
+        check_checkpoint_tokenizer(ckpt, cfg, path)
     init_weights = None if ckpt else load_init_weights(cfg, procs.master)
     init_distributed(procs, cfg.train.parallel)
     t, device = cfg.train, procs.device
@@ -507,7 +541,8 @@ def validate(run, row):
     if row["val_loss"] < run.state.best_val_loss:
         run.state.best_val_loss = row["val_loss"]
         path, state = best_path(cfg.log.out_dir, run.sharded), dict(config=to_dict(cfg), step=row["step"],
-                                                                    val_loss=row["val_loss"])
+                                                                    val_loss=row["val_loss"],
+                                                                    tokenizer=run.train_loader.tokenizer.to_dict())
         with writes_to(path):
             if run.sharded:  # every rank writes its shards of the weights
                 save_fsdp_checkpoint(run.raw_model, None, state, path)
@@ -525,6 +560,7 @@ def save_checkpoint(run):
     is the one to resume from."""
     s, run_dir = run.state, run.cfg.log.out_dir
     state = dict(step=s.step, tokens_seen=s.tokens_seen, best_val_loss=s.best_val_loss, config=to_dict(run.cfg),
+                 tokenizer=run.train_loader.tokenizer.to_dict(),
                  loader=run.train_loader.state_dict(), rng=rng_state(), wandb_id=s.wandb_id, recent=s.recent)
     path = step_path(run_dir, s.step, run.sharded)
     with writes_to(path):

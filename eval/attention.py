@@ -121,10 +121,12 @@ def extra_bytes(model, length):
     return 5 * 4 * length * model.config.n_embd + 5 * SCORE_BYTES
 
 
-def text_prompts(data_dir, longest, samples):
-    """`samples` consecutive windows of `longest` tokens of validation text (separators removed)."""
-    tokens = validation_tokens(data_dir, max_tokens=int(1.1 * samples * longest) + 4096)
-    tokens = tokens[tokens != EOT]
+def text_prompts(data_dir, longest, samples, enc=None):
+    """`samples` consecutive windows of `longest` tokens of validation text (separators removed); `enc` is the
+    run's tokenizer (GPT-2's without one)."""
+    separators = enc.separators if enc is not None else (EOT,)
+    tokens = validation_tokens(data_dir, int(1.1 * samples * longest) + 4096, enc.identity if enc else None)
+    tokens = tokens[~np.isin(tokens, separators)]
     if len(tokens) < samples * longest:
         raise EvalError(f"the validation split in {data_dir} has {len(tokens):,} tokens of text, fewer than "
                         f"{samples} samples x {longest:,} tokens; use fewer --samples, shorter --lengths or "
@@ -132,12 +134,12 @@ def text_prompts(data_dir, longest, samples):
     return tokens[:samples * longest].reshape(samples, longest)
 
 
-def prompt_maker(kind, data_dir, lengths, samples, seed, explicit_lengths):
+def prompt_maker(kind, data_dir, lengths, samples, seed, explicit_lengths, enc=None):
     """(kind, lengths, make(length) -> (samples, length) int64 tokens). Without a kind: text when
     validation shards are found, else passkey prompts (said on stderr)."""
     if kind in (None, "text"):
         try:
-            windows = text_prompts(data_dir, max(lengths), samples)
+            windows = text_prompts(data_dir, max(lengths), samples, enc)
             return "text", lengths, lambda length: windows[:, :length]
         except EvalError as e:
             if kind == "text":
@@ -145,7 +147,7 @@ def prompt_maker(kind, data_dir, lengths, samples, seed, explicit_lengths):
             print(f"attention: passkey prompts instead of validation text: {e}", file=sys.stderr)
     from eval.passkey import PasskeyPrompts
 
-    passkey = PasskeyPrompts()
+    passkey = PasskeyPrompts(enc=enc)
     too_short = [n for n in lengths if n < passkey.min_length()]
     if too_short and explicit_lengths:
         raise EvalError(f"length {too_short[0]} is too short for a passkey prompt: "
@@ -173,7 +175,8 @@ def evaluate_attention(source, *, options=None, lengths=None, max_factor=None, p
     explicit = lengths is not None or bool(max_factor)
     lengths = sweep_lengths(lengths, max_factor, block_size)
     data_dir = data_dir or evaluated.info.get("data_dir")
-    prompts, lengths, make_prompts = prompt_maker(prompts, data_dir, lengths, samples, seed, explicit)
+    prompts, lengths, make_prompts = prompt_maker(prompts, data_dir, lengths, samples, seed, explicit,
+                                                  evaluated.tokenizer())
     output = Output.of(EVALUATOR, source, options, "attention" if prompts == "text" else "attention_passkey")
 
     def measure(length, bar):

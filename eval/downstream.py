@@ -23,15 +23,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data import EOT
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval, model_device
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments
-from eval.prompts import tokenizer
 from eval.reporting import DASH, table
 from eval.results import Output, new_results
 from eval.sweep import progress_bar
+from tokenizer import as_tokenizer
 
 PAPER_TASKS = "hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai"
 # The metric a task's row shows first (lm-eval reports several; all are kept in the JSON).
@@ -51,8 +50,15 @@ def lm_eval_api():
 
 
 def make_project_lm(model, enc, max_length, batch_size, amp):
-    """An lm_eval LM over a model.py Transformer and the project's tiktoken tokenizer."""
+    """An lm_eval LM over a model.py Transformer and the run's tokenizer (tokenizer.Tokenizer, or tiktoken's
+    GPT-2 Encoding). Where lm-eval's HF model would use the end-of-text token (an empty context, the start of
+    rolling windows, padding), this uses the token every training document opens with: GPT-2's EOT, the BOS."""
     _, LM = lm_eval_api()
+    enc = as_tokenizer(enc)
+    doc_open = enc.doc_open
+    # A BOS/EOS tokenizer's documents all start with BOS in training, so every context does here too (as
+    # lm-eval's HF model adds BOS for such tokenizers); GPT-2's contexts stay bare, as they always were.
+    lead = [doc_open] if enc.doc_close is not None else []
 
     class ProjectLM(LM):
         def __init__(self):
@@ -63,15 +69,15 @@ def make_project_lm(model, enc, max_length, batch_size, amp):
         def encode_pair(self, context, continuation):
             """Tokens of context and continuation as lm-eval's HF model splits them: the whole string is
             encoded once (so a word is not split differently at the seam), a space that ends the context
-            is moved to the continuation, and an empty context becomes <|endoftext|>."""
+            is moved to the continuation, and an empty context becomes <|endoftext|> (the BOS)."""
             spaces = len(context) - len(context.rstrip())
             if spaces:
                 context, continuation = context[:-spaces], context[-spaces:] + continuation
             if not context:
-                return [EOT], self.enc.encode_ordinary(continuation)
+                return [doc_open], self.enc.encode_ordinary(continuation)
             whole = self.enc.encode_ordinary(context + continuation)
             n_context = len(self.enc.encode_ordinary(context))
-            return whole[:n_context], whole[n_context:]
+            return lead + whole[:n_context], whole[n_context:]
 
         def score(self, pairs, desc):
             """[(context tokens, continuation tokens)] -> [(sum of log-probs, greedy?)], longest first in
@@ -91,7 +97,7 @@ def make_project_lm(model, enc, max_length, batch_size, amp):
                     rows.append((i, whole[:-1], min(len(continuation), len(whole) - 1)))
                 if rows:
                     T = max(len(inp) for _, inp, _ in rows)
-                    x = torch.full((len(rows), T), EOT, dtype=torch.long)
+                    x = torch.full((len(rows), T), doc_open, dtype=torch.long)
                     for r, (_, inp, _) in enumerate(rows):
                         x[r, :len(inp)] = torch.tensor(inp)
                     keep = max(T - (len(inp) - n) for _, inp, n in rows)  # from the earliest scored position
@@ -117,7 +123,7 @@ def make_project_lm(model, enc, max_length, batch_size, amp):
             pairs, owner = [], []
             for k, request in enumerate(requests):
                 tokens = self.enc.encode_ordinary(request.args[0])
-                for window in get_rolling_token_windows(tokens, EOT, self.max_length, context_len=1):
+                for window in get_rolling_token_windows(tokens, doc_open, self.max_length, context_len=1):
                     pairs.append(make_disjoint_window(window))
                     owner.append(k)
             totals = [0.0] * len(requests)
@@ -131,11 +137,12 @@ def make_project_lm(model, enc, max_length, batch_size, amp):
             for request in requests:
                 context, kwargs = request.args
                 kwargs = dict(kwargs or {})
-                until = kwargs.get("until") or [self.enc.decode([EOT])]
+                until = kwargs.get("until") or [self.enc.decode([self.enc.doc_close if self.enc.doc_close is not None
+                                                                 else doc_open])]
                 until = [until] if isinstance(until, str) else list(until)
                 max_new = int(kwargs.get("max_gen_toks", 256))
                 temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
-                tokens = (self.enc.encode_ordinary(context) or [EOT])[-self.max_length:]
+                tokens = (lead + self.enc.encode_ordinary(context) or [doc_open])[-self.max_length:]
                 x = torch.tensor([tokens], device=self._device)
                 with self.amp:
                     out = self.model.generate(x, max_new, temperature=temperature)
@@ -231,7 +238,7 @@ def evaluate_downstream(source, *, options=None, tasks=PAPER_TASKS, num_fewshot=
         raise EvalError(f"--max_length must be at least 2 tokens, got {max_length}")
     model, per_length = evaluated.at_length(max_length)  # contexts are cut to max_length tokens
     output = Output.of(EVALUATOR, source, options, "downstream")
-    lm = make_project_lm(model, tokenizer(), max_length, batch_size, evaluated.autocast())
+    lm = make_project_lm(model, evaluated.tokenizer(), max_length, batch_size, evaluated.autocast())
     scores = run_tasks(lm, tasks, num_fewshot, limit, include_path, seed)
     settings = evaluated.settings(tasks=tasks, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size,
                                   max_length=max_length, include_path=include_path, seed=seed,

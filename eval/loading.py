@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from checkpoint import CheckpointError, is_sharded, load_checkpoint
-from data import EOT
 from eval import EvalError
 from eval.options import EvalOptions
 from model import model_from_checkpoint
@@ -32,6 +31,11 @@ class EvalModel:
     overrides: dict  # as given: {"rope_scaling": "yarn", "rope_factor": "auto"}, {} for a plain evaluation
     device: torch.device
     dtype: torch.dtype  # autocast's
+
+    def tokenizer(self):
+        """The run's tokenizer (tokenizer.Tokenizer), as its checkpoint records it (data.tokenizer; GPT-2 for
+        a model object and for checkpoints from before the setting), checked against the recorded hash."""
+        return run_tokenizer(self.info, getattr(self.model, "config", None))
 
     @property
     def block_size(self):
@@ -68,6 +72,7 @@ def load_for_eval(source, options=None):
     else:
         trained, path, ckpt = read_model(source, pick_device(options.device))
         info = describe_model(trained, path, ckpt)
+        check_vocab_holds_tokenizer(trained, path, ckpt)
     model = overridden(trained, options.attn_impl, options.model_overrides)
     device = model_device(trained)
     return EvalModel(model, info, dict(options.model_overrides), device, pick_dtype(options.dtype, device))
@@ -86,10 +91,43 @@ def read_model(source, device):
     except Exception as e:  # weights that do not fit their config, a config this model.py refuses: say which
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise EvalError(f"cannot load the checkpoint {path}: {reason}") from None
-    if model.config.vocab_size <= EOT:
-        raise EvalError(f"{path}: the model's vocab_size {model.config.vocab_size} cannot read GPT-2 tokens (ids up to "
-                        f"{EOT}), which every evaluator and sample.py feed it")
     return model.eval(), path, ckpt
+
+
+def check_vocab_holds_tokenizer(model, path, ckpt):
+    """EvalError when the model's vocabulary cannot hold the ids of its run's tokenizer (as the checkpoint records
+    it; GPT-2's without a record), which every evaluator and sample.py feed it. No tokenizer is loaded."""
+    from tokenizer import GPT2_IDENTITY, TokenizerIdentity
+
+    recorded = ckpt.get("tokenizer")
+    identity = TokenizerIdentity.from_dict(recorded) if recorded else None
+    name = ((ckpt.get("config") or {}).get("data") or {}).get("tokenizer", "gpt2")
+    if identity is None and name == "gpt2":
+        identity = GPT2_IDENTITY
+    if identity is None or model.config.vocab_size >= identity.vocab_size:
+        return
+    what = "GPT-2 tokens" if identity.sha256 == GPT2_IDENTITY.sha256 else f"the tokens of its tokenizer {identity.name!r}"
+    raise EvalError(f"{path}: the model's vocab_size {model.config.vocab_size} cannot read {what} (ids up to "
+                    f"{identity.vocab_size - 1}), which every evaluator and sample.py feed it")
+
+
+def run_tokenizer(info, config=None):
+    """The Tokenizer of the "model" block `info` (describe_model's), every failure one EvalError line: one
+    that cannot be loaded, one whose files changed since training, one with ids past the model's vocabulary."""
+    from tokenizer import TokenizerError, check_vocab, load_tokenizer
+
+    name, recorded = info.get("tokenizer") or "gpt2", info.get("tokenizer_sha256")
+    try:
+        enc = load_tokenizer(name)
+    except TokenizerError as e:
+        raise EvalError(f"the run's tokenizer: {e}") from None
+    if recorded and recorded != enc.identity.sha256:
+        raise EvalError(f"the run was trained with the tokenizer {name!r} of sha256 {recorded[:12]}, but {name!r} "
+                        f"now loads one of sha256 {enc.identity.sha256[:12]}: its files changed; restore them")
+    too_small = check_vocab(config.vocab_size, enc.identity, "the model's vocab_size") if config else None
+    if too_small:
+        raise EvalError(f"{info.get('checkpoint') or info.get('name')}: {too_small}")
+    return enc
 
 
 def overridden(model, attn_impl, overrides):
@@ -132,12 +170,16 @@ def describe_model(model, checkpoint=None, ckpt=None):
             "name": run_name(checkpoint) if checkpoint else type(model).__name__,
             "config": asdict(cfg) if cfg is not None else None,
             "num_params": sum(p.numel() for p in model.parameters()),
-            "num_params_non_embedding": None, "step": None, "tokens_seen": None, "data_dir": None}
+            "num_params_non_embedding": None, "step": None, "tokens_seen": None, "data_dir": None,
+            "tokenizer": "gpt2", "tokenizer_sha256": None}
     if hasattr(model, "num_params"):
         info["num_params_non_embedding"] = model.num_params(non_embedding=True)
     if ckpt:
         info["step"], info["tokens_seen"] = ckpt.get("step"), ckpt.get("tokens_seen")
         info["data_dir"] = (ckpt.get("config") or {}).get("data", {}).get("data_dir")  # train.py's checkpoints
+        # The run's tokenizer: data.tokenizer (GPT-2 before the setting existed) and the hash train.py recorded
+        info["tokenizer"] = (ckpt.get("config") or {}).get("data", {}).get("tokenizer", "gpt2")
+        info["tokenizer_sha256"] = (ckpt.get("tokenizer") or {}).get("sha256")
     return info
 
 

@@ -32,12 +32,12 @@ import uuid
 
 import numpy as np
 
-from data import EOT
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
 from eval.prompts import Haystack, encode_template, repeat_haystack, tokenizer, validation_tokens
+from tokenizer import as_tokenizer
 from eval.reporting import length_label, rate, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
@@ -84,13 +84,15 @@ def sentence_end_tokens(enc):
 
 
 class NeedlePrompts:
-    def __init__(self, text_stream=None):
-        self.enc = tokenizer()
-        self.head = [EOT] + self.enc.encode_ordinary(INSTRUCTION.replace("{kind}", "number"))
+    def __init__(self, text_stream=None, enc=None):
+        self.enc = as_tokenizer(enc) if enc is not None else tokenizer()  # the run's; GPT-2 without one
+        self.head = [self.enc.doc_open] + self.enc.encode_ordinary(INSTRUCTION.replace("{kind}", "number"))
         self.repeat = repeat_haystack(self.enc, GARBAGE, 0)
         self.text = None
         if text_stream is not None:
-            stream = np.where(text_stream == EOT, self.enc.encode_ordinary("\n\n")[0], text_stream)
+            if self.enc.doc_close is not None:  # [BOS] doc [EOS]: one paragraph break between documents
+                text_stream = text_stream[text_stream != self.enc.doc_close]
+            stream = np.where(text_stream == self.enc.doc_open, self.enc.encode_continuation("\n\n")[0], text_stream)
             self.text = (stream, sentence_end_tokens(self.enc))
 
     def haystack(self, name, n, rng):
@@ -147,7 +149,7 @@ class NeedlePrompts:
             answer, slots = encode_template(self.enc, template, {**{f"k{j}": keys[i] for j, i in enumerate(asked)},
                                                                  **{f"v{j}": values[i] for j, i in enumerate(asked)}})
             spans = [slots[f"v{j}"][0] for j in range(len(asked))]
-        question = self.enc.encode_ordinary(question)
+        question = self.enc.encode_continuation(question)
         n = length + 1 - len(self.head) - sum(len(t) for t, _ in needles) - len(question) - len(answer)
         if n < 0:
             return None
@@ -179,19 +181,20 @@ def evaluate_niah(source, *, options=None, lengths=None, max_factor=None, tasks=
     if samples < 1 or stop_after_zero < 0:
         raise EvalError("samples must be at least 1, stop_after_zero at least 0")
     evaluated = load_for_eval(source, options)
+    enc = evaluated.tokenizer()
     block_size = evaluated.block_size
     lengths = sweep_lengths(lengths, max_factor, block_size)
     data_dir = data_dir or evaluated.info.get("data_dir")
     stream = None
     if haystacks is None or "text" in haystacks:
         try:
-            stream = validation_tokens(data_dir, max_tokens=max(4 * max(lengths), 1 << 20))
+            stream = validation_tokens(data_dir, max(4 * max(lengths), 1 << 20), enc.identity)
         except EvalError as e:
             if haystacks is not None:
                 raise
             print(f"niah: skipping the text haystack: {e}", file=sys.stderr)
     haystacks = list(haystacks or (HAYSTACKS if stream is not None else ("repeat",)))
-    prompts = NeedlePrompts(stream)
+    prompts = NeedlePrompts(stream, enc)
     output = Output.of(EVALUATOR, source, options, "niah")
 
     def measure(length, bar):

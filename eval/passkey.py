@@ -7,8 +7,9 @@ Passkey retrieval (docs/paper.md §5): can the model find a 5-digit key hidden a
 
 The prompt is the paper's: task description, repeated garbage text with the information line inserted at
 a depth, the final question. Every length is exact and counts the tokens the model reads: <|endoftext|>
-(every training document starts with it) + prompt + all but the last token of " {key}". Scoring is
-teacher-forced: correct only if the argmax at every key position is the key's token.
+(every training document starts with it; with a BOS/EOS tokenizer, its BOS) + prompt + all but the last
+token of " {key}", every piece tokenised with the run's tokenizer. Scoring is teacher-forced: correct only
+if the argmax at every key position is the key's token (whatever tokens the run's tokenizer makes of it).
 
 With GPT-2's BPE a 5-digit key is 2 or 3 tokens (" 123" + "45"), not 5 digit tokens as with the paper's
 tokenizer, so the paper's variant that gives the first digit becomes `--given_tokens 1`: the key's first
@@ -24,7 +25,6 @@ import time
 
 import numpy as np
 
-from data import EOT
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval
@@ -36,6 +36,7 @@ from eval.scoring import Sample, score_length
 from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap
 from eval.sweep import add_length_arguments, format_length, length_arguments, sweep, sweep_lengths
 from retrieval import GARBAGE, INFO, QUESTION, TASK
+from tokenizer import as_tokenizer
 
 DEPTH_MODES = ("equidistant", "beginning", "end", "random")
 
@@ -43,20 +44,23 @@ DEPTH_MODES = ("equidistant", "beginning", "end", "random")
 class PasskeyPrompts:
     """Builds passkey prompts of an exact token length with the key at a chosen depth."""
 
-    def __init__(self, digits=5, given_tokens=0):
-        self.enc = tokenizer()
+    def __init__(self, digits=5, given_tokens=0, enc=None):
+        self.enc = as_tokenizer(enc) if enc is not None else tokenizer()  # the run's; GPT-2 without one
         self.digits, self.given = digits, given_tokens
-        self.head = [EOT] + self.enc.encode_ordinary(TASK)
-        self.question = self.enc.encode_ordinary(" " + QUESTION)
+        self.head = [self.enc.doc_open] + self.enc.encode_ordinary(TASK)
+        self.question = self.enc.encode_continuation(" " + QUESTION)
         self.haystack = repeat_haystack(self.enc, GARBAGE, 0)
+        # The most tokens a key can take: GPT-2 makes at most `digits` of any key; a tokenizer that splits
+        # digits may add one for the space before them (" 12345" -> " ", "1", ..., "5").
+        self.key_max = max(digits, *(len(self.key_tokens(str(d) * digits)) for d in range(1, 10)))
 
     def key_tokens(self, key):
-        return self.enc.encode_ordinary(f" {key}")
+        return self.enc.encode_continuation(f" {key}")
 
     def min_length(self):
-        """The shortest length every key fits in (no garbage at all): a key is at most `digits` tokens."""
+        """The shortest length every key fits in (no garbage at all): a key is at most `key_max` tokens."""
         info, _ = encode_template(self.enc, " " + INFO, {"key": ""})
-        return len(self.head) + len(info) + 3 * self.digits + len(self.question) - 1
+        return len(self.head) + len(info) + 3 * self.key_max + len(self.question) - 1
 
     def build(self, length, depth, key):
         info, spans = encode_template(self.enc, " " + INFO, {"key": key})
@@ -129,7 +133,7 @@ def evaluate_passkey(source, *, options=None, lengths=None, max_factor=None, sam
     block_size = evaluated.block_size
     default = lengths is None and not max_factor
     lengths = sweep_lengths(lengths, max_factor, block_size)
-    prompts = PasskeyPrompts(digits, given_tokens)
+    prompts = PasskeyPrompts(digits, given_tokens, evaluated.tokenizer())
     too_short = [n for n in lengths if n < prompts.min_length()]
     if too_short and default:  # a small model's 0.5x: skip what cannot be a prompt rather than fail
         lengths = [n for n in lengths if n >= prompts.min_length()]

@@ -86,7 +86,8 @@ def evaluate_perplexity(source, *, options=None, length="64x", window=None, num_
     if window < 1 or window > length:
         raise EvalError(f"--window {window} must be between 1 and the length {length}")
     data_dir = data_dir or evaluated.info.get("data_dir")
-    sequences = validation_sequences(data_dir, length, num_seqs, data_source)
+    enc = evaluated.tokenizer()  # the run's: its separators, and its shards only
+    sequences = validation_sequences(data_dir, length, num_seqs, data_source, enc.separators, enc.identity)
     model, per_length = evaluated.at_length(length)  # one length: one factor for "auto"
     if sequences.max() >= model.config.vocab_size:  # shards of another tokenizer: an IndexError mid-forward otherwise
         raise EvalError(f"the validation shards in {data_dir} hold token id {sequences.max()}, outside the model's "

@@ -1,5 +1,6 @@
 """The text the evaluators feed a model: the tokenizer, templates whose slots tokenise exactly as the
-answer must be reproduced, filler haystacks, and held-out validation text."""
+answer must be reproduced, filler haystacks, and held-out validation text. Every prompt is built from
+text with the run's tokenizer (EvalModel.tokenizer), so lengths are exact token counts of that tokenizer."""
 
 import functools
 import os
@@ -10,31 +11,35 @@ import numpy as np
 
 from data import EOT
 from eval import EvalError
+from tokenizer import as_tokenizer
 
 
 @functools.lru_cache(maxsize=None)
-def tokenizer():
-    from data import get_tokenizer
+def tokenizer(name="gpt2"):
+    """tokenizer.load_tokenizer(name) with its failure as one EvalError line."""
+    from tokenizer import TokenizerError, load_tokenizer
 
     try:
-        return get_tokenizer()
-    except RuntimeError as e:
+        return load_tokenizer(name)
+    except TokenizerError as e:
         raise EvalError(str(e)) from None
 
 
 def encode_template(enc, template, values):
     """Tokens of a template with {slots}, each slot's value tokenised on its own together with the space
     before it, so a value's tokens inside the haystack are exactly the tokens the answer must reproduce.
-    Returns (tokens, {slot: [(start, end), ...]})."""
+    Returns (tokens, {slot: [(start, end), ...]}). Every piece is encoded as it reads inside the prompt
+    (Tokenizer.encode_continuation)."""
+    enc = as_tokenizer(enc)
     parts = re.split(r"(\{\w+\})", template)  # text, slot, text, slot, ..., text
     tokens, spans = [], {}
     for i, part in enumerate(parts):
         if i % 2 == 0:
             text = part[:-1] if i + 1 < len(parts) and part.endswith(" ") else part
-            tokens += enc.encode_ordinary(text) if text else []
+            tokens += enc.encode_continuation(text) if text else []
         else:
             prefix = " " if parts[i - 1].endswith(" ") else ""
-            piece = enc.encode_ordinary(prefix + str(values[part[1:-1]]))
+            piece = enc.encode_continuation(prefix + str(values[part[1:-1]]))
             spans.setdefault(part[1:-1], []).append((len(tokens), len(tokens) + len(piece)))
             tokens += piece
     return tokens, spans
@@ -56,7 +61,8 @@ class Haystack:
 
 def repeat_haystack(enc, text, n):
     """`text`'s sentences, each tokenised with a leading space, repeated to at least n tokens."""
-    sentences = [enc.encode_ordinary(" " + s.strip() + ".") for s in text.split(".") if s.strip()]
+    enc = as_tokenizer(enc)
+    sentences = [enc.encode_continuation(" " + s.strip() + ".") for s in text.split(".") if s.strip()]
     unit = np.array([t for s in sentences for t in s], dtype=np.int64)
     reps = n // len(unit) + 1
     ends = np.cumsum([len(s) for s in sentences])
@@ -64,14 +70,21 @@ def repeat_haystack(enc, text, n):
     return Haystack(np.tile(unit, reps), boundaries)
 
 
-def validation_tokens(data_dir, max_tokens=None):
-    """The validation split (the first shard(s), `*_val_*.bin`) as int64, at most max_tokens of it."""
-    from data import ShardError, read_shard, shard_paths
+def validation_tokens(data_dir, max_tokens=None, tokenizer=None):
+    """The validation split (the first shard(s), `*_val_*.bin`) as int64, at most max_tokens of it. With
+    `tokenizer` (a TokenizerIdentity), shards whose manifest names another tokenizer are refused."""
+    from data import ShardError, check_shards_tokenizer, read_shard, shard_paths
 
     paths = shard_paths(data_dir, "val") if data_dir and os.path.isdir(data_dir) else []
     if not paths:
         raise EvalError(f"no validation shards (*_val_*.bin) in {data_dir!r}; pass --data_dir with the folder "
                         f"prepare_fineweb.py wrote")
+    if tokenizer is not None:
+        try:
+            check_shards_tokenizer(data_dir, tokenizer)
+        except ShardError as e:
+            raise EvalError(str(e).replace("set data.tokenizer", "pass the matching --data_dir, or train with "
+                                           "data.tokenizer")) from None
     pieces, total = [], 0
     for path in paths:
         try:
@@ -90,27 +103,29 @@ def validation_tokens(data_dir, max_tokens=None):
 SOURCES = ("concat", "documents")
 
 
-def validation_sequences(data_dir, length, num_seqs, source="concat"):
+def validation_sequences(data_dir, length, num_seqs, source="concat", separators=(EOT,), tokenizer=None):
     """(n, length + 1) int64 sequences of held-out tokens; n <= num_seqs when the split is short.
-    `concat` (the official code's protocol): the validation stream with its <|endoftext|> separators
-    removed, cut into consecutive sequences; `documents`: only documents at least length + 1 tokens long,
-    each from its leading <|endoftext|>."""
+    `concat` (the official code's protocol): the validation stream with its document separators (GPT-2's
+    <|endoftext|>; BOS and EOS) removed, cut into consecutive sequences; `documents`: only documents at
+    least length + 1 tokens long, each from its opening separator (`separators[0]`)."""
     from data import read_shard, shard_paths
 
     need = num_seqs * (length + 1)
     if source == "concat":
         # EOTs are about 1 in 700 tokens of FineWeb: read a little more than needed, then drop them
-        tokens = validation_tokens(data_dir, max_tokens=int(need * 1.1) + 4096)
-        tokens = tokens[tokens != EOT]
+        tokens = validation_tokens(data_dir, int(need * (1.1 if len(separators) == 1 else 1.2)) + 4096, tokenizer)
+        tokens = tokens[~np.isin(tokens, separators)]
         n = min(num_seqs, len(tokens) // (length + 1))
         if n == 0:
             raise EvalError(f"the validation split in {data_dir} has {len(tokens):,} tokens without separators, "
                             f"fewer than one sequence of {length + 1:,}; use a shorter --length")
         return tokens[:n * (length + 1)].reshape(n, length + 1)
+    if tokenizer is not None:
+        validation_tokens(data_dir, 1, tokenizer)  # the manifest's tokenizer is the run's
     sequences = []
     for path in shard_paths(data_dir, "val") if data_dir and os.path.isdir(data_dir) else []:
         tokens = read_shard(path)
-        starts = np.flatnonzero(tokens == EOT)
+        starts = np.flatnonzero(tokens == separators[0])
         ends = np.append(starts[1:], len(tokens))
         for start in starts[ends - starts >= length + 1][:num_seqs - len(sequences)]:
             sequences.append(np.asarray(tokens[start:start + length + 1], dtype=np.int64))

@@ -139,6 +139,17 @@ def add_training_state(run, path):
             run.tokens, run.step = rows[-1].get("tokens"), run.step or rows[-1].get("step")
 
 
+def tokenizer_label(model_block):
+    """The run's tokenizer and the model's vocabulary, e.g. `gpt2 (50,257)`; results written before the
+    tokenizer was recorded are GPT-2's, the only one there was."""
+    if not model_block:
+        return DASH
+    name = model_block.get("tokenizer") or "gpt2"
+    name = os.path.basename(os.path.normpath(name)) if os.path.isdir(name) or name.startswith((".", "/", "~")) else name
+    vocab = (model_block.get("config") or {}).get("vocab_size")
+    return f"{name} ({vocab:,})" if vocab else name
+
+
 def runs_section(runs):
     rows = []
     for r in runs:
@@ -146,12 +157,12 @@ def runs_section(runs):
         shape = f"{c['n_layer']} x {c['n_embd']}, {c['n_head']} heads" if c else DASH
         m = r.model or {}
         rows.append([r.name, r.variant or DASH, DASH if r.seed is None else r.seed, shape, c.get("block_size", DASH),
-                     human(m.get("num_params")), human(m.get("num_params_non_embedding")), human(r.tokens),
+                     tokenizer_label(m), human(m.get("num_params")), human(m.get("num_params_non_embedding")), human(r.tokens),
                      DASH if r.step is None else f"{r.step:,}"])
     return ["## Runs", "", "A variant is the runs whose configs differ only in the seed (and where they were written); "
             "evaluator overrides make variants of their own. Its name is the encoding, then what sets its config "
             "apart from the variants of the same encoding.", ""] + \
-        table(["run", "variant", "seed", "layers x width", "training context", "parameters", "non-embedding",
+        table(["run", "variant", "seed", "layers x width", "training context", "tokenizer", "parameters", "non-embedding",
                "tokens trained", "step"], rows)
 
 

@@ -198,7 +198,7 @@ PASSKEY_SETTINGS = {"lengths", "samples", "depth_mode", "depth_bins", "seed", "d
 PASSKEY_ROW = {"length", "factor", "accuracy", "correct", "samples", "seconds", "by_depth", "records"}
 PASSKEY_RECORD = {"depth", "actual_depth", "key", "key_position", "correct", "predicted"}
 MODEL_BLOCK = {"checkpoint", "name", "config", "num_params", "num_params_non_embedding", "step", "tokens_seen",
-               "data_dir"}
+               "data_dir", "tokenizer", "tokenizer_sha256"}
 
 
 @pytest.mark.parametrize("given", [0, 1])
