@@ -53,6 +53,8 @@ from tqdm import tqdm
 from checkpoint import check_writable, write_bytes
 from cli import Parser, UserError, describe_os_error, os_reason, user_errors
 from data import EOT, ShardError, get_tokenizer, shard_num_tokens, write_shard
+from ranges import number
+from retrieval import MAX_DIGITS
 
 HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 FINEWEB_SAMPLES = ("sample-10BT", "sample-100BT", "sample-350BT")
@@ -617,34 +619,30 @@ def parse_args(argv=None):
     parser.add_argument("--input", nargs="+", default=None, metavar="GLOB",
                         help="local files for --source local: parquet, jsonl/json ('text' field), txt")
     parser.add_argument("--out_dir", required=True, help="directory for the shards and manifest.json")
-    parser.add_argument("--shard_size", type=int, default=None,
+    parser.add_argument("--shard_size", type=number(int, ">= 1"), default=None,
                         help=f"tokens per shard (default {DEFAULT_SHARD_SIZE:_}; demo {DEMO_SHARD_SIZE:_}; "
                              f"retrieval {RETRIEVAL_SHARD_SIZE:_})")
-    parser.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens")
-    parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    parser.add_argument("--max_tokens", type=number(int, ">= 1"), default=None, help="stop after this many tokens")
+    parser.add_argument("--workers", type=number(int, ">= 1, <= 1024"), default=None, help="tokenizer processes (default: all cores)")
     parser.add_argument("--prefix", default=None,
                         help="shard file prefix (default fineweb, demo or local by source)")
     retrieval = parser.add_argument_group("synthetic passkey documents (retrieval.py)")
-    retrieval.add_argument("--retrieval_fraction", type=float, default=0.0,
+    retrieval.add_argument("--retrieval_fraction", type=number(float, ">= 0, <= 1"), default=0.0,
                            help="fraction of the tokens that are passkey documents (default 0)")
-    retrieval.add_argument("--retrieval_length", type=int, default=128,
+    retrieval.add_argument("--retrieval_length", type=number(int, ">= 1"), default=128,
                            help="longest passkey document in tokens, e.g. the training context (default 128)")
-    retrieval.add_argument("--retrieval_min_length", type=int, default=None,
+    retrieval.add_argument("--retrieval_min_length", type=number(int, ">= 1"), default=None,
                            help="shortest passkey document (default half of --retrieval_length); equal to "
                                 "it: every document is exactly that long, one per training row")
     retrieval.add_argument("--retrieval_filler", default="mixed", choices=("garbage", "text", "mixed"),
                            help="filler: the passkey garbage sentences, real demo-corpus sentences, or both")
-    retrieval.add_argument("--key_digits", type=int, default=5, help="digits of each pass key (default 5)")
-    retrieval.add_argument("--seed", type=int, default=0, help="seed of the passkey documents")
+    retrieval.add_argument("--key_digits", type=number(int, f">= 1, <= {MAX_DIGITS}"), default=5, help="digits of each pass key (default 5)")
+    retrieval.add_argument("--seed", type=number(int, ">= 0, < 4294967296"), default=0, help="seed of the passkey documents")
     args = parser.parse_args(argv)
     if args.source == "retrieval":
         args.retrieval_fraction = 1.0
         if args.max_tokens is None:
             parser.error("--source retrieval is an endless stream: give --max_tokens")
-    if not 0 <= args.retrieval_fraction <= 1:
-        parser.error(f"--retrieval_fraction must be in [0, 1], got {args.retrieval_fraction}")
-    if args.key_digits < 1 or args.retrieval_length < 1:
-        parser.error("--key_digits and --retrieval_length must be positive integers")
     if args.retrieval_min_length is None:
         args.retrieval_min_length = args.retrieval_length // 2
     if not 1 <= args.retrieval_min_length <= args.retrieval_length:
@@ -666,9 +664,6 @@ def parse_args(argv=None):
         parser.error("--dataset, --config, --split and --text_field apply only to --source hub")
     if (args.source == "local") != (args.input is not None):
         parser.error("--input is required with --source local and allowed only there")
-    for name in ("shard_size", "max_tokens", "workers"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be a positive integer")
     if args.shard_size is None:
         # Passkey shards use 2**16: a multiple of every power-of-two context, so documents of exactly
         # the context length stay aligned with training rows from one shard into the next.

@@ -53,6 +53,7 @@ from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.sweep import add_length_arguments, format_length, length_arguments, sweep, sweep_lengths
 from model import dense_mask, positional_scores
+from ranges import number
 
 PROMPTS = ("text", "passkey")
 METRICS = {"entropy": "entropy (nats)", "mean_distance": "mean distance attended (tokens)",
@@ -307,8 +308,8 @@ def add_arguments(ap):
     ap.add_argument("--prompts", default=None, choices=PROMPTS,
                     help="validation text or passkey prompts (default: text when validation shards are found)")
     ap.add_argument("--data_dir", default=None, help="shards for the text prompts (default: the run's data_dir)")
-    ap.add_argument("--samples", type=int, default=4, help="prompts per length (default %(default)s)")
-    ap.add_argument("--queries", type=int, default=16,
+    ap.add_argument("--samples", type=number(int, ">= 1"), default=4, help="prompts per length (default %(default)s)")
+    ap.add_argument("--queries", type=number(int, ">= 1"), default=16,
                     help="query positions per prompt, spread over its last half (default %(default)s)")
     add_length_arguments(ap, stop_after_zero=False)
     add_prompt_arguments(ap, batch_size=4)

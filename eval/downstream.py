@@ -32,6 +32,7 @@ from eval.prompts import tokenizer
 from eval.reporting import DASH, table
 from eval.results import Output, new_results
 from eval.sweep import progress_bar
+from ranges import number
 
 PAPER_TASKS = "hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai"
 # The metric a task's row shows first (lm-eval reports several; all are kept in the JSON).
@@ -272,14 +273,14 @@ def plot_downstream(results, path):
 def add_arguments(ap):
     ap.add_argument("source", help="run directory or checkpoint file")
     ap.add_argument("--tasks", default=PAPER_TASKS, help="comma-separated lm-eval tasks (default %(default)s)")
-    ap.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
-    ap.add_argument("--limit", type=float, default=None,
+    ap.add_argument("--num_fewshot", type=number(int, ">= 0"), default=None, help="few-shot examples (default: each task's own)")
+    ap.add_argument("--limit", type=number(float, "> 0"), default=None,
                     help="documents per task: a count, or a fraction below 1 (default: all)")
-    ap.add_argument("--batch_size", type=int, default=16, help="sequences per forward (default %(default)s)")
-    ap.add_argument("--max_length", type=int, default=None,
+    ap.add_argument("--batch_size", type=number(int, ">= 1"), default=16, help="sequences per forward (default %(default)s)")
+    ap.add_argument("--max_length", type=number(int, ">= 2"), default=None,
                     help="tokens of context kept from the left (default: the training context)")
     ap.add_argument("--include_path", default=None, help="folder with task YAML files of your own")
-    ap.add_argument("--seed", type=int, default=1234, help="seed of lm-eval's few-shot sampling (default %(default)s)")
+    ap.add_argument("--seed", type=number(int, ">= 0, < 4294967296"), default=1234, help="seed of lm-eval's few-shot sampling (default %(default)s)")
     add_model_arguments(ap)
     add_output_arguments(ap)
 

@@ -82,6 +82,25 @@ def plan_batch(model, want, length, scored, device, extra_per_sequence=0):
     return batch
 
 
+def generation_bytes(model, batch, prompt, new_tokens):
+    """Bytes model.generate needs for `batch` sequences of `prompt` tokens plus `new_tokens`: the KV cache
+    it preallocates (keys and values of every layer, in the weights' dtype; a windowed cache keeps only the
+    window), plus the prompt's forward."""
+    cfg = model.config
+    weight = next(model.parameters())
+    kept = min(prompt + new_tokens, cfg.attn_window) if cfg.attn_window else prompt + new_tokens
+    cache = 2 * cfg.n_layer * batch * cfg.kv_heads * cfg.head_dim * kept * weight.element_size()
+    return cache + forward_bytes(model, batch, prompt, 1)
+
+
+def check_fits(need, device, what):
+    """OutOfMemory `what needs about X GiB but Y GiB is free on DEVICE` unless `need` bytes fit now: asked
+    before anything of that size is built, so an impossible size is one line, not an allocator's error."""
+    avail = available_bytes(device)
+    if need > SAFETY * avail:
+        raise OutOfMemory(f"{what} needs about {need / 2**30:,.1f} GiB but {avail / 2**30:.1f} GiB is free on {device}")
+
+
 def is_out_of_memory(exc):
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True

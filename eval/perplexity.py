@@ -36,6 +36,7 @@ from eval.prompts import SOURCES, validation_sequences
 from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, writable_folder
 from eval.sweep import format_length, parse_length, progress_bar
+from ranges import number
 
 HEAD_CHUNK = 1024  # positions per LM-head call: B x 1024 x vocab fp32 logits at a time
 
@@ -184,10 +185,10 @@ def add_arguments(ap):
     ap.add_argument("--length", default="64x",
                     help="tokens per sequence, e.g. 32K or 64x the context (default %(default)s)")
     ap.add_argument("--window", default=None, help="tokens per window (default: the training context)")
-    ap.add_argument("--num_seqs", type=int, default=8, help="sequences to average over (default %(default)s)")
+    ap.add_argument("--num_seqs", type=number(int, ">= 1"), default=8, help="sequences to average over (default %(default)s)")
     ap.add_argument("--source", default="concat", choices=SOURCES, help="see above (default %(default)s)")
     ap.add_argument("--data_dir", default=None, help="folder with *_val_*.bin shards (default: the run's data_dir)")
-    ap.add_argument("--batch_size", type=int, default=1)
+    ap.add_argument("--batch_size", type=number(int, ">= 1"), default=1)
     ap.add_argument("--compare", default="perplexity_comparison.png",
                     help="with several runs: the plot with one line per run (default %(default)s)")
     ap.add_argument("--no_progress", action="store_true")
