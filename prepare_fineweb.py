@@ -50,6 +50,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+import folders
 from checkpoint import check_writable, write_bytes
 from cli import Parser, UserError, describe_os_error, os_reason, user_errors
 from data import EOT, ShardError, get_tokenizer, shard_num_tokens, write_shard
@@ -67,6 +68,7 @@ RETRIEVAL_SHARD_SIZE = 2**16
 LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 MANIFEST = "manifest.json"
+LOCK = ".lock"  # held by the prepare_fineweb.py that writes the folder (pid and host inside)
 TOKENIZER = "gpt2"
 CHUNK_DOCS = 64  # documents per chunk sent to a worker: fewer, larger messages keep the main process light
 CHUNK_CHARS = 1 << 18  # ... and fewer when they are long: a chunk ends once it holds this many characters
@@ -512,8 +514,31 @@ def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
     """Tokenise `documents` (an iterable of texts, the same on every call) into shards in out_dir.
 
     Returns the manifest. Resumes after the last full shard of an earlier run on the same source;
-    raises PrepareError, before writing anything, when out_dir holds incompatible shards.
+    raises PrepareError, before writing anything, when out_dir holds incompatible shards or another
+    prepare_fineweb.py writes it (OUT_DIR/.lock, held until the shards are written).
     """
+    _check_out_dir(out_dir, _read_manifest(out_dir), prefix=prefix, source=source, shard_size=shard_size,
+                   max_tokens=max_tokens)
+    key = lock_out_dir(out_dir)
+    try:
+        return _prepare(documents, out_dir, source=source, prefix=prefix, shard_size=shard_size,
+                        max_tokens=max_tokens, workers=workers, progress=progress)
+    finally:
+        folders.unlock(key)
+
+
+def lock_out_dir(out_dir):
+    """OUT_DIR/.lock (folders.lock): a second run on the same folder is refused, as train.py's on a run dir;
+    only the holder may remove the temp files of killed runs."""
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        return folders.lock(os.path.join(out_dir, LOCK), out_dir, "prepare_fineweb.py")
+    except folders.InUse as e:
+        raise PrepareError(e) from None
+
+
+def _prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
+             max_tokens=None, workers: int = 1, progress: bool = True) -> dict:
     manifest = _read_manifest(out_dir)
     _check_out_dir(out_dir, manifest, prefix=prefix, source=source, shard_size=shard_size,
                    max_tokens=max_tokens)
@@ -533,11 +558,9 @@ def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
     end_doc, end_doc_tokens = (kept[-1]["end_doc"], kept[-1]["end_doc_tokens"]) if kept else (0, 0)
     total = sum(s["tokens"] for s in kept)
     num_docs = kept[-1]["documents"] if kept else 0
-    os.makedirs(out_dir, exist_ok=True)
-    stale = glob.glob(os.path.join(glob.escape(out_dir), f"{glob.escape(prefix)}_*.bin.tmp-*"))
-    stale += glob.glob(os.path.join(glob.escape(out_dir), "manifest.json.tmp-*"))
-    for path in stale:
-        os.remove(path)  # temp files of a run that was killed mid-write
+    # Temp files of a run that was killed mid-write: this run holds the lock, so no live run writes them.
+    folders.remove_stale(out_dir, f"{glob.escape(prefix)}_*.bin.tmp-*")
+    folders.remove_stale(out_dir, f"{MANIFEST}.tmp-*")
     manifest = {"format": "llm.c shards: 256 x int32 header (magic 20240520, version 1, count), uint16",
                 "tokenizer": TOKENIZER, "eot": EOT, "source": source, "prefix": prefix,
                 "shard_size": shard_size, "max_tokens": max_tokens, "finished": False,
@@ -760,6 +783,7 @@ def make_shards(args):
         get_tokenizer()
     except RuntimeError as e:
         raise PrepareError(e)
+    lock_out_dir(args.out_dir)  # before demo_corpus.jsonl is written; prepare() takes the same lock again
     if args.source in HUB_DATASETS:
         documents = hub_documents(HUB_DATASETS[args.source], args.sample)
     elif args.source == "hub":
