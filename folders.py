@@ -89,6 +89,18 @@ def unlock(lock_path):
         f.close()  # releases the flock
 
 
+def _forget_in_child():
+    """A forked child (a tokenizer worker, a data loader worker) must not keep its parent's locks: flock
+    belongs to the open file, which the child shares, so a worker outliving a killed parent would still hold
+    it. Closing the child's copy leaves the parent's lock as it is."""
+    for f, _ in _HELD.values():
+        f.close()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def sibling(path, kind):
     """.NAME.<kind> beside `path`: where its swap keeps a new or old version, its journal, its lock."""
     path = os.path.abspath(path)
