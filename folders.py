@@ -25,6 +25,7 @@ holds the old complete folder or the new complete one, and nothing else of the s
 Everything is created with the user's umask, as any file the user writes (no 0700 temp folders).
 """
 
+import atexit
 import ctypes
 import errno
 import fcntl
@@ -74,6 +75,8 @@ def lock(lock_path, what, command, remove=False):
     f.write(f"pid {os.getpid()}, host {socket.gethostname()}\n")
     f.flush()
     _HELD[key] = (f, remove)
+    if remove:
+        atexit.register(unlock, key)  # also when the command ends on an error; a kill leaves it to the next holder
     return key
 
 

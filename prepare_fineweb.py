@@ -519,10 +519,17 @@ def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
     """
     _check_out_dir(out_dir, _read_manifest(out_dir), prefix=prefix, source=source, shard_size=shard_size,
                    max_tokens=max_tokens)
+    created = not os.path.exists(out_dir)
     key = lock_out_dir(out_dir)
     try:
         return _prepare(documents, out_dir, source=source, prefix=prefix, shard_size=shard_size,
                         max_tokens=max_tokens, workers=workers, progress=progress)
+    except BaseException:
+        if created and os.listdir(out_dir) == [LOCK]:  # refused before a shard was written: leave nothing
+            folders.unlock(key)
+            os.remove(os.path.join(out_dir, LOCK))
+            os.rmdir(out_dir)
+        raise
     finally:
         folders.unlock(key)
 
@@ -783,7 +790,6 @@ def make_shards(args):
         get_tokenizer()
     except RuntimeError as e:
         raise PrepareError(e)
-    lock_out_dir(args.out_dir)  # before demo_corpus.jsonl is written; prepare() takes the same lock again
     if args.source in HUB_DATASETS:
         documents = hub_documents(HUB_DATASETS[args.source], args.sample)
     elif args.source == "hub":
@@ -795,6 +801,7 @@ def make_shards(args):
     else:
         # Kept next to the shards, where the text is easy to read, and tokenised through the
         # same `datasets` json reader as any local corpus.
+        lock_out_dir(args.out_dir)  # before demo_corpus.jsonl is written; prepare() takes the same lock again
         corpus_path = os.path.join(args.out_dir, "demo_corpus.jsonl")
         write_bytes(corpus_path, [corpus])
         documents = local_documents([corpus_path])

@@ -41,6 +41,30 @@ NETWORK_HINTS = ("offline", "connection", "resolve", "network", "timed out", "co
                  "name or service", "temporary failure", "hf_hub_offline", "cannot find the requested files")
 
 
+HUB = ("huggingface.co", 443)
+
+
+def hub_reachable(timeout=3.0):
+    """Whether the Hugging Face Hub answers at all (one TCP connection, a few seconds at most)."""
+    import socket
+
+    try:
+        socket.create_connection(HUB, timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def offline_if_unreachable():
+    """Without a network the hub client retries every file for half a minute, printing each retry; in
+    offline mode it reads the datasets cache at once, and a task whose data are not cached fails at once
+    (one line, is_network_error). Must run before lm-eval imports `datasets`, which reads the setting then."""
+    if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE"):
+        return
+    if not hub_reachable():
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+
 def lm_eval_api():
     try:
         import lm_eval
@@ -225,8 +249,9 @@ def evaluate_downstream(source, *, options=None, tasks=PAPER_TASKS, num_fewshot=
         raise EvalError(f"--num_fewshot must be 0 or more, got {num_fewshot}")
     if include_path and not os.path.isdir(include_path):
         raise EvalError(f"--include_path {include_path} is not a folder")
-    lm_eval, _ = lm_eval_api()
     evaluated = load_for_eval(source, options)
+    offline_if_unreachable()
+    lm_eval, _ = lm_eval_api()
     max_length = max_length or evaluated.block_size or 2048
     if max_length < 2:
         raise EvalError(f"--max_length must be at least 2 tokens, got {max_length}")

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 
 import torch
 
+from sizing import available_bytes  # noqa: F401  (the evaluators' and training's one measure)
+
 # Peak bytes of one no-grad forward per token and per unit of n_embd (fp32 activations, FlexAttention),
 # measured with bench/eval_memory.py (docs/benchmarks.md) and rounded up: a handful of (T, n_embd)-sized
 # tensors live at once (residual, norm, q/k/v and their contiguous copies, the SwiGLU halves at 2 x n_embd).
@@ -21,27 +23,6 @@ SAFETY = 0.85  # of the memory free now: leave room for the allocator's slack an
 
 class OutOfMemory(Exception):
     """A length that does not fit in the memory available; the sweep stops and keeps its results."""
-
-
-def available_bytes(device):
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    with open("/proc/meminfo") as f:
-        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    # In a container /proc/meminfo shows the host; the cgroup limit is what will kill us.
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit_file) as f, open(usage_file) as g:
-                limit = f.read().strip()
-                if limit != "max" and int(limit) < 1 << 60:
-                    avail = min(avail, int(limit) - int(g.read()))
-        except (OSError, ValueError):
-            continue
-        break
-    return avail
 
 
 def forward_bytes(model, batch, length, scored):
