@@ -35,7 +35,7 @@ from eval.options import EvalOptions, add_model_arguments, add_output_arguments
 from eval.prompts import SOURCES, validation_sequences
 from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, writable_folder
-from eval.sweep import format_length, parse_length, progress_bar
+from eval.sweep import check_lengths, format_length, parse_length, progress_bar
 from ranges import number
 
 HEAD_CHUNK = 1024  # positions per LM-head call: B x 1024 x vocab fp32 logits at a time
@@ -86,6 +86,7 @@ def evaluate_perplexity(source, *, options=None, length="64x", window=None, num_
     window = parse_length(window, block_size) if isinstance(window, str) else int(window or block_size)
     if window < 1 or window > length:
         raise EvalError(f"--window {window} must be between 1 and the length {length}")
+    check_lengths(evaluated.model, [length], num_seqs, evaluated.device, "a shorter --length or fewer --num_seqs")  # before num_seqs x length tokens are read
     data_dir = data_dir or evaluated.info.get("data_dir")
     sequences = validation_sequences(data_dir, length, num_seqs, data_source)
     model, per_length = evaluated.at_length(length)  # one length: one factor for "auto"

@@ -55,13 +55,13 @@ def check_length_fits(model, length, samples, device):
     check_fits(need, device, f"length {length:,} ({samples} prompts)")
 
 
-def check_lengths(model, lengths, samples, device):
+def check_lengths(model, lengths, samples, device, shorter="shorter --lengths or a smaller --max_factor"):
     """Before anything is written: an EvalError when not even the shortest length fits, so that a sweep
     that could measure nothing creates nothing. Longer lengths that do not fit stop the sweep there."""
     try:
         check_length_fits(model, min(lengths), samples, device)
     except OutOfMemory as e:
-        raise EvalError(f"{e}; nothing to evaluate: use shorter --lengths or a smaller --max_factor") from None
+        raise EvalError(f"{e}; nothing to evaluate: use {shorter}") from None
 
 
 def format_length(n):
