@@ -786,6 +786,8 @@ def make_shards(args):
         check_writable(args.out_dir)
     except OSError as e:
         raise PrepareError(f"{describe_os_error(e, 'cannot write shards to')} (choose another --out_dir)") from None
+    if os.path.isdir(args.out_dir):  # a run may be writing it: refuse now, not after the tokenizer has loaded
+        lock_out_dir(args.out_dir)
     try:
         get_tokenizer()
     except RuntimeError as e:
