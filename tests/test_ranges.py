@@ -3,7 +3,6 @@ created (issue 24, class 1). Driven from the declarations, so a new option is co
 every numeric config field must have a range (model.MODEL_RANGES, config.RANGES), every numeric flag of every
 command must be a ranges.number, and each is then fed inf, nan and a value just outside its range."""
 
-import argparse
 import dataclasses
 import math
 import typing
@@ -138,7 +137,7 @@ def minimal_argv(parser):
     argv = []
     for action in parser._actions:
         if not action.option_strings and action.dest != "help":
-            argv += ["x"] * (1 if action.nargs in (None, "?") else 1)
+            argv.append("x")
         elif action.required:
             argv += [action.option_strings[0], (action.choices and list(action.choices)[0]) or "x"]
     return argv
@@ -151,7 +150,8 @@ def test_every_numeric_flag_is_a_checked_number(command, monkeypatch):
     assert not plain, f"{command}: declare {plain} with ranges.number(kind, range)"
 
 
-def flag_cases(monkeypatch_factory=None):
+def flag_cases():
+    """(command, flag) for every numeric flag of every command, read from the parsers themselves."""
     cases = []
     mp = pytest.MonkeyPatch()
     try:
