@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+import ranges
 from data import EOT
 from eval import EvalError
 from eval.contract import Evaluator
@@ -36,7 +37,6 @@ from eval.scoring import Sample, score_length
 from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
                         sweep_lengths)
-import ranges
 from ranges import number
 from retrieval import GARBAGE, INFO, MAX_DIGITS, QUESTION, TASK
 
