@@ -19,8 +19,7 @@ a kill at any moment OUT_DIR is the old complete export or the new one, never ha
 to OUT_DIR finishes or undoes a swap that a kill interrupted and removes what a killed export left
 (.OUT_DIR.tmp-*, .OUT_DIR.new, .OUT_DIR.old). An existing OUT_DIR is replaced only with --overwrite. While
 an export writes OUT_DIR it holds .OUT_DIR.lock beside it (removed at the end): a second export to the same
-folder is refused.
-Files and folders get the user's umask, as anything else the user writes.
+folder is refused. Files and folders get the user's umask, as anything else the user writes.
 """
 
 import argparse
@@ -153,32 +152,30 @@ def export(source, out_dir, overwrite=False):
         raise ExportError(f"the model has {cfg.vocab_size} tokens, fewer than the GPT-2 tokenizer's {enc.n_vocab}")
 
     lock_target(out_dir)
+    check_target(out_dir, overwrite)  # again: the recovery may have put an earlier export back
+    tmp = folders.new_folder(out_dir)
     try:
-        check_target(out_dir, overwrite)  # again: the recovery may have put an earlier export back
-        tmp = folders.new_folder(out_dir)
-        try:
-            shutil.copy(MODEL_SOURCE, os.path.join(tmp, "model.py"))
-            shutil.copy(WRAPPER_SOURCE, os.path.join(tmp, "modeling_bam.py"))
-            # The classes come from the copies, through the library's remote-code loader: the same code that
-            # users will run builds and saves the model here.
-            config_cls = get_class_from_dynamic_module("modeling_bam.BAMConfig", tmp)
-            model_cls = get_class_from_dynamic_module("modeling_bam.BAMForCausalLM", tmp)
-            config = config_cls(bam_model=asdict(cfg), eos_token_id=EOT, bos_token_id=EOT, pad_token_id=EOT)
-            model = model_cls(config)
-            missing, unexpected = model.model.load_state_dict(state, strict=False)
-            if missing or unexpected:
-                raise ExportError(f"{path} does not match its own config: missing {missing[:3]}, unexpected "
-                                  f"{unexpected[:3]}")
-            model.generation_config = GenerationConfig(eos_token_id=EOT, bos_token_id=EOT, pad_token_id=EOT)
-            model.save_pretrained(tmp)
-            hf_tokenizer(enc).save_pretrained(tmp)
-            folders.follow_umask(tmp)  # safetensors' file is 0600 otherwise
-            folders.swap_in(tmp, out_dir)  # one step where the file system allows it (folders.py)
-        finally:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copy(MODEL_SOURCE, os.path.join(tmp, "model.py"))
+        shutil.copy(WRAPPER_SOURCE, os.path.join(tmp, "modeling_bam.py"))
+        # The classes come from the copies, through the library's remote-code loader: the same code that
+        # users will run builds and saves the model here.
+        config_cls = get_class_from_dynamic_module("modeling_bam.BAMConfig", tmp)
+        model_cls = get_class_from_dynamic_module("modeling_bam.BAMForCausalLM", tmp)
+        config = config_cls(bam_model=asdict(cfg), eos_token_id=EOT, bos_token_id=EOT, pad_token_id=EOT)
+        model = model_cls(config)
+        missing, unexpected = model.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ExportError(f"{path} does not match its own config: missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]}")
+        model.generation_config = GenerationConfig(eos_token_id=EOT, bos_token_id=EOT, pad_token_id=EOT)
+        model.save_pretrained(tmp)
+        hf_tokenizer(enc).save_pretrained(tmp)
+        folders.follow_umask(tmp)  # safetensors' file is 0600 otherwise
+        folders.swap_in(tmp, out_dir)  # in one step where the file system allows it (folders.py)
     finally:
-        folders.unlock(folders.sibling(out_dir, "lock"))
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    folders.unlock(folders.sibling(out_dir, "lock"))  # a failed export's lock goes when the process ends
     return path
 
 
