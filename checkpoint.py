@@ -31,13 +31,11 @@ writer never matches a checkpoint name and is removed by the next run.
 """
 
 import dataclasses
-import fcntl
 import glob
 import json
 import os
 import re
 import shutil
-import socket
 import tempfile
 import warnings
 import zipfile
@@ -45,6 +43,7 @@ from contextlib import contextmanager
 
 import torch
 
+import folders
 from cli import Parser, UserError, WriteError, run_cli
 from config import upgrade
 
@@ -156,21 +155,6 @@ def _fsync_dir(directory):
         os.close(dir_fd)
 
 
-def replace_dir(finished, path):
-    """Put the complete folder `finished` (written beside `path`, same filesystem) at `path`: an old `path`
-    is moved aside first and removed after, so a whole folder is there at every moment; the parent
-    directory is fsynced like a file's."""
-    parent = os.path.dirname(os.path.abspath(path))
-    aside = None
-    if os.path.exists(path):
-        aside = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
-        os.replace(path, os.path.join(aside, "old"))
-    os.replace(finished, path)
-    _fsync_dir(parent)
-    if aside:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
 def write_bytes(path, chunks):
     """Write an iterable of bytes objects to `path` atomically."""
     with atomic_file(path, "wb") as f:
@@ -196,13 +180,17 @@ def save_atomic(obj, path):
 
 
 def remove_temp_files(directory):
-    """Temp files (and sharded checkpoint folders) of writes that were killed before their rename; nothing
-    else ever reads them."""
+    """Temp files (and sharded checkpoint folders) of writes that were killed before their rename, which
+    nothing else ever reads, and the swap of a folder (best/) that a kill interrupted, finished or undone
+    (folders.recover). The caller holds the lock of the folder."""
     for stale in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
         if os.path.isdir(stale):
             shutil.rmtree(stale)
         else:
             os.remove(stale)
+    for kind in ("new", "old", "swap"):
+        for left in glob.glob(os.path.join(glob.escape(directory), f".*.{kind}")):
+            folders.recover(os.path.join(directory, os.path.basename(left)[1:-len(kind) - 1]))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -332,11 +320,7 @@ def save_sharded(tensors, state, path):
         write_text(os.path.join(tmp, SHARDED_STATE), json.dumps(state, default=_as_list))
         sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
         write_text(os.path.join(tmp, DONE), json.dumps(sizes, indent=0) + "\n")
-        if os.path.exists(path):
-            replace_dir(tmp, path)
-        else:
-            os.replace(tmp, path)
-            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        folders.swap_in(tmp, path)  # best/ again: exchanged in one step, recover() finishes a killed swap
     try:
         _on_rank0(finish)
     except OSError as e:
@@ -467,34 +451,29 @@ class RunDirInUse(RuntimeError):
 
 @contextmanager
 def run_dir_lock(run_dir):
-    """Hold RUN/.lock for the block: a second writer of the same run directory gets RunDirInUse naming the
-    holder. flock is released by the kernel when the holder exits in any way (also SIGKILL), so a crashed
-    run never leaves it stuck; it also holds across machines on NFS (Linux emulates it with POSIX locks).
-    The directory is created first; OSError (not creatable, read-only) reaches the caller."""
+    """Hold RUN/.lock for the block (folders.lock): a second writer of the same run directory gets RunDirInUse
+    naming the holder; it touches nothing but opens the lock file. The kernel releases the lock when the
+    holder exits in any way (also SIGKILL), so a crashed run never leaves it stuck; it also holds across
+    machines on NFS (Linux emulates flock with POSIX locks). The directory is created first; OSError (not
+    creatable, read-only) reaches the caller."""
     created = not os.path.exists(run_dir)
     os.makedirs(run_dir, exist_ok=True)
-    f = open(os.path.join(run_dir, LOCK), "a+")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "pid unknown"
-        f.close()
-        raise RunDirInUse(f"{run_dir} is in use by another train.py ({holder})") from None
+        key = folders.lock(os.path.join(run_dir, LOCK), run_dir, "train.py")
+    except folders.InUse as e:
+        raise RunDirInUse(str(e)) from None
     try:
-        f.truncate(0)
-        f.write(f"pid {os.getpid()}, host {socket.gethostname()}\n")
-        f.flush()
         yield
     except BaseException:
         # A run refused before it wrote anything (a bad init_from, changed settings) leaves no directory
         # behind if it made it: nothing but the lock is in it yet.
         if created and os.listdir(run_dir) == [LOCK]:
+            folders.unlock(key)
             os.remove(os.path.join(run_dir, LOCK))
             os.rmdir(run_dir)
         raise
     finally:
-        f.close()  # releases the lock; the file stays (removing it would race with a process about to lock it)
+        folders.unlock(key)  # the file stays (removing it would race with a process about to lock it)
 
 
 def main(argv=None):

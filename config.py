@@ -23,6 +23,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
+import ranges
 from cli import os_reason
 from model import ModelConfig
 
@@ -193,6 +194,40 @@ class Config:
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "log": LogConfig}
 
+# What every numeric setting of [data], [train] and [log] may be (ranges.py's notation; finite as well; each
+# element of a list, and an optional one only when set). [model]'s are model.MODEL_RANGES, checked by
+# ModelConfig itself. A new numeric setting needs its line: tests/test_ranges.py fails for one without.
+RANGES = {
+    "data": {"batch_size": ">= 1"},
+    "train": {"tokens_per_step": ">= 1", "max_steps": ">= 1", "lr": "> 0", "prior_lr": "> 0", "betas": ">= 0, < 1",
+              "eps": ">= 0", "weight_decay": ">= 0", "warmup_steps": ">= 0", "min_lr_frac": ">= 0, <= 1",
+              "grad_clip": ">= 0", "val_every": ">= 0", "val_tokens": ">= 0", "ckpt_every": ">= 0",
+              "keep_last": ">= 1", "seed": ">= 0, < 4294967296", "spike_window": ">= 1",
+              "spike_threshold": ">= 0", "spike_grad_factor": ">= 0"},
+    "log": {"log_every": ">= 1", "peak_tflops": ">= 0"},
+}
+
+
+def number_kind(typ):
+    """int or float for a numeric field's type (also inside Optional and tuple/list), else None."""
+    if _optional(typ):
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    if typing.get_origin(typ) in (tuple, list):
+        typ = typing.get_args(typ)[0]
+    return typ if typ in (int, float) else None
+
+
+def check_ranges(section, values, table):
+    """ConfigError `section.key = value: allowed: ...` for the first setting outside its range."""
+    hints = typing.get_type_hints(type(values))
+    for key, spec in table.items():
+        value = getattr(values, key)
+        for element in value if isinstance(value, (tuple, list)) else () if value is None else (value,):
+            try:
+                ranges.check(f"{section}.{key}", element, spec, number_kind(hints[key]))
+            except ValueError as e:
+                raise ConfigError(f"{e}" + (f" (each of {list(value)})" if isinstance(value, tuple) else "")) from None
+
 
 def _read_file(path, values, chain):
     """Apply the TOML file at `path` to `values`. A top-level `base = "other.toml"` (relative to the
@@ -262,7 +297,7 @@ def load_config(path=None, overrides=()):
         try:
             built[section] = ModelConfig.preset(preset, **values[section]) if preset and cls is ModelConfig else cls(**values[section])
         except (ValueError, TypeError, AssertionError) as e:
-            raise ConfigError(f"[{section}] {e}") from None
+            raise ConfigError(f"[{section}] {str(e).removeprefix('model config: ')}") from None
     config = Config(**built)
     check(config)
     return config
@@ -271,27 +306,8 @@ def load_config(path=None, overrides=()):
 def check(config, world_size=1):
     """Combinations that cannot run; with world_size, also those that cannot run on that many ranks."""
     m, d, t, log = config.model, config.data, config.train, config.log
-    positive = {"data.batch_size": d.batch_size, "model.block_size": m.block_size,
-                "train.tokens_per_step": t.tokens_per_step, "train.max_steps": t.max_steps,
-                "train.lr": t.lr, "train.keep_last": t.keep_last, "log.log_every": log.log_every,
-                "train.spike_window": t.spike_window}
-    if t.prior_lr is not None:
-        positive["train.prior_lr"] = t.prior_lr
-    for name, value in positive.items():
-        if not value > 0:
-            raise ConfigError(f"{name} = {value} must be greater than 0")
-    not_negative = {"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps,
-                    "train.grad_clip": t.grad_clip, "train.val_every": t.val_every,
-                    "train.val_tokens": t.val_tokens, "train.ckpt_every": t.ckpt_every,
-                    "train.eps": t.eps, "log.peak_tflops": log.peak_tflops,
-                    "train.spike_threshold": t.spike_threshold, "train.spike_grad_factor": t.spike_grad_factor}
-    for name, value in not_negative.items():
-        if not value >= 0:
-            raise ConfigError(f"{name} = {value} must be 0 or more")
-    if not 0 <= t.min_lr_frac <= 1:
-        raise ConfigError(f"train.min_lr_frac = {t.min_lr_frac} must be between 0 and 1")
-    if not all(0 <= b < 1 for b in t.betas):
-        raise ConfigError(f"train.betas = {list(t.betas)} must both be in [0, 1)")
+    for section, table in RANGES.items():
+        check_ranges(section, getattr(config, section), table)
     if t.warmup_steps > t.max_steps:
         raise ConfigError(f"train.warmup_steps = {t.warmup_steps} is more than train.max_steps = {t.max_steps}")
 

@@ -15,8 +15,12 @@ config field behave exactly as in training and evaluation here; nothing is re-im
     model = AutoModelForCausalLM.from_pretrained("hf/bam_ssmax_512", trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained("hf/bam_ssmax_512")
 
-OUT_DIR is written in a temporary folder next to it and renamed at the end, so an interrupted export never
-leaves half a folder, and an existing OUT_DIR is replaced only with --overwrite.
+OUT_DIR is written in a temporary folder next to it and swapped in at the end (folders.swap_in), so after
+a kill at any moment OUT_DIR is the old complete export or the new one, never half of one; the next export
+to OUT_DIR finishes or undoes a swap that a kill interrupted and removes what a killed export left
+(.OUT_DIR.tmp-*, .OUT_DIR.new, .OUT_DIR.old). An existing OUT_DIR is replaced only with --overwrite. While
+an export writes OUT_DIR it holds .OUT_DIR.lock beside it (removed at the end): a second export to the same
+folder is refused. Files and folders get the user's umask, as anything else the user writes.
 """
 
 import argparse
@@ -25,12 +29,11 @@ import functools
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict
 
 import torch
 
-from checkpoint import replace_dir
+import folders
 from cli import Parser, UserError, run_cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,9 +107,8 @@ def hf_tokenizer(enc):
                                    model_max_length=int(1e30), clean_up_tokenization_spaces=False)
 
 
-def export(source, out_dir, overwrite=False):
-    """Write the folder; returns the checkpoint path it came from."""
-    out_dir = os.path.abspath(out_dir)
+def check_target(out_dir, overwrite):
+    """An existing OUT_DIR is replaced only with --overwrite, and only if it is an earlier export."""
     if os.path.exists(out_dir):
         if not overwrite:
             raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
@@ -116,6 +118,24 @@ def export(source, out_dir, overwrite=False):
             # --overwrite deletes the folder: never one that is not an earlier export
             raise ExportError(f"{out_dir} is not an exported model folder (no modeling_bam.py); --overwrite "
                               f"replaces only those, choose another OUT_DIR")
+
+
+def lock_target(out_dir):
+    """Hold .OUT_DIR.lock, then finish or undo what a killed export to OUT_DIR left (folders.recover)."""
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    try:
+        folders.lock(folders.sibling(out_dir, "lock"), out_dir, "export_hf.py", remove=True)
+    except folders.InUse as e:
+        raise ExportError(e) from None
+    done = folders.recover(out_dir)
+    if done:
+        print(f"export_hf.py: {out_dir}: a killed export was cleaned up: {done}", file=sys.stderr)
+
+
+def export(source, out_dir, overwrite=False):
+    """Write the folder; returns the checkpoint path it came from."""
+    out_dir = os.path.abspath(out_dir)
+    check_target(out_dir, overwrite)
     check_self_contained(MODEL_SOURCE)
     cfg, state, path, tokenizer_name = load_checkpoint(source)
     try:  # only now: a wrong argument is answered without the seconds this import takes
@@ -137,9 +157,9 @@ def export(source, out_dir, overwrite=False):
     bos = enc.doc_open
     eos = enc.doc_close if enc.doc_close is not None else enc.doc_open
 
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    lock_target(out_dir)
+    check_target(out_dir, overwrite)  # again: the recovery may have put an earlier export back
+    tmp = folders.new_folder(out_dir)
     try:
         shutil.copy(MODEL_SOURCE, os.path.join(tmp, "model.py"))
         shutil.copy(WRAPPER_SOURCE, os.path.join(tmp, "modeling_bam.py"))
@@ -160,10 +180,12 @@ def export(source, out_dir, overwrite=False):
         else:  # a fresh copy from its folder: the run's own instance reads special-token text as text
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(enc.folder, use_fast=True).save_pretrained(tmp)
-        replace_dir(tmp, out_dir)  # an old export moves aside first, so one complete folder always exists
+        folders.follow_umask(tmp)  # safetensors' file is 0600 otherwise
+        folders.swap_in(tmp, out_dir)  # in one step where the file system allows it (folders.py)
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+    folders.unlock(folders.sibling(out_dir, "lock"))  # a failed export's lock goes when the process ends
     return path
 
 

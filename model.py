@@ -82,15 +82,13 @@ class ModelConfig:
         def bad(msg):
             raise ValueError(f"model config: {msg}")
 
+        check_ranges(self, MODEL_RANGES, bad)
         if self.pe not in ENCODINGS:
             bad(f"unknown pe {self.pe!r}; allowed: {', '.join(ENCODINGS)}")
         if self.attn_impl not in ATTN_IMPLS:
             bad(f"unknown attn_impl {self.attn_impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
         if self.bam_init not in BAM_INITS:
             bad(f"unknown bam_init {self.bam_init!r}; allowed: {', '.join(BAM_INITS)}")
-        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
-            if getattr(self, name) <= 0:
-                bad(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
             bad(f"n_head={self.n_head} must divide n_embd={self.n_embd}")
         even = ENCODINGS[self.pe].even_width
@@ -98,17 +96,11 @@ class ModelConfig:
             bad(f"{self.pe} needs an even {even}, got {even}={getattr(self, even)}")
         if self.n_kv_head < 0 or (self.n_kv_head and self.n_head % self.n_kv_head):
             bad(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (or be 0 for n_head)")
-        if self.attn_window < 0:
-            bad(f"attn_window must be >= 0 (0 = no window), got {self.attn_window}")
         self._check_rope_scaling(bad)
 
     def _check_rope_scaling(self, bad):
         if self.rope_scaling not in ROPE_SCALINGS:
             bad(f"unknown rope_scaling {self.rope_scaling!r}; allowed: {', '.join(ROPE_SCALINGS)}")
-        if not self.rope_factor >= 1.0:  # also catches NaN
-            bad(f"rope_factor must be >= 1 (the context scale s), got {self.rope_factor}")
-        if self.rope_original_context < 0:
-            bad(f"rope_original_context must be >= 0 (0 = block_size), got {self.rope_original_context}")
         if not 0 < self.yarn_beta_slow < self.yarn_beta_fast:
             bad(f"YaRN needs 0 < yarn_beta_slow < yarn_beta_fast, got {self.yarn_beta_slow} and "
                 f"{self.yarn_beta_fast}")
@@ -143,6 +135,35 @@ class ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
+
+
+# What every numeric ModelConfig field may be (ranges.py's notation; always finite as well). A new numeric
+# field needs its line here: tests/test_ranges.py fails for one without. Bases below 2 would make RoPE's
+# and the sinusoids' frequencies grow with the pair index (or all equal 1) instead of spreading them out.
+MODEL_RANGES = {
+    "vocab_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_kv_head": ">= 0", "n_embd": ">= 1",
+    "mlp_hidden": ">= 0", "block_size": ">= 1", "norm_eps": "> 0, < 1", "init_std": "> 0, <= 10",
+    "rope_theta": ">= 2", "rope_factor": ">= 1", "rope_original_context": ">= 0", "yarn_beta_fast": "> 0",
+    "yarn_beta_slow": "> 0", "sinusoidal_base": ">= 2", "attn_window": ">= 0", "bam_init_shape": "> 0",
+    "bam_init_log_scale": ">= -30, <= 30",
+}
+_LIMIT = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
+
+
+def check_ranges(obj, table, bad):
+    """bad("NAME = VALUE: allowed: ...") for a field of `obj` that is not a finite number within its range
+    in `table` ("> 0", ">= 0, <= 1"). ranges.check does the same for the other configs and the command
+    lines; this copy keeps model.py free of the repository's other modules (it is exported alone)."""
+    for name, spec in table.items():
+        value, kind = getattr(obj, name), type(getattr(type(obj), name, 0.0))
+        integer = kind is int
+        ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+        ok = ok and math.isfinite(value)
+        for part in spec.split(","):
+            op, _, limit = part.strip().partition(" ")
+            ok = ok and _LIMIT[op](float(value), float(limit))
+        if not ok:
+            bad(f"{name} = {value!r}: allowed: {'an integer' if integer else 'a finite number'} {spec}")
 
 
 # ---------------------------------------------------------------------------------------------------

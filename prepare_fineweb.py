@@ -54,10 +54,13 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+import folders
 from checkpoint import check_writable, write_bytes
 from cli import Parser, UserError, describe_os_error, os_reason, user_errors
 from data import EOT, MANIFEST, ShardError, shard_num_tokens, write_shard  # noqa: F401 (EOT: GPT-2's, for callers)
 from tokenizer import GPT2, GPT2_IDENTITY, TokenizerError, TokenizerIdentity, load_tokenizer, shard_version
+from ranges import number
+from retrieval import MAX_DIGITS
 
 HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 FINEWEB_SAMPLES = ("sample-10BT", "sample-100BT", "sample-350BT")
@@ -70,6 +73,7 @@ RETRIEVAL_SHARD_SIZE = 2**16
 LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 TOKENIZER = GPT2  # the tokenizer of this process's tokenize() calls; tokenized() sets it, forked workers inherit it
+LOCK = ".lock"  # held by the prepare_fineweb.py that writes the folder (pid and host inside)
 CHUNK_DOCS = 64  # documents per chunk sent to a worker: fewer, larger messages keep the main process light
 CHUNK_CHARS = 1 << 18  # ... and fewer when they are long: a chunk ends once it holds this many characters
 CHUNKS_PER_WORKER = 4  # chunks in flight per worker: enough that it never waits for the main process
@@ -534,9 +538,41 @@ def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
     tokenizer that `tokenizer` names (tokenizer.load_tokenizer).
 
     Returns the manifest. Resumes after the last full shard of an earlier run on the same source;
-    raises PrepareError, before writing anything, when out_dir holds incompatible shards.
+    raises PrepareError, before writing anything, when out_dir holds incompatible shards or another
+    prepare_fineweb.py writes it (OUT_DIR/.lock, held until the shards are written).
     """
     identity = load_tokenizer(tokenizer).identity
+    _check_out_dir(out_dir, _read_manifest(out_dir), prefix=prefix, source=source, shard_size=shard_size,
+                   max_tokens=max_tokens, tokenizer=identity)
+    created = not os.path.exists(out_dir)
+    key = lock_out_dir(out_dir)
+    try:
+        return _prepare(documents, out_dir, source=source, prefix=prefix, shard_size=shard_size,
+                        max_tokens=max_tokens, workers=workers, progress=progress, tokenizer=tokenizer,
+                        identity=identity)
+    except BaseException:
+        if created and os.listdir(out_dir) == [LOCK]:  # refused before a shard was written: leave nothing
+            folders.unlock(key)
+            os.remove(os.path.join(out_dir, LOCK))
+            os.rmdir(out_dir)
+        raise
+    finally:
+        folders.unlock(key)
+
+
+def lock_out_dir(out_dir):
+    """OUT_DIR/.lock (folders.lock): a second run on the same folder is refused, as train.py's on a run dir;
+    only the holder may remove the temp files of killed runs."""
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        return folders.lock(os.path.join(out_dir, LOCK), out_dir, "prepare_fineweb.py")
+    except folders.InUse as e:
+        raise PrepareError(e) from None
+
+
+def _prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
+             max_tokens=None, workers: int = 1, progress: bool = True, tokenizer: str = GPT2,
+             identity: TokenizerIdentity = GPT2_IDENTITY) -> dict:
     manifest = _read_manifest(out_dir)
     _check_out_dir(out_dir, manifest, prefix=prefix, source=source, shard_size=shard_size,
                    max_tokens=max_tokens, tokenizer=identity)
@@ -556,11 +592,9 @@ def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
     end_doc, end_doc_tokens = (kept[-1]["end_doc"], kept[-1]["end_doc_tokens"]) if kept else (0, 0)
     total = sum(s["tokens"] for s in kept)
     num_docs = kept[-1]["documents"] if kept else 0
-    os.makedirs(out_dir, exist_ok=True)
-    stale = glob.glob(os.path.join(glob.escape(out_dir), f"{glob.escape(prefix)}_*.bin.tmp-*"))
-    stale += glob.glob(os.path.join(glob.escape(out_dir), "manifest.json.tmp-*"))
-    for path in stale:
-        os.remove(path)  # temp files of a run that was killed mid-write
+    # Temp files of a run that was killed mid-write: this run holds the lock, so no live run writes them.
+    folders.remove_stale(out_dir, f"{glob.escape(prefix)}_*.bin.tmp-*")
+    folders.remove_stale(out_dir, f"{MANIFEST}.tmp-*")
     dtype, version = token_dtype(identity), shard_version(identity.vocab_size)
     magic = 20240520 if version == 1 else 20240801
     manifest = {"format": f"llm.c shards: 256 x int32 header (magic {magic}, version {version}, count), {dtype.name}",
@@ -644,37 +678,33 @@ def parse_args(argv=None):
     parser.add_argument("--input", nargs="+", default=None, metavar="GLOB",
                         help="local files for --source local: parquet, jsonl/json ('text' field), txt")
     parser.add_argument("--out_dir", required=True, help="directory for the shards and manifest.json")
-    parser.add_argument("--shard_size", type=int, default=None,
+    parser.add_argument("--shard_size", type=number(int, ">= 1"), default=None,
                         help=f"tokens per shard (default {DEFAULT_SHARD_SIZE:_}; demo {DEMO_SHARD_SIZE:_}; "
                              f"retrieval {RETRIEVAL_SHARD_SIZE:_})")
-    parser.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens")
-    parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    parser.add_argument("--max_tokens", type=number(int, ">= 1"), default=None, help="stop after this many tokens")
+    parser.add_argument("--workers", type=number(int, ">= 1, <= 1024"), default=None, help="tokenizer processes (default: all cores)")
     parser.add_argument("--tokenizer", default=GPT2, metavar="NAME|PATH",
                         help="gpt2 (tiktoken, default), a Hugging Face Hub tokenizer (e.g. mistralai/Mistral-7B-v0.3) "
                              "or a local folder with its tokenizer.json; train with the same data.tokenizer")
     parser.add_argument("--prefix", default=None,
                         help="shard file prefix (default fineweb, demo or local by source)")
     retrieval = parser.add_argument_group("synthetic passkey documents (retrieval.py)")
-    retrieval.add_argument("--retrieval_fraction", type=float, default=0.0,
+    retrieval.add_argument("--retrieval_fraction", type=number(float, ">= 0, <= 1"), default=0.0,
                            help="fraction of the tokens that are passkey documents (default 0)")
-    retrieval.add_argument("--retrieval_length", type=int, default=128,
+    retrieval.add_argument("--retrieval_length", type=number(int, ">= 1"), default=128,
                            help="longest passkey document in tokens, e.g. the training context (default 128)")
-    retrieval.add_argument("--retrieval_min_length", type=int, default=None,
+    retrieval.add_argument("--retrieval_min_length", type=number(int, ">= 1"), default=None,
                            help="shortest passkey document (default half of --retrieval_length); equal to "
                                 "it: every document is exactly that long, one per training row")
     retrieval.add_argument("--retrieval_filler", default="mixed", choices=("garbage", "text", "mixed"),
                            help="filler: the passkey garbage sentences, real demo-corpus sentences, or both")
-    retrieval.add_argument("--key_digits", type=int, default=5, help="digits of each pass key (default 5)")
-    retrieval.add_argument("--seed", type=int, default=0, help="seed of the passkey documents")
+    retrieval.add_argument("--key_digits", type=number(int, f">= 1, <= {MAX_DIGITS}"), default=5, help="digits of each pass key (default 5)")
+    retrieval.add_argument("--seed", type=number(int, ">= 0, < 4294967296"), default=0, help="seed of the passkey documents")
     args = parser.parse_args(argv)
     if args.source == "retrieval":
         args.retrieval_fraction = 1.0
         if args.max_tokens is None:
             parser.error("--source retrieval is an endless stream: give --max_tokens")
-    if not 0 <= args.retrieval_fraction <= 1:
-        parser.error(f"--retrieval_fraction must be in [0, 1], got {args.retrieval_fraction}")
-    if args.key_digits < 1 or args.retrieval_length < 1:
-        parser.error("--key_digits and --retrieval_length must be positive integers")
     if args.retrieval_min_length is None:
         args.retrieval_min_length = args.retrieval_length // 2
     if not 1 <= args.retrieval_min_length <= args.retrieval_length:
@@ -696,9 +726,6 @@ def parse_args(argv=None):
         parser.error("--dataset, --config, --split and --text_field apply only to --source hub")
     if (args.source == "local") != (args.input is not None):
         parser.error("--input is required with --source local and allowed only there")
-    for name in ("shard_size", "max_tokens", "workers"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be a positive integer")
     if args.shard_size is None:
         # Passkey shards use 2**16: a multiple of every power-of-two context, so documents of exactly
         # the context length stay aligned with training rows from one shard into the next.
@@ -794,6 +821,8 @@ def make_shards(args):
         check_writable(args.out_dir)
     except OSError as e:
         raise PrepareError(f"{describe_os_error(e, 'cannot write shards to')} (choose another --out_dir)") from None
+    if os.path.isdir(args.out_dir):  # a run may be writing it: refuse now, not after the tokenizer has loaded
+        lock_out_dir(args.out_dir)
     try:
         identity = load_tokenizer(args.tokenizer).identity
     except TokenizerError as e:
@@ -811,6 +840,7 @@ def make_shards(args):
     else:
         # Kept next to the shards, where the text is easy to read, and tokenised through the
         # same `datasets` json reader as any local corpus.
+        lock_out_dir(args.out_dir)  # before demo_corpus.jsonl is written; prepare() takes the same lock again
         corpus_path = os.path.join(args.out_dir, "demo_corpus.jsonl")
         write_bytes(corpus_path, [corpus])
         documents = local_documents([corpus_path])

@@ -22,6 +22,9 @@ from data import document_ids
 from tokenizer import as_tokenizer
 
 # The paper's passkey texts, verbatim (docs/paper.md §5)
+# The longest pass key: the evaluator draws keys as int64 (numpy), and 10**19 no longer is one.
+MAX_DIGITS = 18
+
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
 GARBAGE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."

@@ -19,7 +19,9 @@ import torch
 
 from cli import Parser, UserError, describe_os_error, run_cli
 from eval.loading import load_for_eval
+from eval.memory import OutOfMemory, check_fits, generation_bytes
 from eval.options import add_model_arguments, overrides_label, parse_arguments
+from ranges import number
 
 
 def read_prompt(path):
@@ -39,15 +41,13 @@ def main(argv=None):
     ap.add_argument("source", help="run directory (newest checkpoint) or checkpoint file")
     ap.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     ap.add_argument("--prompt_file", default=None, help="read the prompt from this file instead")
-    ap.add_argument("--max_new_tokens", type=int, default=100)
-    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default %(default)s)")
-    ap.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens; 0 = all")
-    ap.add_argument("--num_samples", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max_new_tokens", type=number(int, ">= 1"), default=100)
+    ap.add_argument("--temperature", type=number(float, ">= 0"), default=0.8, help="0 = greedy (default %(default)s)")
+    ap.add_argument("--top_k", type=number(int, ">= 0"), default=200, help="sample among the k most likely tokens; 0 = all")
+    ap.add_argument("--num_samples", type=number(int, ">= 1, <= 10000"), default=1)
+    ap.add_argument("--seed", type=number(int, ">= 0, < 4294967296"), default=0)
     add_model_arguments(ap)
     args, options = parse_arguments(ap, argv)
-    if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
-        raise UserError("--max_new_tokens and --num_samples must be at least 1, --temperature and --top_k at least 0")
     if args.prompt and args.prompt_file:
         raise UserError("give --prompt or --prompt_file, not both")
     prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
@@ -56,6 +56,12 @@ def main(argv=None):
     enc = evaluated.tokenizer()
     ids = [enc.doc_open] + enc.encode_ordinary(prompt)  # a prompt is the start of a document, as in training
     model, per_length = evaluated.at_length(len(ids) + args.max_new_tokens)
+    try:  # the KV cache is allocated whole: ask for it only if it can fit
+        check_fits(generation_bytes(model, args.num_samples, len(ids), args.max_new_tokens), evaluated.device,
+                   f"--max_new_tokens {args.max_new_tokens:,} x --num_samples {args.num_samples} "
+                   f"after {len(ids):,} prompt tokens")
+    except OutOfMemory as e:
+        raise UserError(f"{e}; ask for fewer tokens or samples") from None
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=evaluated.device)
     # Every sample draws from one generator, so a seed fixes all of them (and they still differ)
     generator = torch.Generator(device=evaluated.device).manual_seed(args.seed)

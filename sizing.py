@@ -58,6 +58,43 @@ class Sizes:
                    head=count(model.norm) + count(model.lm_head), priors=sum(count(p) for p in model.priors))
 
 
+def available_bytes(device):
+    """Bytes that can be allocated on `device` now: the GPU's free memory (plus what torch caches), or the
+    host's available memory within the container's cgroup limit."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    # In a container /proc/meminfo shows the host; the cgroup limit is what will kill us.
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f, open(usage_file) as g:
+                limit = f.read().strip()
+                if limit != "max" and int(limit) < 1 << 60:
+                    avail = min(avail, int(limit) - int(g.read()))
+        except (OSError, ValueError):
+            continue
+        break
+    return avail
+
+
+def check_training_fits(cfg, world_size, device, bf16):
+    """A one-line reason when the run's weights, gradients and optimizer state alone (static_bytes, per rank)
+    cannot fit in the memory free on `device` now, "" when they can: asked before the model is built, so a
+    mistyped size (model.n_embd = 1_000_000) is one line, not the allocator's error. Activations, which
+    depend on the implementation more, are left to the --dry_run plan."""
+    t = cfg.train
+    need = sum(static_bytes(Sizes.of(cfg.model), t.parallel, world_size, bf16, t.reshard_after_forward).values())
+    free = available_bytes(device)
+    if need <= free:
+        return ""
+    return (f"the model's weights, gradients and optimizer state need about {need / GiB:,.1f} GiB per rank but "
+            f"{free / GiB:,.1f} GiB is free on {device}; `train.py CONFIG --dry_run` shows the plan")
+
+
 def static_bytes(sizes, parallel, world_size, bf16, reshard_after_forward=True, grad_sync="micro_batch",
                  accum_steps=1):
     """{"weights", "grads", "optimizer", "buffers"}: bytes per rank that do not depend on the batch."""

@@ -56,6 +56,7 @@ from recovery import (Diverged, StopRequest, Stopped, check_step, follow_moved_r
                       metrics_rows_until, rng_state, set_rng_state)
 from retrieval import passkey_answer_targets
 from tokenizer import GPT2, GPT2_IDENTITY, TokenizerError, TokenizerIdentity, check_vocab, load_tokenizer
+from sizing import check_training_fits
 
 # Dense bf16 tensor-core peaks per GPU in TFLOPs, matched against the CUDA device name in this order.
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
@@ -467,6 +468,11 @@ def lock_run_dir(run_dir, held):
 def build_run(args, overrides, procs, held):
     """The run, ready to train; rank 0 holds the run directory's lock until `held` (an ExitStack) closes."""
     cfg = load_checked_config(args.config, overrides, procs.world_size, procs.master)
+    t, device = cfg.train, procs.device
+    bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    too_big = check_training_fits(cfg, procs.world_size, device, bf16)
+    if too_big:
+        raise UserError(too_big)
     train_loader, val_loader, val_batches = build_data(cfg, procs)
     if procs.master:
         lock_run_dir(cfg.log.out_dir, held)
@@ -475,8 +481,6 @@ def build_run(args, overrides, procs, held):
         check_checkpoint_tokenizer(ckpt, cfg, path)
     init_weights = None if ckpt else load_init_weights(cfg, procs.master)
     init_distributed(procs, cfg.train.parallel)
-    t, device = cfg.train, procs.device
-    bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
     accum_steps = t.tokens_per_step // (cfg.data.batch_size * cfg.model.block_size * procs.world_size)
     run = Run(cfg, procs, bf16, accum_steps, train_loader, val_loader, val_batches,
               *build_model(cfg, procs, bf16, ckpt, init_weights),

@@ -51,8 +51,10 @@ from eval.options import EvalOptions, add_model_arguments, add_output_arguments,
 from eval.prompts import validation_tokens
 from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
-from eval.sweep import add_length_arguments, format_length, length_arguments, sweep, sweep_lengths
+from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
+                        sweep_lengths)
 from model import dense_mask, positional_scores
+from ranges import number
 
 PROMPTS = ("text", "passkey")
 METRICS = {"entropy": "entropy (nats)", "mean_distance": "mean distance attended (tokens)",
@@ -174,6 +176,7 @@ def evaluate_attention(source, *, options=None, lengths=None, max_factor=None, p
     block_size = evaluated.block_size
     explicit = lengths is not None or bool(max_factor)
     lengths = sweep_lengths(lengths, max_factor, block_size)
+    check_lengths(evaluated.model, lengths, samples, evaluated.device)
     data_dir = data_dir or evaluated.info.get("data_dir")
     prompts, lengths, make_prompts = prompt_maker(prompts, data_dir, lengths, samples, seed, explicit,
                                                   evaluated.tokenizer())
@@ -181,6 +184,7 @@ def evaluate_attention(source, *, options=None, lengths=None, max_factor=None, p
 
     def measure(length, bar):
         model, per_length = evaluated.at_length(length)  # e.g. the factor of rope_factor=auto
+        check_length_fits(model, length, samples, evaluated.device)
         tokens, positions = make_prompts(length), query_positions(length, queries)
         t0 = time.perf_counter()
         batch = plan_batch(model, min(batch_size, samples), length, 1, evaluated.device, extra_bytes(model, length))
@@ -310,8 +314,8 @@ def add_arguments(ap):
     ap.add_argument("--prompts", default=None, choices=PROMPTS,
                     help="validation text or passkey prompts (default: text when validation shards are found)")
     ap.add_argument("--data_dir", default=None, help="shards for the text prompts (default: the run's data_dir)")
-    ap.add_argument("--samples", type=int, default=4, help="prompts per length (default %(default)s)")
-    ap.add_argument("--queries", type=int, default=16,
+    ap.add_argument("--samples", type=number(int, ">= 1"), default=4, help="prompts per length (default %(default)s)")
+    ap.add_argument("--queries", type=number(int, ">= 1"), default=16,
                     help="query positions per prompt, spread over its last half (default %(default)s)")
     add_length_arguments(ap, stop_after_zero=False)
     add_prompt_arguments(ap, batch_size=4)

@@ -31,12 +31,37 @@ from eval.reporting import DASH, table
 from eval.results import Output, new_results
 from eval.sweep import progress_bar
 from tokenizer import as_tokenizer
+from ranges import number
 
 PAPER_TASKS = "hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai"
 # The metric a task's row shows first (lm-eval reports several; all are kept in the JSON).
 MAIN_METRICS = ("acc_norm", "acc", "exact_match", "word_perplexity", "perplexity")
 NETWORK_HINTS = ("offline", "connection", "resolve", "network", "timed out", "couldn't reach", "max retries",
                  "name or service", "temporary failure", "hf_hub_offline", "cannot find the requested files")
+
+
+HUB = ("huggingface.co", 443)
+
+
+def hub_reachable(timeout=3.0):
+    """Whether the Hugging Face Hub answers at all (one TCP connection, a few seconds at most)."""
+    import socket
+
+    try:
+        socket.create_connection(HUB, timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def offline_if_unreachable():
+    """Without a network the hub client retries every file for half a minute, printing each retry; in
+    offline mode it reads the datasets cache at once, and a task whose data are not cached fails at once
+    (one line, is_network_error). Must run before lm-eval imports `datasets`, which reads the setting then."""
+    if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE"):
+        return
+    if not hub_reachable():
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
 def lm_eval_api():
@@ -231,8 +256,9 @@ def evaluate_downstream(source, *, options=None, tasks=PAPER_TASKS, num_fewshot=
         raise EvalError(f"--num_fewshot must be 0 or more, got {num_fewshot}")
     if include_path and not os.path.isdir(include_path):
         raise EvalError(f"--include_path {include_path} is not a folder")
-    lm_eval, _ = lm_eval_api()
     evaluated = load_for_eval(source, options)
+    offline_if_unreachable()
+    lm_eval, _ = lm_eval_api()
     max_length = max_length or evaluated.block_size or 2048
     if max_length < 2:
         raise EvalError(f"--max_length must be at least 2 tokens, got {max_length}")
@@ -279,14 +305,14 @@ def plot_downstream(results, path):
 def add_arguments(ap):
     ap.add_argument("source", help="run directory or checkpoint file")
     ap.add_argument("--tasks", default=PAPER_TASKS, help="comma-separated lm-eval tasks (default %(default)s)")
-    ap.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
-    ap.add_argument("--limit", type=float, default=None,
+    ap.add_argument("--num_fewshot", type=number(int, ">= 0"), default=None, help="few-shot examples (default: each task's own)")
+    ap.add_argument("--limit", type=number(float, "> 0"), default=None,
                     help="documents per task: a count, or a fraction below 1 (default: all)")
-    ap.add_argument("--batch_size", type=int, default=16, help="sequences per forward (default %(default)s)")
-    ap.add_argument("--max_length", type=int, default=None,
+    ap.add_argument("--batch_size", type=number(int, ">= 1"), default=16, help="sequences per forward (default %(default)s)")
+    ap.add_argument("--max_length", type=number(int, ">= 2"), default=None,
                     help="tokens of context kept from the left (default: the training context)")
     ap.add_argument("--include_path", default=None, help="folder with task YAML files of your own")
-    ap.add_argument("--seed", type=int, default=1234, help="seed of lm-eval's few-shot sampling (default %(default)s)")
+    ap.add_argument("--seed", type=number(int, ">= 0, < 4294967296"), default=1234, help="seed of lm-eval's few-shot sampling (default %(default)s)")
     add_model_arguments(ap)
     add_output_arguments(ap)
 

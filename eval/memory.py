@@ -12,6 +12,8 @@ from contextlib import contextmanager
 
 import torch
 
+from sizing import available_bytes  # noqa: F401  (the evaluators' and training's one measure)
+
 # Peak bytes of one no-grad forward per token and per unit of n_embd (fp32 activations, FlexAttention),
 # measured with bench/eval_memory.py (docs/benchmarks.md) and rounded up: a handful of (T, n_embd)-sized
 # tensors live at once (residual, norm, q/k/v and their contiguous copies, the SwiGLU halves at 2 x n_embd).
@@ -21,27 +23,6 @@ SAFETY = 0.85  # of the memory free now: leave room for the allocator's slack an
 
 class OutOfMemory(Exception):
     """A length that does not fit in the memory available; the sweep stops and keeps its results."""
-
-
-def available_bytes(device):
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    with open("/proc/meminfo") as f:
-        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    # In a container /proc/meminfo shows the host; the cgroup limit is what will kill us.
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit_file) as f, open(usage_file) as g:
-                limit = f.read().strip()
-                if limit != "max" and int(limit) < 1 << 60:
-                    avail = min(avail, int(limit) - int(g.read()))
-        except (OSError, ValueError):
-            continue
-        break
-    return avail
 
 
 def forward_bytes(model, batch, length, scored):
@@ -80,6 +61,25 @@ def plan_batch(model, want, length, scored, device, extra_per_sequence=0):
         raise OutOfMemory(f"length {length:,} needs about {need(batch) / 2**30:.1f} GiB for one sequence but "
                           f"{avail / 2**30:.1f} GiB is free on {device}")
     return batch
+
+
+def generation_bytes(model, batch, prompt, new_tokens):
+    """Bytes model.generate needs for `batch` sequences of `prompt` tokens plus `new_tokens`: the KV cache
+    it preallocates (keys and values of every layer, in the weights' dtype; a windowed cache keeps only the
+    window), plus the prompt's forward."""
+    cfg = model.config
+    weight = next(model.parameters())
+    kept = min(prompt + new_tokens, cfg.attn_window) if cfg.attn_window else prompt + new_tokens
+    cache = 2 * cfg.n_layer * batch * cfg.kv_heads * cfg.head_dim * kept * weight.element_size()
+    return cache + forward_bytes(model, batch, prompt, 1)
+
+
+def check_fits(need, device, what):
+    """OutOfMemory `what needs about X GiB but Y GiB is free on DEVICE` unless `need` bytes fit now: asked
+    before anything of that size is built, so an impossible size is one line, not an allocator's error."""
+    avail = available_bytes(device)
+    if need > SAFETY * avail:
+        raise OutOfMemory(f"{what} needs about {need / 2**30:,.1f} GiB but {avail / 2**30:.1f} GiB is free on {device}")
 
 
 def is_out_of_memory(exc):

@@ -41,7 +41,9 @@ from tokenizer import as_tokenizer
 from eval.reporting import length_label, rate, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
-from eval.sweep import add_length_arguments, format_length, length_arguments, sweep, sweep_lengths
+from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
+                        sweep_lengths)
+from ranges import number
 from retrieval import GARBAGE
 
 # (value kind, needles, of which distractors, keys asked for)
@@ -184,6 +186,7 @@ def evaluate_niah(source, *, options=None, lengths=None, max_factor=None, tasks=
     enc = evaluated.tokenizer()
     block_size = evaluated.block_size
     lengths = sweep_lengths(lengths, max_factor, block_size)
+    check_lengths(evaluated.model, lengths, samples, evaluated.device)
     data_dir = data_dir or evaluated.info.get("data_dir")
     stream = None
     if haystacks is None or "text" in haystacks:
@@ -200,6 +203,7 @@ def evaluate_niah(source, *, options=None, lengths=None, max_factor=None, tasks=
     def measure(length, bar):
         cells = []
         model, per_length = evaluated.at_length(length)  # e.g. the factor of rope_factor=auto
+        check_length_fits(model, length, samples, evaluated.device)
         for hay in haystacks:
             for task in tasks:
                 if bar is not None:
@@ -300,7 +304,7 @@ def add_arguments(ap):
     ap.add_argument("--haystacks", default=None,
                     help="repeat, text or repeat,text (default: both when validation shards exist)")
     ap.add_argument("--data_dir", default=None, help="shards for the text haystack (default: the run's data_dir)")
-    ap.add_argument("--samples", type=int, default=10,
+    ap.add_argument("--samples", type=number(int, ">= 1"), default=10,
                     help="prompts per length, task and haystack (default %(default)s)")
     add_length_arguments(ap)
     add_prompt_arguments(ap, batch_size=8)

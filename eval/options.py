@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from config import SHAPE_FREE_MODEL_KEYS, ConfigError, parse_model_override
 from eval import EvalError
+from ranges import number
 
 
 @dataclass
@@ -57,7 +58,7 @@ def add_model_arguments(parser, window_flag=True):
     parser.add_argument("--attn_impl", default=None, choices=["auto", "flex", "sdpa", "eager"],
                         help="override the checkpoint's attention implementation (default: keep it; "
                              "auto uses FlexAttention, O(T) memory, for long prompts)")
-    parser.add_argument("--attn_window", *(["--window"] if window_flag else []), dest="attn_window", type=int,
+    parser.add_argument("--attn_window", *(["--window"] if window_flag else []), dest="attn_window", type=number(int, ">= 0"),
                         default=None, help="sliding-window attention over the last W tokens (= --model.attn_window=W)")
     parser.add_argument("--rope_scaling", default=None,
                         help="RoPE context extension, e.g. yarn (= --model.rope_scaling=...)")
@@ -77,8 +78,8 @@ def add_output_arguments(parser, name_help=None):
 
 def add_prompt_arguments(parser, batch_size, seed=0):
     """--seed (of the prompts), --batch_size and --no_progress, as an evaluator of prompts has them."""
-    parser.add_argument("--seed", type=int, default=seed, help="seed of the prompts (default %(default)s)")
-    parser.add_argument("--batch_size", type=int, default=batch_size,
+    parser.add_argument("--seed", type=number(int, ">= 0, < 4294967296"), default=seed, help="seed of the prompts (default %(default)s)")
+    parser.add_argument("--batch_size", type=number(int, ">= 1"), default=batch_size,
                         help="prompts per forward pass, shrunk to fit memory (default %(default)s)")
     parser.add_argument("--no_progress", action="store_true")
 

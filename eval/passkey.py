@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+import ranges
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval
@@ -34,8 +35,10 @@ from eval.reporting import DASH, binomial_interval, by_variant, length_label, ra
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
 from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap
-from eval.sweep import add_length_arguments, format_length, length_arguments, sweep, sweep_lengths
-from retrieval import GARBAGE, INFO, QUESTION, TASK
+from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
+                        sweep_lengths)
+from ranges import number
+from retrieval import GARBAGE, INFO, MAX_DIGITS, QUESTION, TASK
 from tokenizer import as_tokenizer
 
 DEPTH_MODES = ("equidistant", "beginning", "end", "random")
@@ -125,10 +128,13 @@ def evaluate_passkey(source, *, options=None, lengths=None, max_factor=None, sam
     batch_size = options.batch_size or 8
     if depths not in DEPTH_MODES:
         raise EvalError(f"unknown depth mode {depths!r}; allowed: {', '.join(DEPTH_MODES)}")
-    for label, value, low in (("samples", samples, 1), ("bins", bins, 1), ("digits", digits, 1),
-                              ("given_tokens", given_tokens, 0), ("stop_after_zero", stop_after_zero, 0)):
-        if value < low:
-            raise EvalError(f"{label} must be at least {low}, got {value}")
+    for label, value, spec in (("samples", samples, ">= 1"), ("bins", bins, ">= 1, <= 1000"),
+                               ("digits", digits, f">= 1, <= {MAX_DIGITS}"), ("given_tokens", given_tokens, ">= 0"),
+                               ("stop_after_zero", stop_after_zero, ">= 0")):
+        try:  # the command line checked these already; a Python caller gets the same rule
+            ranges.check(label, value, spec, int)
+        except ValueError as e:
+            raise EvalError(str(e)) from None
     evaluated = load_for_eval(source, options)
     block_size = evaluated.block_size
     default = lengths is None and not max_factor
@@ -140,10 +146,12 @@ def evaluate_passkey(source, *, options=None, lengths=None, max_factor=None, sam
     elif too_short:
         raise EvalError(f"length {too_short[0]} is too short for a passkey prompt: "
                         f"use at least {prompts.min_length()} tokens")
+    check_lengths(evaluated.model, lengths, samples, evaluated.device)
     output = Output.of(EVALUATOR, source, options, default_name(depths, given_tokens))
 
     def measure(length, bar):
         model, per_length = evaluated.at_length(length)  # e.g. the factor of rope_factor=auto
+        check_length_fits(model, length, samples, evaluated.device)
         batch = prompts.samples(length, samples, depths, seed)
         t0 = time.perf_counter()
         scored = score_length(model, batch, batch_size, evaluated.autocast(), bar)
@@ -214,13 +222,14 @@ def plot_passkey(results, path):
 
 def add_arguments(ap):
     ap.add_argument("source", help="run directory or checkpoint file")
-    ap.add_argument("--samples", type=int, default=20, help="prompts per length (default %(default)s)")
+    ap.add_argument("--samples", type=number(int, ">= 1"), default=20, help="prompts per length (default %(default)s)")
     ap.add_argument("--depths", default="equidistant", choices=DEPTH_MODES,
                     help="where the key goes (default %(default)s)")
-    ap.add_argument("--depth_bins", type=int, default=10, help="columns of the depth heatmap (default %(default)s)")
-    ap.add_argument("--given_tokens", type=int, default=0,
+    ap.add_argument("--depth_bins", type=number(int, ">= 1, <= 1000"), default=10, help="columns of the depth heatmap (default %(default)s)")
+    ap.add_argument("--given_tokens", type=number(int, ">= 0"), default=0,
                     help="leading key tokens given and not scored; 1 = the paper's first-digit variant")
-    ap.add_argument("--digits", type=int, default=5)
+    ap.add_argument("--digits", type=number(int, f">= 1, <= {MAX_DIGITS}"), default=5,
+                    help=f"digits of the pass key (default %(default)s, at most {MAX_DIGITS})")
     add_length_arguments(ap)
     add_prompt_arguments(ap, batch_size=8)
     add_model_arguments(ap)

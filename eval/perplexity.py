@@ -35,7 +35,8 @@ from eval.options import EvalOptions, add_model_arguments, add_output_arguments
 from eval.prompts import SOURCES, validation_sequences
 from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, writable_folder
-from eval.sweep import format_length, parse_length, progress_bar
+from eval.sweep import check_lengths, format_length, parse_length, progress_bar
+from ranges import number
 
 HEAD_CHUNK = 1024  # positions per LM-head call: B x 1024 x vocab fp32 logits at a time
 
@@ -85,6 +86,7 @@ def evaluate_perplexity(source, *, options=None, length="64x", window=None, num_
     window = parse_length(window, block_size) if isinstance(window, str) else int(window or block_size)
     if window < 1 or window > length:
         raise EvalError(f"--window {window} must be between 1 and the length {length}")
+    check_lengths(evaluated.model, [length], num_seqs, evaluated.device, "a shorter --length or fewer --num_seqs")  # before num_seqs x length tokens are read
     data_dir = data_dir or evaluated.info.get("data_dir")
     enc = evaluated.tokenizer()  # the run's: its separators, and its shards only
     sequences = validation_sequences(data_dir, length, num_seqs, data_source, enc.separators, enc.identity)
@@ -185,10 +187,10 @@ def add_arguments(ap):
     ap.add_argument("--length", default="64x",
                     help="tokens per sequence, e.g. 32K or 64x the context (default %(default)s)")
     ap.add_argument("--window", default=None, help="tokens per window (default: the training context)")
-    ap.add_argument("--num_seqs", type=int, default=8, help="sequences to average over (default %(default)s)")
+    ap.add_argument("--num_seqs", type=number(int, ">= 1"), default=8, help="sequences to average over (default %(default)s)")
     ap.add_argument("--source", default="concat", choices=SOURCES, help="see above (default %(default)s)")
     ap.add_argument("--data_dir", default=None, help="folder with *_val_*.bin shards (default: the run's data_dir)")
-    ap.add_argument("--batch_size", type=int, default=1)
+    ap.add_argument("--batch_size", type=number(int, ">= 1"), default=1)
     ap.add_argument("--compare", default="perplexity_comparison.png",
                     help="with several runs: the plot with one line per run (default %(default)s)")
     ap.add_argument("--no_progress", action="store_true")

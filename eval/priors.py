@@ -28,13 +28,14 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+import folders
 from checkpoint import is_sharded
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval, output_dir
 from eval.options import EvalOptions, add_output_arguments
 from eval.reporting import DASH, table
-from eval.results import SCHEMA_VERSION, read_json, read_metrics, writable_folder, write_json
+from eval.results import SCHEMA_VERSION, lock_results, read_json, read_metrics, writable_folder, write_json
 from eval.sweep import parse_length
 
 GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
@@ -121,11 +122,13 @@ def evaluate_priors(source, *, options=None, max_distance=None, metrics=None):
         if verbose:
             print(f"priors: {info['name']} uses pe={cfg.pe} without SSMax: it has no learned positional prior to show")
         return None
+    if isinstance(max_distance, str):  # read before anything is created
+        max_distance = parse_length(max_distance, cfg.block_size)
     folder = output_dir(source, out) if (out or isinstance(source, str)) else None
     if folder:
         writable_folder(folder)
-    if isinstance(max_distance, str):
-        max_distance = parse_length(max_distance, cfg.block_size)
+        lock_results(folder, "priors", "priors")  # also removes a killed run's priors.json.tmp-PID
+        folders.remove_stale(folder, "priors_*.png.tmp-*")
     if max_distance is None:
         max_distance = (folder and longest_evaluated(folder)) or 500 * cfg.block_size
     rows = head_table(model)
@@ -157,6 +160,8 @@ def evaluate_priors(source, *, options=None, max_distance=None, metrics=None):
                         f"{', '.join(written) or 'nothing'})")
     if verbose and folder:
         print(f"wrote {', '.join(written)} in {folder}")
+    if folder:
+        folders.unlock(os.path.join(folder, ".priors.lock"))
     return results
 
 

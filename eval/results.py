@@ -5,12 +5,14 @@ Every file has `schema` (the evaluator's name), `schema_version`, `model` (eval.
 `settings` (with `model_overrides`) and the evaluator's own keys; eval.report reads only these files.
 """
 
+import glob
 import json
 import os
 import sys
 
 import numpy as np
 
+import folders
 from checkpoint import check_writable, write_text
 from cli import WriteError, describe_os_error, os_reason
 from eval import EvalError
@@ -36,6 +38,13 @@ class Output:
         self.evaluator, self.folder, self.name, self.verbose = evaluator, folder, name, verbose
         self.json_path = os.path.join(writable_folder(folder), f"{name}.json") if folder else None
         self.saving = self.json_path is not None
+        self.lock = self.json_path and lock_results(folder, name, evaluator.name)
+
+    def release(self):
+        """Let another evaluation write these results (the lock goes with the process otherwise)."""
+        if self.lock:
+            folders.unlock(self.lock)
+            self.lock = None
 
     @classmethod
     def of(cls, evaluator, source, options, default_name, overrides=None):
@@ -70,11 +79,27 @@ class Output:
         if self.verbose or failed:
             print(self.evaluator.table(results))
         if failed:
+            self.release()
             message = str(failed) if isinstance(failed, WriteError) else describe_os_error(failed, "cannot write")
             raise EvalError(f"{message} (the results are in the table above)")
         if self.verbose and self.json_path:
             print(f"wrote {self.json_path} and {self.name}.png")
+        self.release()
         return results
+
+
+def lock_results(folder, name, command):
+    """FOLDER/.NAME.lock while an evaluation writes NAME.json and NAME.png (folders.lock): the same results
+    written by two evaluations at once are refused (other evaluators of the run go on), and the temp files
+    that a killed evaluation left (NAME.json.tmp-PID) are removed, which only the holder may do."""
+    try:
+        key = folders.lock(os.path.join(folder, f".{name}.lock"), os.path.join(folder, f"{name}.json"),
+                           f"eval.{command}", remove=True)
+    except folders.InUse as e:
+        raise EvalError(f"{e}; wait for it, or choose another --out or --name") from None
+    for suffix in (".json", ".png"):
+        folders.remove_stale(folder, f"{glob.escape(name)}{suffix}.tmp-*")
+    return key
 
 
 def writable_folder(folder, option="--out"):

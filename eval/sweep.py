@@ -8,7 +8,8 @@ import sys
 from tqdm import tqdm
 
 from eval import EvalError
-from eval.memory import OutOfMemory
+from eval.memory import OutOfMemory, check_fits, forward_bytes
+from ranges import number
 
 DEFAULT_FACTORS = "0.5x,1x,2x,4x,8x,16x,32x,64x"  # 256 ... 32,768 for a 512 context: the paper's table
 
@@ -42,6 +43,27 @@ def parse_lengths(spec, block_size, max_factor=None):
     return sorted(lengths)
 
 
+# A prompt of a sweep is held as int64 tokens about three times over (its haystack, the prompt, the batch
+# stacked for the forward) before the forward's own memory (eval.memory.forward_bytes).
+PROMPT_COPIES = 3
+
+
+def check_length_fits(model, length, samples, device):
+    """OutOfMemory unless `samples` prompts of `length` tokens and the forward over one of them fit in the
+    memory free now: asked before the prompts are built, so 10^12 tokens are one line, not numpy's error."""
+    need = forward_bytes(model, 1, length, 1) + PROMPT_COPIES * 8 * samples * length
+    check_fits(need, device, f"length {length:,} ({samples} prompts)")
+
+
+def check_lengths(model, lengths, samples, device, shorter="shorter --lengths or a smaller --max_factor"):
+    """Before anything is written: an EvalError when not even the shortest length fits, so that a sweep
+    that could measure nothing creates nothing. Longer lengths that do not fit stop the sweep there."""
+    try:
+        check_length_fits(model, min(lengths), samples, device)
+    except OutOfMemory as e:
+        raise EvalError(f"{e}; nothing to evaluate: use {shorter}") from None
+
+
 def format_length(n):
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
 
@@ -61,10 +83,10 @@ def add_length_arguments(parser, stop_after_zero=True):
     parser.add_argument("--lengths", default=None,
                         help=f"comma-separated lengths in tokens (4096, 16K, 1M) or x training context (2x); "
                              f"default {DEFAULT_FACTORS} unless --max_factor is given")
-    parser.add_argument("--max_factor", type=float, default=None,
+    parser.add_argument("--max_factor", type=number(float, ">= 1"), default=None,
                         help="add the training context x 1, 2, 4, ... up to this factor (the paper: 500)")
     if stop_after_zero:
-        parser.add_argument("--stop_after_zero", type=int, default=2,
+        parser.add_argument("--stop_after_zero", type=number(int, ">= 0"), default=2,
                             help="stop after this many lengths in a row at 0%% (0 = never)")
 
 

@@ -145,12 +145,12 @@ def test_rope_original_context_defaults_to_block_size():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(rope_scaling="xpos"), "allowed: none, linear, ntk, dynamic_ntk, yarn"),
-    (dict(rope_scaling="linear", rope_factor=0.5), "rope_factor must be >= 1"),
+    (dict(rope_scaling="linear", rope_factor=0.5), "rope_factor = 0.5: allowed: a finite number >= 1"),
     (dict(rope_factor=2.0), "no effect with rope_scaling='none'"),
     (dict(pe="bam", rope_scaling="yarn", rope_factor=2.0), "rope_scaling needs a rotary encoding"),
     (dict(rope_scaling="yarn", rope_factor=2.0, yarn_beta_slow=40.0), "0 < yarn_beta_slow < yarn_beta_fast"),
-    (dict(rope_original_context=-1), "rope_original_context must be >= 0"),
-    (dict(attn_window=-3), "attn_window must be >= 0"),
+    (dict(rope_original_context=-1), "rope_original_context = -1: allowed: an integer >= 0"),
+    (dict(attn_window=-3), "attn_window = -3: allowed: an integer >= 0"),
 ])
 def test_bad_baseline_config_names_what_is_allowed(kw, match):
     with pytest.raises(ValueError, match=match):

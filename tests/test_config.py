@@ -84,8 +84,8 @@ def test_preset_sets_the_size_and_explicit_keys_win(tmp_path):
     ("", ["--train.tokens_per_step=1000"],
      r"tokens_per_step = 1000 is not a multiple of data.batch_size x model.block_size x world size = 48 x 512 x 1"),
     ("", ["--train.warmup_steps=30000"], r"warmup_steps = 30000 is more than train.max_steps = 20000"),
-    ("", ["--train.min_lr_frac=2"], r"min_lr_frac = 2.0 must be between 0 and 1"),
-    ("", ["--train.lr=0"], r"train.lr = 0.0 must be greater than 0"),
+    ("", ["--train.min_lr_frac=2"], r"train.min_lr_frac = 2.0: allowed: a finite number >= 0, <= 1"),
+    ("", ["--train.lr=0"], r"train.lr = 0.0: allowed: a finite number > 0"),
     ("[train\n", [], r"not valid TOML"),
 ])
 def test_mistakes_are_one_clear_error(tmp_path, text, overrides, expected):

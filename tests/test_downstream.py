@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
+from cli import run_cli
 from data import EOT, get_tokenizer
 from eval import downstream, report
 from eval.loading import autocast
@@ -161,3 +162,43 @@ def test_bad_arguments_are_errors(task, monkeypatch):
         with pytest.raises(downstream.EvalError, match=message):
             options = EvalOptions(batch_size=kwargs.pop("batch_size", None))  # the options' own check
             downstream.evaluate_downstream(model, options=options, **kwargs)
+
+
+def test_downstream_is_held_to_the_evaluators_contract(task, tmp_path, monkeypatch, capsys):
+    """--window and any --model.key=value reach the evaluated model and name the results file, as for every
+    evaluator; an output folder that cannot be written is refused before a task is evaluated."""
+    root, docs, _ = task
+    common = [str(root / "model.pt"), "--tasks", "bam_choice", "--include_path", str(root / "tasks"), "--batch_size", "8"]
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(downstream, "run_tasks", lambda *a, **k: pytest.fail("evaluated before the folder was checked"))
+    with pytest.raises(SystemExit) as info:
+        run_cli(downstream.main, common + ["--out", str(tmp_path / "afile" / "x")])
+    assert info.value.code == 1 and "cannot write results to" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    seen = {}
+    real = downstream.make_project_lm
+
+    def spy(model, *args):
+        seen["config"] = model.config
+        return real(model, *args)
+
+    monkeypatch.setattr(downstream, "make_project_lm", spy)
+    downstream.main(common + ["--window", "4", "--model.rope_theta=1000", "--out", str(tmp_path / "out")])
+    assert seen["config"].attn_window == 4 and seen["config"].rope_theta == 1000
+    saved = json.loads((tmp_path / "out" / "downstream_window4_rope_theta1000.json").read_text())
+    assert saved["settings"]["model_overrides"] == {"attn_window": 4, "rope_theta": 1000.0}
+    assert saved["results"][0]["samples"] == len(docs)
+    assert sorted(os.listdir(tmp_path / "out")) == ["downstream_window4_rope_theta1000.json",
+                                                   "downstream_window4_rope_theta1000.png"]
+
+
+def test_an_unreachable_hub_switches_to_offline_mode_at_once(monkeypatch):
+    """The hub client would retry each file for half a minute, printing every retry, before our one line."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(downstream, "hub_reachable", lambda timeout=3.0: False)
+    downstream.offline_if_unreachable()
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")

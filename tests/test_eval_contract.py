@@ -147,8 +147,8 @@ def test_overrides_are_checked_by_modelconfig_and_the_callers_model_is_left_alon
     assert at_256.tok_emb.weight is model.tok_emb.weight  # ... and shares the trained weights
     assert vars(model.config) == trained and evaluated.info["config"]["rope_factor"] == 1.0
     # A value ModelConfig refuses is refused with ModelConfig's own words (it used to accept 0 < factor < 1)
-    for overrides, message in (({"rope_scaling": "yarn", "rope_factor": 0.5}, "rope_factor must be >= 1"),
-                               ({"attn_window": -1}, "attn_window must be >= 0"),
+    for overrides, message in (({"rope_scaling": "yarn", "rope_factor": 0.5}, "rope_factor = 0.5: allowed: a finite number >= 1"),
+                               ({"attn_window": -1}, "attn_window = -1: allowed: an integer >= 0"),
                                ({"rope_factor": 2.0}, "has no effect with rope_scaling='none'"),
                                ({"ssmax": True}, "model.ssmax cannot be overridden")):
         with pytest.raises(EvalError, match=message):
@@ -160,4 +160,4 @@ def test_a_bad_override_from_the_command_line_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_cli(passkey.main, [str(tmp_path / "run"), "--rope_scaling", "yarn", "--rope_factor", "0.5"])
     err = capsys.readouterr().err.strip()
-    assert err == "error: model config: rope_factor must be >= 1 (the context scale s), got 0.5"
+    assert err == "error: model config: rope_factor = 0.5: allowed: a finite number >= 1"

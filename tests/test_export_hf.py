@@ -213,3 +213,45 @@ def test_model_py_must_be_self_contained(tmp_path):
     bad.write_text("import torch\nimport os.path\nfrom data import EOT\n")
     with pytest.raises(export_hf.ExportError, match="imports data"):
         export_hf.check_self_contained(str(bad))
+
+
+class Killed(BaseException):
+    """A kill between two steps of the folder swap: nothing in export() catches it."""
+
+
+@pytest.mark.parametrize("point", ["complete", "journal", "exchanged"])
+def test_an_overwrite_killed_mid_swap_is_finished_by_the_next_export(tmp_path, monkeypatch, capsys, point):
+    """After a kill the folder is a whole export; the next export cleans up and leaves only its own folder."""
+    import folders
+
+    first, out = export_case(tmp_path, "swap", pe="rope")
+    save_model(tiny_model(seed=5, pe="alibi"), str(tmp_path / "second.pt"))
+
+    def kill(where):
+        if where == point:
+            raise Killed(where)
+
+    monkeypatch.setattr(folders, "_fault", kill)
+    with pytest.raises(Killed):
+        export_hf.export(str(tmp_path / "second.pt"), str(out), overwrite=True)
+    monkeypatch.setattr(folders, "_fault", lambda where: None)
+    pe = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).config.bam_model["pe"]
+    assert pe in ("rope", "alibi")  # one whole export at every moment
+    leftovers = [p for p in os.listdir(tmp_path) if p.startswith(".swap.")]
+    assert leftovers  # what the killed run left, for the next one to finish
+
+    export_hf.export(str(tmp_path / "second.pt"), str(out), overwrite=True)
+    assert "a killed export was cleaned up" in capsys.readouterr().err
+    assert AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).config.bam_model["pe"] == "alibi"
+    assert sorted(os.listdir(tmp_path)) == ["second.pt", "swap", "swap.pt"]
+
+
+def test_an_export_follows_the_umask(tmp_path):
+    old = os.umask(0o002)  # a group-shared model folder on a cluster
+    try:
+        _, out = export_case(tmp_path, "shared", pe="nope")
+    finally:
+        os.umask(old)
+    assert os.stat(out).st_mode & 0o777 == 0o775
+    assert {name: os.stat(out / name).st_mode & 0o777 for name in os.listdir(out)} == \
+        dict.fromkeys(os.listdir(out), 0o664)

@@ -278,7 +278,8 @@ def test_bad_arguments(tmp_path):
     assert "--input is required" in run_error(["--source", "local", "--out_dir", out])
     assert "--input is required" in run_error(["--source", "fineweb", "--input", "x", "--out_dir", out])
     assert "invalid choice" in run_error(["--source", "c4", "--out_dir", out])
-    assert "positive" in run_error(["--source", "demo", "--shard_size", "0", "--out_dir", out])
+    assert "--shard_size: '0' is not allowed: an integer >= 1" in run_error(["--source", "demo", "--shard_size", "0",
+                                                                               "--out_dir", out])
     (tmp_path / "a.csv").write_text("text\nhello\n")
     assert "unsupported file type '.csv'" in run_error(
         ["--source", "local", "--input", str(tmp_path / "a.csv"), "--out_dir", out])

@@ -172,8 +172,8 @@ def test_prepare_rejects_bad_retrieval_options(tmp_path, capsys):
         return lines[-1]
 
     assert "give --max_tokens" in error_of(["--source", "retrieval", "--out_dir", str(tmp_path / "a")])
-    assert "must be in [0, 1]" in error_of(["--source", "demo", "--retrieval_fraction", "1.5",
-                                            "--out_dir", str(tmp_path / "b")])
+    assert "--retrieval_fraction: '1.5' is not allowed: a finite number >= 0, <= 1" in error_of(
+        ["--source", "demo", "--retrieval_fraction", "1.5", "--out_dir", str(tmp_path / "b")])
     assert "--retrieval_min_length must be in" in error_of(["--source", "retrieval", "--max_tokens", "100",
                                                             "--retrieval_min_length", "200",
                                                             "--out_dir", str(tmp_path / "c")])

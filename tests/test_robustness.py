@@ -375,3 +375,33 @@ def test_one_ctrl_c_delivered_twice_is_one_stop_request():
     term.handle(signal.SIGTERM, None)
     term.handle(signal.SIGINT, None)  # Ctrl-C after a SIGTERM: the stop already under way goes on
     assert term.signum == signal.SIGTERM and term.exit_code == 143
+
+
+def snapshot(run_dir):
+    """Every file under a run directory with its bytes and modification time; the lock's owner line aside."""
+    out = {}
+    for root, _, files in os.walk(run_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, run_dir)
+            out[rel] = None if rel == checkpoint.LOCK else (os.stat(path).st_mtime_ns, open(path, "rb").read())
+    return out
+
+
+def test_a_refused_train_py_leaves_the_run_directory_as_it_was(tmp_path, synthetic, capsys):
+    """Issue 24: only the lock file's owner line may change when a run on an existing run dir is refused."""
+    run = str(tmp_path / "run")
+    base = [small_config(tmp_path, synthetic), f"--log.out_dir={run}"]
+    train.main(base + ["--train.max_steps=2"])
+    capsys.readouterr()
+    before = snapshot(run)
+    for refused in (["--resume", "--model.n_embd=64"],  # another model than the checkpoint's
+                    ["--resume", "--model.rope_theta=0"],  # a value out of range
+                    ["--resume", "--train.max_steps=3", "--train.init_from=" + str(tmp_path / "nothing")],
+                    ["--resume", "--model.n_embd=1048576", "--model.n_head=8"]):  # cannot fit in memory
+        with pytest.raises(SystemExit) as info:
+            train.main(base + refused)
+        assert info.value.code == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        assert snapshot(run) == before, refused

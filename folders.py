@@ -1,0 +1,277 @@
+"""
+The outputs commands write, made safe against a second command and against a kill at any moment:
+
+    lock(path, what, command)   an flock held while a command writes an output (train.py's run dir,
+                                prepare_fineweb.py's --out_dir, an export, an evaluator's results file); a
+                                second command is refused in one line naming the holder, and the kernel
+                                releases the lock however the holder ends (also SIGKILL)
+    new_folder(path)            the folder to write a new version of `path` into, beside it (.NAME.tmp-*)
+    swap_in(tmp, path)          put the finished folder at `path`, replacing an old one
+    recover(path)               what a killed swap_in or writer of `path` left: finished or undone, and
+                                every leftover removed (call it holding the lock, before writing)
+    remove_stale(folder, glob)  temp files of killed writers (their rename never happened)
+
+How a folder is swapped (docs/INTERFACES.md, "Outputs after a kill"). A folder cannot be renamed over a
+non-empty one, so the new version is written to .NAME.tmp-PID-*, renamed to .NAME.new once complete (a
+.NAME.new is always whole), then exchanged with NAME in one step by renameat2(RENAME_EXCHANGE), which
+Linux has on local file systems; the old version, now at .NAME.new, is removed. A journal, .NAME.swap,
+written before the exchange, holds the inode of the new folder, so that `recover` can tell a .NAME.new
+that still waits to be swapped in (its inode) from the old one swapped out (another inode). Where the
+exchange is not supported (NFS, old kernels) the old folder is renamed to .NAME.old first and the new one
+into place after: a kill between the two renames leaves no NAME for a moment, and `recover` finishes the
+swap (.NAME.new is whole) or, without a .NAME.new, puts .NAME.old back. Either way, after `recover`, NAME
+holds the old complete folder or the new complete one, and nothing else of the swap is left.
+
+Everything is created with the user's umask, as any file the user writes (no 0700 temp folders).
+"""
+
+import atexit
+import ctypes
+import errno
+import fcntl
+import glob
+import os
+import secrets
+import shutil
+import socket
+import sys
+
+
+class InUse(Exception):
+    """Another process holds the lock of an output."""
+
+
+_HELD = {}  # lock file -> open file, for every lock this process holds
+
+
+def lock(lock_path, what, command, remove=False):
+    """Lock `lock_path` (created if needed; its folder must exist) for the rest of the process or until
+    unlock(); InUse "WHAT is in use by another COMMAND (pid N, host H)" if another process holds it. The
+    file holds the holder's line for the next one to name. With `remove`, unlock() deletes it (a lock beside
+    an export should not stay there); a process that locked a file just deleted sees that its inode is no
+    longer the one at the path and tries again, so two can never both hold it."""
+    key = os.path.abspath(lock_path)
+    if key in _HELD:
+        return key  # this process holds it already (a command that locks, then calls a function that locks)
+    while True:
+        f = open(key, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "pid unknown"
+            f.close()
+            raise InUse(f"{what} is in use by another {command} ({holder})") from None
+        except BaseException:
+            f.close()
+            raise
+        try:
+            if os.stat(key).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()  # removed by its holder as we locked it: lock the file that is there now
+    f.truncate(0)
+    f.write(f"pid {os.getpid()}, host {socket.gethostname()}\n")
+    f.flush()
+    _HELD[key] = (f, remove)
+    if remove:
+        atexit.register(unlock, key)  # also when the command ends on an error; a kill leaves it to the next holder
+    return key
+
+
+def unlock(lock_path):
+    key = os.path.abspath(lock_path)
+    f, remove = _HELD.pop(key, (None, False))
+    if f is not None:
+        if remove:
+            try:
+                os.remove(key)  # while still holding it; see lock()
+            except FileNotFoundError:
+                pass
+        f.close()  # releases the flock
+
+
+def _forget_in_child():
+    """A forked child (a tokenizer worker, a data loader worker) must not keep its parent's locks: flock
+    belongs to the open file, which the child shares, so a worker outliving a killed parent would still hold
+    it. Closing the child's copy leaves the parent's lock as it is."""
+    for f, _ in _HELD.values():
+        f.close()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def sibling(path, kind):
+    """.NAME.<kind> beside `path`: where its swap keeps a new or old version, its journal, its lock."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{kind}")
+
+
+def umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def new_folder(path):
+    """An empty folder beside `path` (same file system, so the swap is a rename), with the umask's mode."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{sibling(path, 'tmp')}-{os.getpid()}-{secrets.token_hex(3)}"
+    os.mkdir(tmp)
+    return tmp
+
+
+def follow_umask(folder):
+    """Give every folder and file under `folder` the mode the umask gives a new one (a library may have
+    written some with tempfile's 0600); executable bits are kept only on folders."""
+    mask = umask()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
+def _fault(point):
+    """Where a test injects a kill between two steps of a swap (tests/test_folders.py); nothing otherwise."""
+
+
+def swap_in(tmp, path, exchange=True):
+    """Put the complete folder `tmp` (from new_folder) at `path`, replacing what is there. A kill at any point
+    leaves, once recover(path) has run, the old complete folder at `path` or the new one."""
+    new = sibling(path, "new")
+    os.rename(tmp, new)  # from here on, the new version is whole and recover() will put it in place
+    _fsync_dir(os.path.dirname(new))
+    _fault("complete")
+    _put_new_in_place(new, path, exchange)
+
+
+def _put_new_in_place(new, path, exchange):
+    parent, journal = os.path.dirname(new), sibling(path, "swap")
+    if not os.path.lexists(path):
+        os.rename(new, path)
+        _fsync_dir(parent)
+        return
+    if exchange:
+        _write_journal(journal, os.stat(new).st_ino)
+        _fault("journal")
+        try:
+            _exchange(new, path)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            os.remove(journal)  # not supported here: the two renames below instead
+        else:
+            _fsync_dir(parent)
+            _fault("exchanged")
+            shutil.rmtree(new)  # the old version, swapped out
+            _fault("old removed")
+            os.remove(journal)
+            return
+    old = sibling(path, "old")
+    os.rename(path, old)
+    _fault("old aside")
+    os.rename(new, path)
+    _fsync_dir(parent)
+    _fault("new in place")
+    shutil.rmtree(old)
+
+
+def recover(path, exchange=True):
+    """Finish or undo the swap of `path` that a killed process left, and remove its leftovers: temp folders
+    of unfinished writes (.NAME.tmp-*), a whole new version waiting (.NAME.new: swapped in), the old one
+    (.NAME.old, .NAME.new after the exchange: removed, or put back when nothing else is at `path`), the
+    journal, and the .NAME.old-*/.NAME.tmp-* folders of older versions of this code. Returns what it did, in
+    words (for a note on stderr), or "" when there was nothing to do. Hold the output's lock."""
+    done = []
+    new, old, journal = sibling(path, "new"), sibling(path, "old"), sibling(path, "swap")
+    for stale in glob.glob(glob.escape(sibling(path, "tmp")) + "-*"):
+        _remove(stale)
+        done.append(f"removed the unfinished {os.path.basename(stale)}")
+    for stale in glob.glob(glob.escape(journal) + ".tmp-*"):
+        _remove(stale)
+    for legacy in glob.glob(glob.escape(sibling(path, "old")) + "-*"):  # replace_dir of older versions
+        if not os.path.lexists(path) and os.path.isdir(os.path.join(legacy, "old")):
+            os.rename(os.path.join(legacy, "old"), path)
+            done.append("put the previous version back")
+        _remove(legacy)
+    if os.path.lexists(old):
+        if not os.path.lexists(path):
+            if os.path.isdir(new):
+                os.rename(new, path)
+                done.append("finished swapping in the new version")
+            else:
+                os.rename(old, path)
+                done.append("put the previous version back")
+        if os.path.lexists(old):
+            _remove(old)
+    if os.path.isdir(new):
+        swapped_out = os.path.exists(journal) and _read_journal(journal) != os.stat(new).st_ino
+        if swapped_out:
+            _remove(new)
+            done.append("removed the previous version")
+        else:
+            _put_new_in_place(new, path, exchange)
+            done.append("finished swapping in the new version")
+    if os.path.lexists(journal):
+        os.remove(journal)
+    if os.path.lexists(path) or done:
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return "; ".join(done)
+
+
+def remove_stale(folder, pattern):
+    """Remove what matches `pattern` in `folder` (temp files named NAME.tmp-PID of killed writers). Call it
+    holding the lock of whatever writes them, so no live writer's file is taken."""
+    removed = []
+    for stale in glob.glob(os.path.join(glob.escape(folder), pattern)):
+        _remove(stale)
+        removed.append(stale)
+    return removed
+
+
+def _remove(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _write_journal(journal, inode):
+    tmp = f"{journal}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{inode}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, journal)
+    _fsync_dir(os.path.dirname(journal))
+
+
+def _read_journal(journal):
+    try:
+        with open(journal) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None  # a journal cut short was written before the exchange: the new folder is still new
+
+
+def _exchange(a, b):
+    """renameat2(a, b, RENAME_EXCHANGE): the two paths trade places in one step (Linux >= 3.15, glibc >= 2.28)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None or not sys.platform.startswith("linux"):
+        raise OSError(errno.ENOSYS, "renameat2 is not available", a)
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), a, None, b)
+
+
+def _fsync_dir(directory):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

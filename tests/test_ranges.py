@@ -1,0 +1,186 @@
+"""Every number a user can give, refused in one line when it is not finite or out of range, before anything is
+created (issue 24, class 1). Driven from the declarations, so a new option is covered without a new test:
+every numeric config field must have a range (model.MODEL_RANGES, config.RANGES), every numeric flag of every
+command must be a ranges.number, and each is then fed inf, nan and a value just outside its range."""
+
+import dataclasses
+import math
+import typing
+
+import pytest
+
+import checkpoint
+import cli
+import config
+import eval as eval_package
+import export_hf
+import model
+import prepare_fineweb
+import ranges
+import sample
+import train
+from config import ConfigError, load_config
+from eval import report
+
+TINY = "configs/tiny.toml"
+
+
+def outside(spec, kind):
+    """A value that breaks the first bound of `spec` (">= 1" -> 0, "> 0" -> 0, "<= 18" -> 19)."""
+    op, limit = ranges.bounds(spec)[0]
+    step = 1 if kind is int else 0.5
+    value = {">=": limit - step, ">": limit, "<=": limit + step, "<": limit}[
+        next(k for k, v in ranges.OPERATORS.items() if v is op)]
+    return int(value) if kind is int else value
+
+
+def numeric_fields(cls):
+    hints = typing.get_type_hints(cls)
+    return {f.name: config.number_kind(hints[f.name]) for f in dataclasses.fields(cls)
+            if config.number_kind(hints[f.name])}
+
+
+def config_cases():
+    for section, cls in config.SECTIONS.items():
+        table = model.MODEL_RANGES if section == "model" else config.RANGES.get(section, {})
+        for key, kind in numeric_fields(cls).items():
+            yield section, key, kind, table.get(key)
+
+
+CONFIG_CASES = list(config_cases())
+
+
+def test_every_numeric_setting_declares_its_range():
+    missing = [f"{s}.{k}" for s, k, _, spec in CONFIG_CASES if spec is None]
+    assert not missing, f"add a range for {missing} (model.MODEL_RANGES or config.RANGES)"
+    assert len(CONFIG_CASES) >= 39
+
+
+@pytest.mark.parametrize("section,key,kind,spec", CONFIG_CASES, ids=[f"{c[0]}.{c[1]}" for c in CONFIG_CASES])
+def test_every_numeric_setting_refuses_inf_nan_and_out_of_range_in_one_line(section, key, kind, spec):
+    list_field = key == "betas"
+    bad = ["inf", "-inf", "nan", repr(outside(spec, kind))]
+    if kind is int:
+        bad.append("2.5")
+    for value in bad:
+        text = f"[0.9, {value}]" if list_field else value
+        with pytest.raises(ConfigError) as info:
+            load_config(TINY, [f"--{section}.{key}={text}"])
+        message = str(info.value)
+        assert "\n" not in message and key in message, message
+        if value == repr(outside(spec, kind)):
+            assert spec in message  # what is allowed, in the words of the declaration
+
+
+def test_the_model_checks_its_ranges_when_built_directly_too():
+    """Checkpoints, evaluator overrides and HF exports build ModelConfig without config.py."""
+    with pytest.raises(ValueError, match=r"^model config: rope_theta = 0.0: allowed: a finite number >= 2$"):
+        model.ModelConfig(rope_theta=0.0)
+    with pytest.raises(ValueError, match="mlp_hidden = -64"):
+        model.ModelConfig(mlp_hidden=-64)
+
+
+def test_the_two_copies_of_the_range_check_agree():
+    """model.check_ranges (model.py stays free of the repository's modules) and ranges.check."""
+    @dataclasses.dataclass
+    class Probe:
+        x: float = 0.0
+        n: int = 0
+
+    for spec in (">= 1", "> 0", ">= 0, <= 1", "> 0, < 1", ">= -30, <= 30"):
+        for kind, name in ((float, "x"), (int, "n")):
+            for value in (-31, -1, 0, 0.5, 1, 2, 31, math.inf, math.nan):
+                if kind is int and not (isinstance(value, int)):
+                    continue
+                probe = Probe(**{name: value})
+                errors = []
+                model.check_ranges(probe, {name: spec}, errors.append)
+                assert bool(errors) == bool(ranges.problem(value, spec, kind)), (spec, value)
+
+
+# -- every command line -------------------------------------------------------------------------------
+
+class Captured(Exception):
+    pass
+
+
+def command_mains():
+    mains = {"train.py": train.main, "prepare_fineweb.py": prepare_fineweb.main, "sample.py": sample.main,
+             "export_hf.py": export_hf.main, "checkpoint.py": checkpoint.main, "eval.report": report.main}
+    for name in eval_package.EVALUATORS:
+        module = __import__(name, fromlist=["main"])
+        mains[name] = module.main
+    return mains
+
+
+def parser_of(main, monkeypatch):
+    """The parser a command builds, caught as it starts parsing."""
+    def capture(self, args=None, namespace=None):
+        raise Captured(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(cli.Parser, "parse_known_args", capture)
+        with pytest.raises(Captured) as info:
+            main(["x"])
+    return info.value.args[0]
+
+
+COMMANDS = command_mains()
+
+
+def numeric_actions(parser):
+    return [a for a in parser._actions if a.option_strings and (a.type in (int, float) or isinstance(a.type, ranges.number))]
+
+
+def minimal_argv(parser):
+    """Positionals and required options with values that parse (choices[0] or 'x')."""
+    argv = []
+    for action in parser._actions:
+        if not action.option_strings and action.dest != "help":
+            argv.append("x")
+        elif action.required:
+            argv += [action.option_strings[0], (action.choices and list(action.choices)[0]) or "x"]
+    return argv
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_numeric_flag_is_a_checked_number(command, monkeypatch):
+    parser = parser_of(COMMANDS[command], monkeypatch)
+    plain = [a.option_strings[0] for a in numeric_actions(parser) if a.type in (int, float)]
+    assert not plain, f"{command}: declare {plain} with ranges.number(kind, range)"
+
+
+def flag_cases():
+    """(command, flag) for every numeric flag of every command, read from the parsers themselves."""
+    cases = []
+    mp = pytest.MonkeyPatch()
+    try:
+        for command, main in COMMANDS.items():
+            for action in numeric_actions(parser_of(main, mp)):
+                cases.append((command, action.option_strings[0]))
+    finally:
+        mp.undo()
+    return cases
+
+
+FLAG_CASES = flag_cases()
+
+
+def test_the_commands_have_numeric_flags_to_check():
+    assert len(FLAG_CASES) >= 30
+    assert ("sample.py", "--temperature") in FLAG_CASES and ("eval.passkey", "--digits") in FLAG_CASES
+
+
+@pytest.mark.parametrize("command,flag", FLAG_CASES, ids=[f"{c}{f}" for c, f in FLAG_CASES])
+def test_every_numeric_flag_refuses_inf_nan_and_out_of_range_in_one_line(command, flag, monkeypatch, capsys):
+    parser = parser_of(COMMANDS[command], monkeypatch)
+    action = next(a for a in parser._actions if flag in a.option_strings)
+    kind, spec = action.type.kind, action.type.spec
+    bad = ["inf", "nan", "-inf", "1e400"] + ([repr(outside(spec, kind))] if spec else []) + (["2.5"] if kind is int else [])
+    for value in bad:
+        with pytest.raises(SystemExit) as info:
+            parser.parse_known_args(minimal_argv(parser) + [f"{flag}={value}"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and flag in err and repr(value) in err, err
+        assert ranges.allowed(kind, spec) in err
