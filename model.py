@@ -597,7 +597,7 @@ class FIREPrior(AdditivePrior):
 
     def head_parameters(self):
         H = self.w2.shape[0]
-        return {"c": [float(self.log_c.exp())] * H, "threshold": [float(self.log_threshold.exp())] * H}
+        return {"c": [self.log_c.exp().item()] * H, "threshold": [self.log_threshold.exp().item()] * H}
 
 
 def fox_bias(dist, head, query, key):

@@ -157,3 +157,43 @@ def test_rival_configs_build_and_their_parameters_train_in_the_prior_group():
         ModelConfig(pe="t5", t5_num_buckets=31)
     with pytest.raises(ValueError, match="fire_init_c"):
         ModelConfig(pe="fire", fire_init_c=0.0)
+
+
+def test_eval_priors_shows_each_rivals_curves_and_foxs_gates(tmp_path):
+    """T5, FIRE: the bias against distance per head (from the prior's own function); FoX: no curve, but the
+    quantiles of every head's gates and its memory on validation text, and their plot."""
+    import numpy as np
+
+    from data import write_shard
+    from eval import priors
+    from eval.options import EvalOptions
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_shard(str(data_dir / "demo_val_000000.bin"), np.random.default_rng(0).integers(0, VOCAB, 2000))
+    options = EvalOptions(progress=False, verbose=False, out=str(tmp_path / "out"))
+    for pe in RIVALS:
+        model = make_model(pe=pe, n_layer=2).eval()
+        if pe == "fox":  # layer 1's gates made constant: f = sigmoid(b_h), memory = -1 / log sigmoid(b_h)
+            with torch.no_grad():
+                model.priors[1].gate.weight.zero_()
+                model.priors[1].gate.bias.copy_(torch.tensor([-1.0, 0.0, 2.0, 5.0]))
+        res = priors.evaluate_priors(model, options=options, max_distance=300, data_dir=str(data_dir))
+        heads = res["heads"]
+        assert len(heads) == 8
+        if pe == "fox":
+            assert "bias_at" not in heads[0] and (tmp_path / "out" / "priors_gates.png").is_file()
+            for h in heads:
+                assert 0 < h["gate_p10"] <= h["gate_median"] <= h["gate_p90"] < 1 and h["memory"] > 0
+            for h in heads[4:]:
+                f = torch.sigmoid(torch.tensor([-1.0, 0.0, 2.0, 5.0], dtype=torch.float64))[h["head"]]
+                assert h["gate_median"] == pytest.approx(float(f), rel=1e-5)
+                assert h["memory"] == pytest.approx(float(-1 / f.log()), rel=1e-4)
+        else:
+            head = torch.arange(4).view(4, 1)
+            prior = model.priors[0]
+            with torch.no_grad():
+                expected = prior.distance_curve(torch.tensor([[100.0]]), head)[:, 0]
+            for h in heads:
+                if h["layer"] == 0:
+                    assert h["bias_at"]["100"] == pytest.approx(float(expected[h["head"]]), rel=1e-4, abs=1e-5)
