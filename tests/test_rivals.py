@@ -197,3 +197,13 @@ def test_eval_priors_shows_each_rivals_curves_and_foxs_gates(tmp_path):
             for h in heads:
                 if h["layer"] == 0:
                     assert h["bias_at"]["100"] == pytest.approx(float(expected[h["head"]]), rel=1e-4, abs=1e-5)
+
+
+def test_every_encoding_names_the_family_the_report_groups_it_by():
+    from model import ENCODINGS
+
+    expected = {"nope": "baselines", "sinusoidal": "baselines", "rope": "RoPE", "alibi": "fixed and kernel priors",
+                "kerple_log": "fixed and kernel priors", "kerple_power": "fixed and kernel priors", "bam": "BAM",
+                "t5": "learnable-bias rivals", "fire": "learnable-bias rivals", "fox": "learnable-bias rivals"}
+    assert {name: enc.family for name, enc in ENCODINGS.items()} == expected
+    assert [name for name, enc in ENCODINGS.items() if not getattr(enc, "DISTANCE_ONLY", True)] == ["fire", "fox"]
