@@ -553,16 +553,28 @@ class T5Prior(AdditivePrior):
 
 def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2, b2):
     """FIRE (Li et al., ICLR 2024): f_theta(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), with i the
-    query's position in its document (query[0]) and f_theta an MLP 1 -> W -> heads with a ReLU, written as a
-    sum over its W hidden units so that score_mod stays elementwise (and the hidden unit is computed once
-    per grid point, not once per head). The distance is clamped at 0: masked pairs (j > i) then stay finite,
-    so their zero gradient through the mask is not 0 x NaN."""
+    query's position in its document (query[0]) and f_theta an MLP 1 -> W -> heads with a ReLU. The distance
+    is clamped at 0: masked pairs (j > i) then stay finite, so their zero gradient through the mask is not
+    0 x NaN."""
     c, threshold = torch.exp(log_c), torch.exp(log_threshold)
     x = torch.log1p(c * dist.clamp(min=0)) / torch.log1p(c * torch.maximum(query[0], threshold))
-    bias = b2[head]
-    for unit in range(w1.shape[0]):
-        bias = bias + w2[head, unit] * torch.relu(w1[unit] * x + b1[unit])
-    return bias
+    return fire_mlp(x, head, w1, b1, w2, b2)
+
+
+def fire_mlp(x, head, w1, b1, w2, b2):
+    """FIRE's MLP, output `head`: b2_h + sum_u w2_hu relu(w1_u x + b1_u). On FlexAttention's scalars it is a
+    sum over the W hidden units, so that score_mod stays elementwise; on a grid the same sum is a matmul of
+    the (head-independent) hidden layer with w2 and a gather of each grid point's head, a few times cheaper
+    than W elementwise passes over every head (docs/benchmarks.md); test_model's flex == eager holds the two
+    to each other."""
+    if x.dim() == 0:
+        bias = b2[head]
+        for unit in range(w1.shape[0]):
+            bias = bias + w2[head, unit] * torch.relu(w1[unit] * x + b1[unit])
+        return bias
+    every_head = torch.relu(x[..., None] * w1 + b1) @ w2.T + b2  # x's shape + (H,)
+    shape = torch.broadcast_shapes(x.shape, head.shape)
+    return every_head.expand(*shape, w2.shape[0]).gather(-1, head.expand(shape)[..., None]).squeeze(-1)
 
 
 class FIREPrior(AdditivePrior):
