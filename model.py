@@ -573,8 +573,13 @@ def fire_mlp(x, head, w1, b1, w2, b2):
             bias = bias + w2[head, unit] * torch.relu(w1[unit] * x + b1[unit])
         return bias
     every_head = torch.relu(x[..., None] * w1 + b1) @ w2.T + b2  # x's shape + (H,)
-    shape = torch.broadcast_shapes(x.shape, head.shape)
-    return every_head.expand(*shape, w2.shape[0]).gather(-1, head.expand(shape)[..., None]).squeeze(-1)
+    # Each grid point picks its head by indexing, not by gathering from an expanded view: the backward then
+    # accumulates into a tensor of every_head's size instead of H times the grid.
+    rank = len(torch.broadcast_shapes(x.shape, head.shape))
+    every_head = every_head.reshape((1,) * (rank - x.dim()) + every_head.shape)
+    points = [torch.arange(n, device=x.device).view((n,) + (1,) * (rank - 1 - k)) if n > 1
+              else torch.zeros((), dtype=torch.long, device=x.device) for k, n in enumerate(every_head.shape[:-1])]
+    return every_head[(*points, head)]
 
 
 class FIREPrior(AdditivePrior):
