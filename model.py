@@ -551,28 +551,28 @@ class T5Prior(AdditivePrior):
                 "bias_far": self.table[:, -1].tolist()}
 
 
-def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2, b2):
+def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2):
     """FIRE (Li et al., ICLR 2024): f_theta(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), with i the
     query's position in its document (query[0]) and f_theta an MLP 1 -> W -> heads with a ReLU. The distance
     is clamped at 0: masked pairs (j > i) then stay finite, so their zero gradient through the mask is not
     0 x NaN."""
     c, threshold = torch.exp(log_c), torch.exp(log_threshold)
     x = torch.log1p(c * dist.clamp(min=0)) / torch.log1p(c * torch.maximum(query[0], threshold))
-    return fire_mlp(x, head, w1, b1, w2, b2)
+    return fire_mlp(x, head, w1, b1, w2)
 
 
-def fire_mlp(x, head, w1, b1, w2, b2):
-    """FIRE's MLP, output `head`: b2_h + sum_u w2_hu relu(w1_u x + b1_u). On FlexAttention's scalars it is a
+def fire_mlp(x, head, w1, b1, w2):
+    """FIRE's MLP, output `head`: sum_u w2_hu relu(w1_u x + b1_u). On FlexAttention's scalars it is a
     sum over the W hidden units, so that score_mod stays elementwise; on a grid the same sum is a matmul of
     the (head-independent) hidden layer with w2 and a gather of each grid point's head, a few times cheaper
     than W elementwise passes over every head (docs/benchmarks.md); test_model's flex == eager holds the two
     to each other."""
     if x.dim() == 0:
-        bias = b2[head]
+        bias = torch.zeros_like(x)
         for unit in range(w1.shape[0]):
             bias = bias + w2[head, unit] * torch.relu(w1[unit] * x + b1[unit])
         return bias
-    every_head = torch.relu(x[..., None] * w1 + b1) @ w2.T + b2  # x's shape + (H,)
+    every_head = torch.relu(x[..., None] * w1 + b1) @ w2.T  # x's shape + (H,)
     # Each grid point picks its head by indexing, not by gathering from an expanded view: the backward then
     # accumulates into a tensor of every_head's size instead of H times the grid.
     rank = len(torch.broadcast_shapes(x.shape, head.shape))
@@ -585,7 +585,8 @@ def fire_mlp(x, head, w1, b1, w2, b2):
 class FIREPrior(AdditivePrior):
     """FIRE's learned c and threshold L (positive through their logarithms) and its MLP, per layer as in the
     paper. The MLP starts as torch's nn.Linear default (the paper's code and its reimplementations use it),
-    c = 0.1 and L = 512 as theirs (ModelConfig.fire_init_*)."""
+    c = 0.1 and L = 512 as theirs (ModelConfig.fire_init_*). Its output layer has no bias: a per-head
+    constant on every logit of a row, which softmax ignores (its gradient is zero, so it would never train)."""
 
     bias_fn = staticmethod(fire_bias)
     METRICS_PREFIX = "fire"
@@ -600,10 +601,9 @@ class FIREPrior(AdditivePrior):
         self.w1 = nn.Parameter(torch.empty(W).uniform_(-1.0, 1.0))  # nn.Linear(1, W): U(+-1/sqrt(1))
         self.b1 = nn.Parameter(torch.empty(W).uniform_(-1.0, 1.0))
         self.w2 = nn.Parameter(torch.empty(H, W).uniform_(-W ** -0.5, W ** -0.5))  # nn.Linear(W, H)
-        self.b2 = nn.Parameter(torch.empty(H).uniform_(-W ** -0.5, W ** -0.5))
 
     def tensors(self):
-        return self.log_c, self.log_threshold, self.w1, self.b1, self.w2, self.b2
+        return self.log_c, self.log_threshold, self.w1, self.b1, self.w2
 
     def token_features(self, x, pos_in_doc, past=None):
         return (pos_in_doc.float()[:, None, :],)  # the position of each token in its document

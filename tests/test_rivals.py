@@ -40,22 +40,23 @@ def test_t5_buckets_are_the_papers_and_transformers():
 
 
 def test_fire_bias_is_the_papers_formula():
-    """f(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), f an MLP 1 -> W -> H with a ReLU."""
+    """f(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), f an MLP 1 -> W -> H with a ReLU (no output bias:
+    softmax ignores a per-head constant)."""
     torch.manual_seed(0)
     prior = make_model(pe="fire", n_layer=1).priors[0].double()
-    log_c, log_L, w1, b1, w2, b2 = (t.detach() for t in prior.tensors())
+    log_c, log_L, w1, b1, w2 = (t.detach() for t in prior.tensors())
     c, L = math.exp(log_c), math.exp(log_L)
     T, H = 40, w2.shape[0]
     with torch.no_grad():
         prior.log_threshold.fill_(math.log(17.0))  # a threshold inside the sequence: both branches of max(L, i)
     log_L, L = prior.log_threshold.detach(), 17.0
     i, j = torch.arange(T, dtype=torch.float64)[:, None], torch.arange(T, dtype=torch.float64)[None, :]
-    got = fire_bias(i - j, torch.arange(H).view(H, 1, 1), (i,), (j,), log_c, log_L, w1, b1, w2, b2)
+    got = fire_bias(i - j, torch.arange(H).view(H, 1, 1), (i,), (j,), log_c, log_L, w1, b1, w2)
     for qi in range(T):
         for kj in range(qi + 1):
             x = math.log(c * (qi - kj) + 1) / math.log(c * max(L, qi) + 1)
             hidden = torch.relu(w1 * x + b1)
-            torch.testing.assert_close(got[:, qi, kj], w2 @ hidden + b2, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got[:, qi, kj], w2 @ hidden, rtol=1e-12, atol=1e-12)
 
 
 def test_fox_bias_is_the_sum_of_log_forget_gates_inside_the_document():
