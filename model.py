@@ -572,7 +572,9 @@ def fire_mlp(x, head, w1, b1, w2):
         for unit in range(w1.shape[0]):
             bias = bias + w2[head, unit] * torch.relu(w1[unit] * x + b1[unit])
         return bias
-    every_head = torch.relu(x[..., None] * w1 + b1) @ w2.T  # x's shape + (H,)
+    with torch.autocast(x.device.type, enabled=False):  # a prior is computed in fp32, also under bf16 autocast
+        hidden = torch.relu(x[..., None] * w1 + b1)
+        every_head = hidden @ w2.to(hidden.dtype).T  # x's shape + (H,)
     # Each grid point picks its head by indexing, not by gathering from an expanded view: the backward then
     # accumulates into a tensor of every_head's size instead of H times the grid.
     rank = len(torch.broadcast_shapes(x.shape, head.shape))
