@@ -1,14 +1,16 @@
 """
 A Llama-style decoder with pluggable positional encodings, read top to bottom:
 
-    config -> positional encodings (NoPE, RoPE, sinusoidal; the priors ALiBi, BAM, KERPLE) and their
+    config -> positional encodings (NoPE, RoPE, sinusoidal; the priors ALiBi, BAM, KERPLE, T5, FIRE, FoX) and their
     registry ENCODINGS -> attention: its scores and its mask, then flex / sdpa / eager -> blocks
     -> Transformer.forward (in-document positions, embeddings, attention context, blocks, logits)
     -> conveniences (optimizer groups, generation, checkpoint loading)
 
-Every additive positional encoding is a *log-prior over relative position* (docs/paper.md §1): a bias
-g_h(i - j) added to the attention logit of head h, query position i and key position j. That bias is
-written once, as a plain torch expression on broadcastable tensors (`positional_scores`), and so is
+Every additive positional encoding is a *log-prior over position* (docs/paper.md §1): a bias added to the
+attention logit of head h, query position i and key position j; for most, g_h(i - j), a function of the
+distance alone (ALiBi, BAM, KERPLE, T5), for some also of the query's position (FIRE) or of per-token
+values each layer computes from its input (FoX's forget gates; docs/INTERFACES.md "Additive priors"). That
+bias is written once, as a plain torch expression on broadcastable tensors (`positional_scores`), and so is
 the mask, causal, within the window and within the document (`visible`); the same two expressions
 serve FlexAttention (score_mod, mask_mod and BlockMask), the dense bias of the `sdpa` path and the
 materialised `eager` reference, so the three cannot drift apart.
@@ -53,7 +55,7 @@ class ModelConfig:
     block_size: int = 512  # training context; nothing at inference depends on it
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    pe: str = "bam"  # a name in ENCODINGS: nope | rope | sinusoidal | alibi | bam | kerple_log | kerple_power
+    pe: str = "bam"  # a name in ENCODINGS: nope | rope | sinusoidal | alibi | bam | kerple_log | kerple_power | t5 | fire | fox
     rope_theta: float = 500_000.0  # the paper's RoPE baseline
     # RoPE context extension, applied at evaluation (docs/evaluation.md): none | linear (position
     # interpolation) | ntk | dynamic_ntk | yarn, with the scale s = rope_factor
@@ -77,6 +79,15 @@ class ModelConfig:
     bam_train_shape: bool = True
     bam_train_scale: bool = True
     bam_train_loc: bool = False  # the paper keeps the location at 0
+    # T5's relative bias (Raffel et al. 2020): causal buckets, exact below half of them, log-spaced up to
+    # the max distance, one bucket past it
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
+    # FIRE (Li et al. 2024): an MLP 1 -> fire_mlp_width -> heads on psi(i - j) / psi(max(L, i)),
+    # psi(x) = log(c x + 1), c and L learned from these initial values
+    fire_mlp_width: int = 32
+    fire_init_c: float = 0.1
+    fire_init_threshold: float = 512.0
 
     def __post_init__(self):
         def bad(msg):
@@ -96,6 +107,9 @@ class ModelConfig:
             bad(f"{self.pe} needs an even {even}, got {even}={getattr(self, even)}")
         if self.n_kv_head < 0 or (self.n_kv_head and self.n_head % self.n_kv_head):
             bad(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (or be 0 for n_head)")
+        if self.t5_num_buckets % 2 or self.t5_max_distance <= self.t5_num_buckets // 2:
+            bad(f"T5 needs an even t5_num_buckets and t5_max_distance > t5_num_buckets / 2, got "
+                f"{self.t5_num_buckets} and {self.t5_max_distance}")
         self._check_rope_scaling(bad)
 
     def _check_rope_scaling(self, bad):
@@ -145,7 +159,8 @@ MODEL_RANGES = {
     "mlp_hidden": ">= 0", "block_size": ">= 1", "norm_eps": "> 0, < 1", "init_std": "> 0, <= 10",
     "rope_theta": ">= 2", "rope_factor": ">= 1", "rope_original_context": ">= 0", "yarn_beta_fast": "> 0",
     "yarn_beta_slow": "> 0", "sinusoidal_base": ">= 2", "attn_window": ">= 0", "bam_init_shape": "> 0",
-    "bam_init_log_scale": ">= -30, <= 30",
+    "bam_init_log_scale": ">= -30, <= 30", "t5_num_buckets": ">= 2", "t5_max_distance": ">= 2",
+    "fire_mlp_width": ">= 1", "fire_init_c": "> 0", "fire_init_threshold": "> 0",
 }
 _LIMIT = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
 
@@ -170,13 +185,16 @@ def check_ranges(obj, table, bad):
 # Positional encodings. Each one is a small class registered once in ENCODINGS (below); everything else
 # (the config's choices, the attention paths, the evaluators, benchmarks and tests) reads the registry.
 # An encoding plays at most these roles (docs/INTERFACES.md): rotate q and k (RoPE), add to the token embeddings
-# (sinusoidal), or add a prior g_h(i - j) to every attention logit (ALiBi, BAM, KERPLE).
+# (sinusoidal), or add a prior to every attention logit (ALiBi, BAM, KERPLE, T5, FIRE, FoX).
 
 
 class Encoding:
     """What an encoding may set; a role it does not play stays None, and with none at all it is NoPE."""
 
     even_width = None  # a ModelConfig field this encoding needs even (rotation pairs, sin/cos pairs)
+    # the group eval.report's small-multiples plot draws it with: baselines | RoPE | fixed and kernel priors |
+    # BAM | learnable-bias rivals
+    family = "baselines"
     # rotation(positions, cfg, length=None) -> (cos, sin) that rotate q and k at these positions; `length`
     # is how many positions the forward reaches (for a rotation that depends on it, as dynamic NTK does)
     rotation = None
@@ -258,6 +276,7 @@ class RoPE(Encoding):
     the fly, so no table runs out past the training length."""
 
     even_width = "head_dim"
+    family = "RoPE"
 
     @staticmethod
     def rotation(positions, cfg, length=None):
@@ -288,15 +307,29 @@ class Sinusoidal(Encoding):
 
 
 class AdditivePrior(Encoding, nn.Module):
-    """A log-prior over relative position (docs/paper.md §1): `bias_fn(dist, head, *tensors())` is the bias
-    g_h(i - j), a plain broadcastable torch expression (scalars inside FlexAttention's score_mod,
-    (H, Tq, Tk) grids on eager, (H, D) tables on sdpa). `head_parameters()` gives every head's
-    parameters, {name: [value per head]}: eval.priors' table under these names, metrics.jsonl under
-    "METRICS_PREFIX_name". A prior whose heads fall into named groups (BAM's shapes) sets GROUPS,
-    GROUP_SPANS and `head_group`."""
+    """A bias added to the attention logit of head h, query i and key j (docs/paper.md §1), written as a
+    plain broadcastable torch expression `bias_fn` (on scalars inside FlexAttention's score_mod, on whole
+    grids on eager and sdpa). Two forms (docs/INTERFACES.md "Additive priors"):
+
+      DISTANCE_ONLY = True   bias_fn(dist, head, *tensors()): g_h(i - j), a function of the distance alone
+                             (ALiBi, BAM, KERPLE, T5); sdpa evaluates it once per distance (dense_prior)
+      DISTANCE_ONLY = False  bias_fn(dist, head, query, key, *tensors()): `query` and `key` are the prior's
+                             per-token values (`token_features`) at token i and at token j, of head h
+
+    `token_features(x, pos_in_doc, past)` computes those values in each layer from the layer's input x
+    (B, T, n_embd) and the in-document positions (B or 1, T): a tuple of (B or 1, H or 1, T) fp32 tensors
+    (FIRE: the query's position; FoX: the cumulative log forget gate). `past` is what the KV cache holds for
+    the earlier positions (None without one), so a prior whose values accumulate along the sequence can
+    continue from them. Values must be functions of the token's own document only (documents stay isolated).
+
+    `head_parameters()` gives every head's parameters, {name: [value per head]}: eval.priors' table under
+    these names, metrics.jsonl under "METRICS_PREFIX_name". A prior whose heads fall into named groups
+    (BAM's shapes) sets GROUPS, GROUP_SPANS and `head_group`."""
 
     METRICS_PREFIX = None  # e.g. "bam": metrics.jsonl logs bam_shape, bam_log_scale, ...
     GROUPS = {}  # group name -> rule, in the order they are reported
+    DISTANCE_ONLY = True
+    family = "fixed and kernel priors"
 
     @classmethod
     def copies(cls, cfg):
@@ -304,6 +337,14 @@ class AdditivePrior(Encoding, nn.Module):
 
     def tensors(self):
         raise NotImplementedError
+
+    def token_features(self, x, pos_in_doc, past=None):
+        raise NotImplementedError(f"{type(self).__name__} is a function of the distance only")
+
+    def distance_curve(self, dist, head):
+        """The bias against the distance (eval.priors), dist (1, D), head (H, 1) -> (H, D); None where the
+        prior is not a function of the distance (FoX)."""
+        return self.bias_fn(dist, head, *self.tensors())
 
     def head_parameters(self):
         raise NotImplementedError
@@ -393,6 +434,7 @@ class BAMPrior(AdditivePrior):
 
     bias_fn = staticmethod(ggd_bias)
     METRICS_PREFIX = "bam"
+    family = "BAM"
     # After training, heads cluster by shape (docs/paper.md §2): retrieval heads have LOW <= b <= HIGH,
     # local heads a larger shape, aggressive-retrieval heads a smaller one. Every rule below reads these two.
     LOW, HIGH = -0.6, 0.0
@@ -483,6 +525,169 @@ class KerplePowerPrior(KerplePrior):
     R1_INIT, R2_INIT, R2_MAX = 1.0, 2.0, 2.0
 
 
+# The learnable-bias rivals of BAM on length extrapolation (docs/paper.md "Beyond the paper"): T5's bucketed
+# bias, FIRE's MLP of the interpolated distance, and FoX's data-dependent forget gates.
+
+
+def t5_bucket(dist, num_buckets, max_distance):
+    """T5's causal relative-position bucket (Raffel et al. 2020; the unidirectional case of transformers'
+    T5Attention._relative_position_bucket): each distance below num_buckets / 2 has its own bucket, longer
+    ones share buckets log-spaced up to max_distance, every distance past it falls in the last one.
+    Negative distances (masked anyway) fall in bucket 0. `max_distance` is a 0-dim tensor."""
+    exact = num_buckets // 2
+    n = dist.clamp(min=0)
+    log_spaced = exact + torch.log(n.clamp(min=exact) / exact) / torch.log(max_distance / exact) * (num_buckets - exact)
+    return torch.where(n < exact, n, log_spaced.clamp(max=num_buckets - 1)).floor().long()
+
+
+def t5_bias(dist, head, table, max_distance):
+    """A learned scalar per head and bucket: table[h, bucket(i - j)]."""
+    return table[head, t5_bucket(dist, table.shape[1], max_distance)]
+
+
+class T5Prior(AdditivePrior):
+    """T5's relative attention bias, one table shared by every layer as in T5 (only its first layer holds
+    one), initialised as transformers initialises it: N(0, n_embd^-1/2)."""
+
+    bias_fn = staticmethod(t5_bias)
+    METRICS_PREFIX = "t5"
+    family = "learnable-bias rivals"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(cfg.n_head, cfg.t5_num_buckets) * cfg.n_embd ** -0.5)
+        self.register_buffer("max_distance", torch.tensor(float(cfg.t5_max_distance)), persistent=False)
+
+    @classmethod
+    def copies(cls, cfg):
+        return 1
+
+    def tensors(self):
+        return self.table, self.max_distance
+
+    def head_parameters(self):
+        return {"bias_d0": self.table[:, 0].tolist(), "bias_d1": self.table[:, 1].tolist(),
+                "bias_far": self.table[:, -1].tolist()}
+
+
+def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2):
+    """FIRE (Li et al., ICLR 2024): f_theta(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), with i the
+    query's position in its document (query[0]) and f_theta an MLP 1 -> W -> heads with a ReLU. The distance
+    is clamped at 0: masked pairs (j > i) then stay finite, so their zero gradient through the mask is not
+    0 x NaN."""
+    c, threshold = torch.exp(log_c), torch.exp(log_threshold)
+    x = torch.log1p(c * dist.clamp(min=0)) / torch.log1p(c * torch.maximum(query[0], threshold))
+    return fire_mlp(x, head, w1, b1, w2)
+
+
+def fire_mlp(x, head, w1, b1, w2):
+    """FIRE's MLP, output `head`: sum_u w2_hu relu(w1_u x + b1_u). On FlexAttention's scalars it is a
+    sum over the W hidden units, so that score_mod stays elementwise; on a grid the same sum is a matmul of
+    the (head-independent) hidden layer with w2 and a gather of each grid point's head, a few times cheaper
+    than W elementwise passes over every head (docs/benchmarks.md); test_model's flex == eager holds the two
+    to each other."""
+    if x.dim() == 0:
+        bias = torch.zeros_like(x)
+        for unit in range(w1.shape[0]):
+            bias = bias + w2[head, unit] * torch.relu(w1[unit] * x + b1[unit])
+        return bias
+    with torch.autocast(x.device.type, enabled=False):  # a prior is computed in fp32, also under bf16 autocast
+        hidden = torch.relu(x[..., None] * w1 + b1)
+        every_head = hidden @ w2.to(hidden.dtype).T  # x's shape + (H,)
+    # Each grid point picks its head by indexing, not by gathering from an expanded view: the backward then
+    # accumulates into a tensor of every_head's size instead of H times the grid.
+    rank = len(torch.broadcast_shapes(x.shape, head.shape))
+    every_head = every_head.reshape((1,) * (rank - x.dim()) + every_head.shape)
+    points = [torch.arange(n, device=x.device).view((n,) + (1,) * (rank - 1 - k)) if n > 1
+              else torch.zeros((), dtype=torch.long, device=x.device) for k, n in enumerate(every_head.shape[:-1])]
+    return every_head[(*points, head)]
+
+
+class FIREPrior(AdditivePrior):
+    """FIRE's learned c and threshold L (positive through their logarithms) and its MLP, per layer as in the
+    paper. The MLP starts as torch's nn.Linear default (the paper's code and its reimplementations use it),
+    c = 0.1 and L = 512 as theirs (ModelConfig.fire_init_*). Its output layer has no bias: a per-head
+    constant on every logit of a row, which softmax ignores (its gradient is zero, so it would never train)."""
+
+    bias_fn = staticmethod(fire_bias)
+    METRICS_PREFIX = "fire"
+    DISTANCE_ONLY = False
+    family = "learnable-bias rivals"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        W, H = cfg.fire_mlp_width, cfg.n_head
+        self.log_c = nn.Parameter(torch.tensor(math.log(cfg.fire_init_c)))
+        self.log_threshold = nn.Parameter(torch.tensor(math.log(cfg.fire_init_threshold)))
+        self.w1 = nn.Parameter(torch.empty(W).uniform_(-1.0, 1.0))  # nn.Linear(1, W): U(+-1/sqrt(1))
+        self.b1 = nn.Parameter(torch.empty(W).uniform_(-1.0, 1.0))
+        self.w2 = nn.Parameter(torch.empty(H, W).uniform_(-W ** -0.5, W ** -0.5))  # nn.Linear(W, H)
+
+    def tensors(self):
+        return self.log_c, self.log_threshold, self.w1, self.b1, self.w2
+
+    def token_features(self, x, pos_in_doc, past=None):
+        return (pos_in_doc.float()[:, None, :],)  # the position of each token in its document
+
+    def distance_curve(self, dist, head):
+        """The bias of a document's first token seen from the query at position d (i = d, j = 0)."""
+        return self.bias_fn(dist, head, (dist,), (torch.zeros_like(dist),), *self.tensors())
+
+    def head_parameters(self):
+        H = self.w2.shape[0]
+        return {"c": [self.log_c.exp().item()] * H, "threshold": [self.log_threshold.exp().item()] * H}
+
+
+def fox_bias(dist, head, query, key):
+    """FoX (Lin et al., ICLR 2025): sum over l = j+1..i of log f_l,h = c_i,h - c_j,h, with c the cumulative
+    log forget gate of the document (FoXPrior.token_features); <= 0 for every visible key."""
+    return query[0] - key[0]
+
+
+class FoXPrior(AdditivePrior):
+    """The Forgetting Transformer's forget gate f_t,h = sigmoid(w_h . x_t + b_h), one projection per layer
+    from the layer's (normalised) input, as the reference code: weights N(0, init_std), biases 0, so every
+    gate starts near 1/2 (a strong recency bias that training opens up). FoX is used without RoPE in its
+    paper, and so here (pe = "fox" is the gate alone)."""
+
+    bias_fn = staticmethod(fox_bias)
+    METRICS_PREFIX = "fox"
+    DISTANCE_ONLY = False
+    family = "learnable-bias rivals"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # weight re-initialised by Transformer
+        nn.init.zeros_(self.gate.bias)
+
+    def tensors(self):
+        return ()
+
+    def log_gates(self, x):
+        """log f, (B, H, T) fp32."""
+        return F.logsigmoid(self.gate(x).float()).transpose(1, 2)
+
+    def token_features(self, x, pos_in_doc, past=None):
+        """c_t = the sum of log f over the token's document up to t (continuing `past` from a KV cache). The
+        running sum is taken in float64 and restarted at every document start, so a document's values are
+        those it has alone up to fp32 rounding, whatever came before it in the row."""
+        log_f = self.log_gates(x).double()
+        total = log_f.cumsum(dim=-1)
+        idx = torch.arange(log_f.shape[-1], device=x.device)
+        last_start = torch.where(pos_in_doc == 0, idx, 0).cummax(dim=-1).values  # 0 (nothing to remove) if none
+        before = (total - log_f).gather(-1, last_start[:, None, :].expand_as(log_f))
+        c = total - before
+        if past is not None and past[0].shape[-1]:  # a KV cache holds the same row: no document start in between
+            c = c + past[0][..., -1:].double()
+        return (c.float(),)
+
+    def distance_curve(self, dist, head):
+        return None  # a function of the content: eval.priors shows the gates instead
+
+    def head_parameters(self):
+        return {"gate_bias": self.gate.bias.tolist(), "gate_weight_norm": self.gate.weight.norm(dim=1).tolist()}
+
+
 # The registry: the name a config uses -> the encoding. PE_CHOICES and PRIORS are views of it.
 ENCODINGS = {
     "nope": NoPE,
@@ -492,6 +697,9 @@ ENCODINGS = {
     "bam": BAMPrior,
     "kerple_log": KerpleLogPrior,
     "kerple_power": KerplePowerPrior,
+    "t5": T5Prior,
+    "fire": FIREPrior,
+    "fox": FoXPrior,
 }
 PE_CHOICES = tuple(ENCODINGS)
 PRIORS = {name: enc for name, enc in ENCODINGS.items() if issubclass(enc, AdditivePrior)}
@@ -504,10 +712,13 @@ PRIORS = {name: enc for name, enc in ENCODINGS.items() if issubclass(enc, Additi
 # `eager` is the reference the tests hold the others to.
 
 
-def prior_bias(prior, head, dist):
-    """g_h(i - j): `prior` is (bias_fn, tensors), `dist` the distance i - j."""
+def prior_bias(prior, head, dist, query=None, key=None):
+    """The prior's bias: `prior` is (bias_fn, tensors), `dist` the distance i - j; `query` and `key` are the
+    prior's token features at i and at j, None for a prior of the distance alone (AdditivePrior)."""
     bias_fn, tensors = prior
-    return bias_fn(dist.to(torch.float32), head, *tensors)
+    if query is None:
+        return bias_fn(dist.to(torch.float32), head, *tensors)
+    return bias_fn(dist.to(torch.float32), head, query, key, *tensors)
 
 
 def ssmax_factor(ssmax_scale, head, log_n):
@@ -515,16 +726,17 @@ def ssmax_factor(ssmax_scale, head, log_n):
     return ssmax_scale[head] * log_n
 
 
-def positional_scores(scores, head, q_pos, k_pos, log_n, prior, ssmax_scale):
+def positional_scores(scores, head, q_pos, k_pos, log_n, prior, ssmax_scale, query=None, key=None):
     """The one place where positions change attention logits (before masking and softmax):
 
-        ((q.k / sqrt(d) + g_h(i - j)) * s_h * log(n_i))
+        ((q.k / sqrt(d) + g_h(i, j)) * s_h * log(n_i))
 
     docs/paper.md §3: for every additive prior the SSMax factor multiplies the content score *and* the prior
     (the official ALiBi+SSMax baseline scales only q.k; we are consistent across encodings instead).
-    `prior` is (bias_fn, tensors) or None; `ssmax_scale` is the per-head s_h or None."""
+    `prior` is (bias_fn, tensors) or None; `ssmax_scale` is the per-head s_h or None; `query`, `key` the
+    prior's token features at i and j (prior_bias)."""
     if prior is not None:
-        scores = scores + prior_bias(prior, head, q_pos - k_pos)
+        scores = scores + prior_bias(prior, head, q_pos - k_pos, query, key)
     if ssmax_scale is not None:
         scores = scores * ssmax_factor(ssmax_scale, head, log_n)
     return scores
@@ -651,20 +863,45 @@ class AttnContext:
     mask: torch.Tensor | BlockMask | None
     log_n: torch.Tensor | None  # (B or 1, Tq) log of how many keys each query sees (SSMax)
     rope: tuple | None  # (cos, sin) of the queries' positions
+    pos_in_doc: torch.Tensor | None = None  # (B or 1, Tq) the queries' positions in their documents
+
+
+def layer_prior(prior_module, x, ctx, layer, kv_cache=None):
+    """What one layer's attention takes from its prior module: (prior, features), `prior` = (bias_fn,
+    tensors) or None, `features` = (at the queries, at the keys), each the tuple of the prior's token
+    features (AdditivePrior.token_features) of x, or None for a prior of the distance alone. With a KV
+    cache, the keys' features are the cached ones followed by the new ones."""
+    if prior_module is None:
+        return None, None
+    prior = (prior_module.bias_fn, prior_module.tensors())
+    if prior_module.DISTANCE_ONLY:
+        return prior, None
+    start = int(ctx.q_pos[0])
+    past = kv_cache.past_features(layer, start) if kv_cache is not None else None
+    new = prior_module.token_features(x, ctx.pos_in_doc, past)
+    keys = kv_cache.update_features(layer, start, new) if kv_cache is not None else new
+    return prior, (new, keys)
+
+
+def grid_features(features):
+    """Token features on the (B, H, Tq, Tk) score grid: (at the queries, at the keys), or (None, None)."""
+    if features is None:
+        return None, None
+    return tuple(t[..., :, None] for t in features[0]), tuple(t[..., None, :] for t in features[1])
 
 
 def _head_index(n_head, device):
     return torch.arange(n_head, device=device).view(n_head, 1, 1)
 
 
-def eager_attention(q, k, v, ctx, prior, ssmax_scale):
-    """Materialised fp32 scores: the reference implementation, O(Tq x Tk) memory."""
+def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
+    """Materialised fp32 scores: the reference implementation, O(Tq x Tk) memory. `features`: see layer_prior."""
     H, hd = q.shape[1], q.shape[-1]
     k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
     scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(hd)
     log_n = None if ctx.log_n is None else ctx.log_n[:, None, :, None]
     scores = positional_scores(scores, _head_index(H, q.device), ctx.q_pos[:, None], ctx.k_pos[None, :],
-                               log_n, prior, ssmax_scale)
+                               log_n, prior, ssmax_scale, *grid_features(features))
     scores = scores.masked_fill(~ctx.mask, float("-inf"))
     return (scores.softmax(dim=-1) @ v.float()).type_as(q)
 
@@ -679,18 +916,22 @@ def dense_prior(prior, head, q_pos, k_pos):
     return table[:, q_pos[:, None] - k_pos[None, :] - smallest]
 
 
-def sdpa_attention(q, k, v, ctx, prior, ssmax_scale):
+def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
     """torch's scaled_dot_product_attention. With nothing positional in the logits it is the flash
     kernel (O(T) memory). Otherwise the prior and the mask become one dense fp32 bias, and SSMax's
     factor, which multiplies the whole logit, is folded into q:  (q.k/sqrt(d) + g) c = (c q).k/sqrt(d) + g c.
-    This is the CPU training path (flex has no CPU backward), so the prior is built cheaply (dense_prior)."""
+    This is the CPU training path (flex has no CPU backward), so a prior of the distance alone is built
+    cheaply (dense_prior); one with token features (FIRE, FoX) is evaluated on the whole grid."""
     gqa = k.shape[1] != q.shape[1]
     if ctx.mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     head = _head_index(q.shape[1], q.device)
     bias = torch.zeros((), device=q.device)
-    if prior is not None:
+    if prior is not None and features is None:
         bias = dense_prior(prior, head[:, 0], ctx.q_pos, ctx.k_pos)
+    elif prior is not None:
+        dist = ctx.q_pos[:, None] - ctx.k_pos[None, :]
+        bias = prior_bias(prior, head, dist, *grid_features(features))
     if ssmax_scale is not None:
         factor = ssmax_factor(ssmax_scale, head, ctx.log_n[:, None, :, None])  # (B or 1, H, Tq, 1)
         bias, q = bias * factor, q.float() * factor
@@ -704,12 +945,15 @@ def _make_flex_kernel(bias_fn, use_ssmax):
     captured from a module, so every layer (and every model of that variant) reuses one compiled kernel
     instead of recompiling per layer; each variant also gets its own recompile budget."""
 
-    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale):
+    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features):
         prior = None if bias_fn is None else (bias_fn, prior_tensors)
 
         def score_mod(score, b, h, q_idx, kv_idx):
             row_log_n = log_n[b, q_idx] if use_ssmax else None
-            return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale)
+            query = key = None
+            if features is not None:  # queries and keys are the same tokens: one (B, H, T) tensor each
+                query, key = tuple(t[b, h, q_idx] for t in features), tuple(t[b, h, kv_idx] for t in features)
+            return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale, query, key)
 
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                               enable_gqa=k.shape[1] != q.shape[1])
@@ -724,9 +968,10 @@ def _make_flex_kernel(bias_fn, use_ssmax):
 _FLEX_KERNELS = {}
 
 
-def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale):
+def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
     """FlexAttention: the prior as score_mod, the mask as a sparse BlockMask; never materialises Tq x Tk.
-    Queries and keys are the same positions 0..T-1 (no KV cache)."""
+    Queries and keys are the same positions 0..T-1 (no KV cache), so the token features at the queries
+    are those at the keys (layer_prior)."""
     log_n = None
     if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
         log_n = ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1 else ctx.log_n
@@ -735,11 +980,14 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale):
     if variant not in _FLEX_KERNELS:
         _FLEX_KERNELS[variant] = _make_flex_kernel(*variant)
     T, padded = q.shape[2], ctx.mask.seq_lengths[0]
+    if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
+        features = tuple(t.expand(q.shape[0], q.shape[1], T).contiguous() for t in features[0])
     if padded > T:  # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
         q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
         log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
+        features = None if features is None else tuple(F.pad(t, (0, padded - T)) for t in features)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one compiled kernel
-    return _FLEX_KERNELS[variant](q, k, v, ctx.mask, log_n, tensors, ssmax_scale)[:, :, :T]
+    return _FLEX_KERNELS[variant](q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)[:, :, :T]
 
 
 ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_fused}
@@ -770,6 +1018,12 @@ def ssmax_log_n(pos_in_doc, window=0):
     return torch.log(n_keys.clamp(max=window).float() if window else n_keys.float())
 
 
+def _broadcast_leading(a, b):
+    """a and b expanded to the same leading dimensions, their last ones kept (to join along it)."""
+    lead = torch.broadcast_shapes(a.shape[:-1], b.shape[:-1])
+    return a.expand(*lead, a.shape[-1]), b.expand(*lead, b.shape[-1])
+
+
 class KVCache:
     """Keys and values (after RoPE) of every layer, for generation: preallocated for the whole sequence,
     or, with a sliding window, only the last window - 1 positions, which are all a later query can see."""
@@ -779,6 +1033,7 @@ class KVCache:
         shape = (batch_size, cfg.kv_heads, 0 if self.window else max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.features = [() for _ in range(cfg.n_layer)]  # a prior's token features of the cached keys (FoX, FIRE)
         self.max_len = max_len
         self.next_position = 0  # a windowed cache holds no earlier positions to go back to
 
@@ -803,6 +1058,22 @@ class KVCache:
         self.k[layer], self.v[layer] = k[:, :, k.shape[2] - (end - self.first_key(end)):], \
             v[:, :, v.shape[2] - (end - self.first_key(end)):]
         return k, v
+
+    def past_features(self, layer, start):
+        """The prior's token features (layer_prior) of the cached positions before `start`, or None."""
+        stored = self.features[layer]
+        if not stored:
+            return None
+        return stored if self.window else tuple(t[..., :start] for t in stored)
+
+    def update_features(self, layer, start, features):
+        """As `update`, for the prior's token features, (B or 1, H or 1, T) each: those of the keys the
+        current queries attend over."""
+        past = self.past_features(layer, start) or tuple(t[..., :0] for t in features)
+        joined = tuple(torch.cat(_broadcast_leading(p, t), dim=-1) for p, t in zip(past, features))
+        keep = (start + features[0].shape[-1]) - self.first_key(start + features[0].shape[-1])
+        self.features[layer] = tuple(t[..., t.shape[-1] - keep:] for t in joined) if self.window else joined
+        return joined
 
 
 class Attention(nn.Module):
@@ -834,8 +1105,8 @@ class Attention(nn.Module):
         q, k, v = self.project(x, ctx)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, int(ctx.q_pos[0]), k, v)
-        prior = None if prior_module is None else (prior_module.bias_fn, prior_module.tensors())
-        y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale)
+        prior, features = layer_prior(prior_module, x, ctx, layer, kv_cache)
+        y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale, features)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -933,7 +1204,7 @@ class Transformer(nn.Module):
         log_n = ssmax_log_n(pos_in_doc, cfg.attn_window) if cfg.ssmax else None
         rotation = self.encoding.rotation
         rope = rotation(q_pos, cfg, length=start_pos + T) if rotation is not None else None
-        return AttnContext(impl, q_pos, k_pos, self._mask(impl, q_pos, k_pos, doc_ids), log_n, rope)
+        return AttnContext(impl, q_pos, k_pos, self._mask(impl, q_pos, k_pos, doc_ids), log_n, rope, pos_in_doc)
 
     def _plain_causal(self, T_q, T_k, has_docs):
         """Nothing positional in attention but causality, which sdpa's flash kernel does by itself."""

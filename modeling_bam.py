@@ -10,7 +10,9 @@ field, prior or option in model.py is exported without touching this file).
 
 Generation uses the library's KV cache (DynamicCache): model.py asks its cache for
 `update(layer, start, k, v) -> (all keys, all values)`, which `_CacheView` answers with
-`Cache.update(k, v, layer)`.
+`Cache.update(k, v, layer)`, and, for a prior with token features (FoX's cumulative gates, FIRE's positions;
+model.AdditivePrior), for `past_features` / `update_features`, which `_CacheView` keeps on the Cache object
+beside the library's keys and values (greedy and sampled generation; beam reordering does not reach them).
 """
 
 from dataclasses import asdict, fields
@@ -21,7 +23,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .model import ModelConfig, Transformer
+from .model import ModelConfig, Transformer, _broadcast_leading
 
 # newer transformers renamed `past_key_values` to `cache`; the output takes the name this version has
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -72,6 +74,25 @@ class _CacheView:
             raise ValueError(f"the KV cache of layer {layer} holds {cached} positions, but the new tokens start "
                              f"at position {start}")
         return self.cache.update(k, v, layer)
+
+    def _features(self):
+        if not hasattr(self.cache, "bam_token_features"):
+            self.cache.bam_token_features = {}
+        return self.cache.bam_token_features
+
+    def past_features(self, layer, start):
+        stored = self._features().get(layer)
+        return None if stored is None else tuple(t[..., :start] for t in stored)
+
+    def update_features(self, layer, start, features):
+        past = self.past_features(layer, start)
+        if past is not None and past[0].shape[-1] != start:
+            raise ValueError(f"the token features of layer {layer} hold {past[0].shape[-1]} positions, but the new "
+                             f"tokens start at position {start}")
+        joined = features if past is None else tuple(torch.cat(_broadcast_leading(p, t), dim=-1)
+                                                     for p, t in zip(past, features))
+        self._features()[layer] = joined
+        return joined
 
 
 def _no_init():

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.peak_memory import PeakMemory, fixed_mmap_threshold  # noqa: E402
 from model import (ATTENTION, ENCODINGS, PRIORS, AttnContext, ModelConfig, apply_rope, dense_mask,  # noqa: E402
-                   make_block_mask, ssmax_log_n)
+                   layer_prior, make_block_mask, ssmax_log_n)
 
 H, HD = 16, 48  # the paper's 12-layer model: 768 wide, 16 heads
 # Every registered encoding that changes attention (NoPE as the baseline, those that rotate q and k, every
@@ -51,11 +51,14 @@ def setup(encoding, T, device, dtype, requires_grad, window=0, batch=1):
     scale = torch.ones(H, device=device, requires_grad=True) if ssmax else None
     rotation = ENCODINGS[name].rotation
     rope = rotation(pos, cfg) if rotation is not None else None
-    return q, k, v, pos, log_n, prior, scale, rope
+    # A prior with token features (FIRE, FoX) computes them from the layer's input: one of the paper's width
+    x = torch.randn(batch, T, H * HD, device=device) if prior is not None and not prior.DISTANCE_ONLY \
+        else None
+    return q, k, v, pos, log_n, prior, scale, rope, x
 
 
 def attention_call(encoding, impl, T, device, dtype, backward, window=0, batch=1):
-    q, k, v, pos, log_n, prior, scale, rope = setup(encoding, T, device, dtype, backward, window, batch)
+    q, k, v, pos, log_n, prior, scale, rope, x = setup(encoding, T, device, dtype, backward, window, batch)
     if impl == "flex":
         mask = make_block_mask(None, T, device, window)
     elif impl.startswith("sdpa") and prior is None and scale is None and not window:
@@ -63,12 +66,14 @@ def attention_call(encoding, impl, T, device, dtype, backward, window=0, batch=1
     else:
         mask = dense_mask(pos, pos, window)
     attend = ATTENTION[impl] if impl != "sdpa+compile" else COMPILED_SDPA
-    ctx = AttnContext(impl.split("+")[0], pos, pos, mask, log_n, rope)
+    ctx = AttnContext(impl.split("+")[0], pos, pos, mask, log_n, rope, pos[None])
 
     @torch.set_grad_enabled(backward)
     def run():
         qq, kk = (apply_rope(q, *rope), apply_rope(k, *rope)) if rope is not None else (q, k)
-        y = attend(qq, kk, v, ctx, prior and (prior.bias_fn, prior.tensors()), scale)
+        # the prior's token features are part of its cost: computed (and differentiated) in every call
+        prior_tensors, features = layer_prior(prior, x, ctx, layer=0)
+        y = attend(qq, kk, v, ctx, prior_tensors, scale, features)
         if backward:
             y.float().sum().backward()
         return y

@@ -53,7 +53,7 @@ from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
                         sweep_lengths)
-from model import dense_mask, positional_scores
+from model import dense_mask, grid_features, layer_prior, positional_scores
 from ranges import number
 
 PROMPTS = ("text", "passkey")
@@ -75,7 +75,7 @@ def attention_stats(attn, x, ctx, prior_module, positions, context):
     q, k, _ = attn.project(x, ctx)
     B, H, T, head_dim = q.shape
     k = k.float().repeat_interleave(H // k.shape[1], dim=1)  # the key head each query head reads
-    prior = None if prior_module is None else (prior_module.bias_fn, prior_module.tensors())
+    prior, features = layer_prior(prior_module, x, ctx, layer=None)  # FIRE's positions, FoX's gates (or None)
     head = torch.arange(H, device=q.device).view(H, 1, 1)
     chunk = max(1, SCORE_BYTES // (4 * B * H * T))
     stats = []
@@ -84,7 +84,10 @@ def attention_stats(attn, x, ctx, prior_module, positions, context):
         q_pos = ctx.q_pos[rows]
         log_n = None if ctx.log_n is None else ctx.log_n[:, rows][:, None, :, None]
         scores = q[:, :, rows].float() @ k.transpose(-2, -1) / math.sqrt(head_dim)
-        scores = positional_scores(scores, head, q_pos[:, None], ctx.k_pos[None, :], log_n, prior, attn.ssmax_scale)
+        query, key = grid_features(None if features is None else
+                                   (tuple(t[..., rows] for t in features[0]), features[1]))
+        scores = positional_scores(scores, head, q_pos[:, None], ctx.k_pos[None, :], log_n, prior, attn.ssmax_scale,
+                                   query, key)
         visible = dense_mask(q_pos, ctx.k_pos, attn.cfg.attn_window)  # (1, 1, rows, T), as the model masks
         log_p = scores.masked_fill(~visible, float("-inf")).log_softmax(dim=-1)
         p = log_p.exp()

@@ -8,7 +8,10 @@ model.PRIORS) or SSMax: what each head ended up preferring, and how it got there
 For every layer and head, the prior's logit bias g(d) against the distance d = i - j (log axis, 1 to
 the longest evaluated length), computed with each prior module's own bias function (model.py); a table
 of every head's parameters as the prior names them (BAM: shape b, log-scale a, scale, location mu;
-KERPLE: r1, r2; ALiBi: its slope) and SSMax scale s; for BAM, the paper's three groups of shapes
+KERPLE: r1, r2; ALiBi: its slope; T5: its bucket biases at distances 0, 1 and past the last bucket; FIRE:
+c and the threshold L, with its curve drawn from the query at position d to a document's first token; FoX:
+its gate bias and weight norm, and, on the run's validation text, the quantiles of each head's forget gates
+and its memory -1 / mean(log f) in tokens, in priors_gates.png) and SSMax scale s; for BAM, the paper's three groups of shapes
 (docs/paper.md §2): local (b > 0), retrieval (-0.6 <= b <= 0) and aggressive retrieval (b < -0.6); and, from
 RUN/metrics.jsonl, how those parameters moved during training.
 
@@ -71,15 +74,66 @@ def distances(max_distance, points=256):
 
 
 def bias_curves(model, dist):
-    """{layer: (n_head, len(dist)) bias} from each prior module's own bias function (ggd_bias/alibi_bias)."""
+    """{layer: (n_head, len(dist)) bias} from each prior module's own bias function (ggd_bias, t5_bias, ...;
+    FIRE's as seen from the query at position d of a document's first token); empty for a prior that is
+    not a function of the distance (FoX: see gate_statistics)."""
     d = torch.tensor(dist, dtype=torch.float32)[None, :]
     head = torch.arange(model.config.n_head)[:, None]
     curves = {}
     with torch.no_grad():
         for i, prior in enumerate(model.priors):
-            tensors = [t.detach().float().cpu() for t in prior.tensors()]
-            curves[i] = prior.bias_fn(d, head, *tensors).numpy()
+            curve = prior.distance_curve(d, head)
+            if curve is not None:
+                curves[i] = curve.float().numpy()
     return curves
+
+
+GATE_TOKENS = 8  # x block_size validation tokens through the model for FoX's gate statistics
+
+
+def gate_statistics(model, tokens):
+    """FoX: every layer's forget gates f = sigmoid(w_h . x + b_h) on `tokens` (B, T), per (layer, head): the
+    10/50/90% quantiles of f and the head's memory -1 / mean(log f), the distance in tokens over which its
+    product of gates falls by a factor e. {layer: (n_head, gates)} of the gates as well, for the plot."""
+    gates, rows = {}, {}
+
+    def hook(layer):
+        def record(attn, args):
+            f = model.priors[layer].log_gates(args[0]).exp()  # (B, H, T)
+            gates[layer] = f.transpose(0, 1).reshape(f.shape[1], -1)
+        return record
+
+    handles = [b.attn.register_forward_pre_hook(hook(i)) for i, b in enumerate(model.blocks)]
+    try:
+        with torch.no_grad():
+            model(torch.as_tensor(tokens), last_k=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for layer, f in gates.items():
+        q = torch.quantile(f.double(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64), dim=1)
+        memory = -1.0 / f.double().clamp(min=1e-12).log().mean(dim=1)
+        for head in range(f.shape[0]):
+            rows[(layer, head)] = {"gate_p10": float(q[0, head]), "gate_median": float(q[1, head]),
+                                   "gate_p90": float(q[2, head]), "memory": float(memory[head])}
+    return rows, {layer: f.numpy() for layer, f in gates.items()}
+
+
+def fox_gates(model, data_dir, verbose):
+    """gate_statistics on the run's validation text, or (None, None) with a note where there is none."""
+    from eval.prompts import validation_tokens
+
+    if not hasattr(type(model.priors[0]), "log_gates"):
+        return None, None
+    T = model.config.block_size
+    try:
+        tokens = validation_tokens(data_dir, max_tokens=GATE_TOKENS * T)
+    except EvalError as e:
+        if verbose:
+            print(f"priors: no gate statistics ({e})")
+        return None, None
+    rows = len(tokens) // T
+    return gate_statistics(model, tokens[:rows * T].reshape(rows, T)) if rows else (None, None)
 
 
 def training_history(metrics_path):
@@ -110,8 +164,9 @@ def longest_evaluated(folder):
     return max(lengths, default=None)
 
 
-def evaluate_priors(source, *, options=None, max_distance=None, metrics=None):
-    """The priors of a run dir, checkpoint or model object (on the CPU: nothing here needs more)."""
+def evaluate_priors(source, *, options=None, max_distance=None, metrics=None, data_dir=None):
+    """The priors of a run dir, checkpoint or model object (on the CPU: nothing here needs more); `data_dir`
+    (default: the run's) gives FoX's gate statistics their validation text."""
     options = options or EvalOptions()
     verbose, out = options.verbose, options.out
     evaluated = load_for_eval(source, replace(options, device="cpu"))
@@ -136,6 +191,9 @@ def evaluate_priors(source, *, options=None, max_distance=None, metrics=None):
     groups = {g: sum(r.get("group") == g for r in rows) for g in prior_groups} or None
     dist = distances(max_distance)
     curves = bias_curves(model, dist) if has_prior else {}
+    gate_rows, gates = fox_gates(model, data_dir or info.get("data_dir"), verbose) if has_prior else (None, None)
+    for row in rows:
+        row.update((gate_rows or {}).get((row["layer"], row["head"]), {}))
     decades = [d for d in (1, 10, 100, 1000, 10_000, 100_000, 1_000_000) if d <= max_distance]
     for row in rows:
         if curves:
@@ -150,7 +208,7 @@ def evaluate_priors(source, *, options=None, max_distance=None, metrics=None):
     written, failed = [], None
     if folder:
         try:
-            write_files(results, model, folder, dist, curves, history, written)
+            write_files(results, model, folder, dist, curves, history, written, gates)
         except OSError as e:
             failed = e
     if verbose or failed:
@@ -165,7 +223,7 @@ def evaluate_priors(source, *, options=None, max_distance=None, metrics=None):
     return results
 
 
-def write_files(results, model, folder, dist, curves, history, written):
+def write_files(results, model, folder, dist, curves, history, written, gates=None):
     """priors.json and the plots; `written` collects the names of the files done."""
     write_json(os.path.join(folder, "priors.json"), results)
     written.append("priors.json")
@@ -179,6 +237,9 @@ def write_files(results, model, folder, dist, curves, history, written):
     if history:
         plot_training(results, history, os.path.join(folder, "priors_training.png"), prior_cls)
         written.append("priors_training.png")
+    if gates:
+        plot_gates(results, gates, os.path.join(folder, "priors_gates.png"))
+        written.append("priors_gates.png")
 
 
 def format_table(results):
@@ -236,6 +297,31 @@ def plot_curves(results, dist, curves, path, colors):
     fig.suptitle(f"{results['model']['name']}: positional prior per head" +
                  (" (before SSMax's s log n)" if results["ssmax"] else ""), fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
+    save_figure(fig, path, dpi=110)
+
+
+def plot_gates(results, gates, path):
+    """FoX: the distribution of each head's forget gates, one panel per layer, each head's memory on top."""
+    from eval.plotting import plt, save_figure
+
+    rows, cols = _grid(len(gates))
+    fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 3.6 * cols), 2.9 * rows + 0.4), squeeze=False, sharey=True)
+    memory = {(r["layer"], r["head"]): r.get("memory") for r in results["heads"]}
+    for idx, ax in enumerate(axes.flat):
+        if idx not in gates:
+            ax.set_axis_off()
+            continue
+        ax.boxplot(list(gates[idx]), whis=(5, 95), showfliers=False)
+        ax.set_title(f"layer {idx}", fontsize=9)
+        ax.set_ylim(0, 1.05)
+        labels = [f"{h}\n{memory[(idx, h)]:.3g}" for h in range(len(gates[idx]))]
+        ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=6)
+        ax.grid(True, axis="y", alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("forget gate f", fontsize=8)
+    fig.suptitle(f"{results['model']['name']}: forget gates per head (below each head: its memory "
+                 "-1 / mean log f, in tokens)", fontsize=10)
+    fig.tight_layout()
     save_figure(fig, path, dpi=110)
 
 
@@ -321,13 +407,16 @@ def add_arguments(ap):
                     help="longest distance plotted, e.g. 256K or 500x (default: the longest evaluated length "
                          "in the eval folder, else 500x the training context)")
     ap.add_argument("--metrics", default=None, help="metrics.jsonl for the training plot (default: the run's)")
+    ap.add_argument("--data_dir", default=None,
+                    help="validation shards for FoX's gate statistics (default: the run's data folder)")
     add_output_arguments(ap)
 
 
 def run(args, options):
     if args.metrics and not os.path.isfile(args.metrics):
         raise EvalError(f"--metrics {args.metrics} is not a file (give a run's metrics.jsonl)")
-    evaluate_priors(args.source, options=options, max_distance=args.max_distance, metrics=args.metrics)
+    evaluate_priors(args.source, options=options, max_distance=args.max_distance, metrics=args.metrics,
+                    data_dir=args.data_dir)
 
 
 def section(runs, report_options):
@@ -350,7 +439,8 @@ def section(runs, report_options):
 EVALUATOR = Evaluator(
     name="priors", title="Learned priors", description=__doc__,
     add_arguments=add_arguments, run=run, table=format_table, plot=None, section=section,
-    run_plots=(("prior per head", ""), ("prior shapes", "_shapes"), ("priors during training", "_training")))
+    run_plots=(("prior per head", ""), ("prior shapes", "_shapes"), ("priors during training", "_training"),
+               ("forget gates", "_gates")))
 main = EVALUATOR.main
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ def crop_reference(model_cfg, model, idx, doc_ids, W):
     return ref
 
 
-WINDOW_GRID = [(pe, ssmax) for pe in ("nope", "rope", "alibi", "bam", "kerple_log") for ssmax in (False, True)]
+WINDOW_GRID = [(pe, ssmax) for pe in ("nope", "rope", "alibi", "bam", "kerple_log", "t5", "fox") for ssmax in (False, True)]
 
 
 @pytest.mark.parametrize("pe,ssmax", WINDOW_GRID)

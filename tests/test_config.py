@@ -79,7 +79,7 @@ def test_preset_sets_the_size_and_explicit_keys_win(tmp_path):
     ("", ["--train.betas=[0.9]"], r"expected a list of 2 values"),
     ("", ["--train.optimizer=sgd"], r"optimizer = 'sgd'.*choose one of: radam, adamw"),
     ("", ["--log.wandb=on"], r"choose one of: disabled, offline, online"),
-    ("", ["--model.pe=xpos"], r"\[model\].*xpos.*nope, rope, sinusoidal, alibi, bam, kerple_log, kerple_power"),
+    ("", ["--model.pe=xpos"], r"\[model\].*xpos.*nope, rope, sinusoidal, alibi, bam, kerple_log, kerple_power, t5, fire, fox"),
     ("", ["--train.lr"], r"overrides look like --section.key=value"),
     ("", ["--train.tokens_per_step=1000"],
      r"tokens_per_step = 1000 is not a multiple of data.batch_size x model.block_size x world size = 48 x 512 x 1"),

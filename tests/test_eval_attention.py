@@ -43,7 +43,13 @@ def dense_probabilities(attn, x, ctx, prior_module):
     scores = q @ k.transpose(-2, -1) / math.sqrt(d)
     if prior_module is not None:
         head = torch.arange(H).view(H, 1, 1)
-        scores = scores + prior_module.bias_fn((i - j).double(), head, *prior_module.tensors()).double()
+        if prior_module.DISTANCE_ONLY:
+            bias = prior_module.bias_fn((i - j).double(), head, *prior_module.tensors())
+        else:  # FIRE, FoX: their per-token values (the formulas are test_rivals.py's)
+            at = prior_module.token_features(x, torch.arange(T)[None])
+            bias = prior_module.bias_fn((i - j).double(), head, tuple(t[..., :, None] for t in at),
+                                        tuple(t[..., None, :] for t in at), *prior_module.tensors())
+        scores = scores + bias.double()
     if attn.ssmax_scale is not None:
         n = (i + 1).clamp(max=window) if window else i + 1
         scores = scores * attn.ssmax_scale.double().view(H, 1, 1) * torch.log(n.double())

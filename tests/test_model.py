@@ -85,7 +85,8 @@ def test_sdpa_gradients_match_eager(pe, ssmax, docs):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward needs a GPU in torch 2.13")
-@pytest.mark.parametrize("pe,ssmax", [("bam", True), ("alibi", False), ("rope", True)])
+@pytest.mark.parametrize("pe,ssmax", [("bam", True), ("alibi", False), ("rope", True), ("t5", True), ("fire", False),
+                                     ("fox", True)])  # FoX, FIRE: flex differentiates through their token features
 def test_flex_gradients_match_eager_on_gpu(pe, ssmax):
     model = make_model(pe=pe, ssmax=ssmax).cuda()
     idx, doc_ids = (t.cuda() for t in batch(T=256))
@@ -318,7 +319,7 @@ def test_sinusoidal_table_is_added_at_the_token_embeddings_scale():
 
 
 @pytest.mark.parametrize("pe,ssmax,kv", [("bam", True, 0), ("rope", False, 2), ("sinusoidal", False, 0),
-                                         ("alibi", True, 0), ("nope", False, 0)])
+                                         ("alibi", True, 0), ("nope", False, 0), ("fox", True, 2), ("fire", False, 2)])
 def test_kv_cache_generation_equals_full_recompute(pe, ssmax, kv):
     model = make_model(pe=pe, ssmax=ssmax, n_kv_head=kv)
     model.eval()

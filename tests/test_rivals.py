@@ -1,0 +1,210 @@
+"""The learnable-bias rivals of BAM (model.py: T5Prior, FIREPrior, FoXPrior): each formula against a loop over
+i, j written out here from its paper, and what the widened prior contract must keep (token features that
+stay inside their document, a window, a KV cache that equals full recomputation). Every test of
+test_model.py parametrised over model.PE_CHOICES (flex == sdpa == eager, sdpa == eager gradients, causality,
+packed documents) and test_export_hf.py's export cases cover these encodings as well."""
+
+import math
+
+import pytest
+import torch
+
+from model import KVCache, ModelConfig, Transformer, fire_bias, fox_bias, positions_in_documents, t5_bias
+
+from test_model import VOCAB, batch, logits_with, make_model, tiny
+
+RIVALS = ("t5", "fire", "fox")
+
+
+def t5_bucket_loop(d, num_buckets=32, max_distance=128):
+    """Raffel et al.'s causal bucket of distance d = i - j, one integer at a time."""
+    n = max(d, 0)
+    exact = num_buckets // 2
+    if n < exact:
+        return n
+    return min(num_buckets - 1, exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact)))
+
+
+def test_t5_buckets_are_the_papers_and_transformers():
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    dist = torch.arange(-5, 3000)
+    prior = Transformer(tiny("t5")).priors[0]
+    table, max_distance = prior.tensors()
+    got = t5_bias(dist.float(), 1, table, max_distance)
+    expected = torch.stack([table[1, t5_bucket_loop(int(d))] for d in dist])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    library = T5Attention._relative_position_bucket(-dist, bidirectional=False, num_buckets=32, max_distance=128)
+    torch.testing.assert_close(got, table[1, library], rtol=0, atol=0)
+    assert len({t5_bucket_loop(d) for d in range(200)}) == 32  # every bucket reached within 128 and beyond
+
+
+def test_fire_bias_is_the_papers_formula():
+    """f(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), f an MLP 1 -> W -> H with a ReLU (no output bias:
+    softmax ignores a per-head constant)."""
+    torch.manual_seed(0)
+    prior = make_model(pe="fire", n_layer=1).priors[0].double()
+    log_c, log_L, w1, b1, w2 = (t.detach() for t in prior.tensors())
+    c, L = math.exp(log_c), math.exp(log_L)
+    T, H = 40, w2.shape[0]
+    with torch.no_grad():
+        prior.log_threshold.fill_(math.log(17.0))  # a threshold inside the sequence: both branches of max(L, i)
+    log_L, L = prior.log_threshold.detach(), 17.0
+    i, j = torch.arange(T, dtype=torch.float64)[:, None], torch.arange(T, dtype=torch.float64)[None, :]
+    got = fire_bias(i - j, torch.arange(H).view(H, 1, 1), (i,), (j,), log_c, log_L, w1, b1, w2)
+    for qi in range(T):
+        for kj in range(qi + 1):
+            x = math.log(c * (qi - kj) + 1) / math.log(c * max(L, qi) + 1)
+            hidden = torch.relu(w1 * x + b1)
+            torch.testing.assert_close(got[:, qi, kj], w2 @ hidden, rtol=1e-12, atol=1e-12)
+
+
+def test_fox_bias_is_the_sum_of_log_forget_gates_inside_the_document():
+    """Bias of (i, j) = sum over l = j+1..i of log sigmoid(w_h . x_l + b_h), with i, j in one document."""
+    torch.manual_seed(0)
+    prior = make_model(pe="fox", n_layer=1).priors[0]
+    idx, doc_ids = batch(B=2, T=30)
+    x = torch.randn(2, 30, prior.gate.in_features)
+    c, = prior.token_features(x, positions_in_documents(doc_ids))
+    H = c.shape[1]
+    got = fox_bias(None, None, (c[..., :, None],), (c[..., None, :],))
+    log_f = torch.nn.functional.logsigmoid(x.double() @ prior.gate.weight.double().T + prior.gate.bias.double())
+    for b in range(2):
+        for i in range(30):
+            for j in range(i + 1):
+                if doc_ids[b, i] != doc_ids[b, j]:
+                    continue
+                expected = log_f[b, j + 1:i + 1].sum(dim=0) if i > j else torch.zeros(H, dtype=torch.float64)
+                torch.testing.assert_close(got[b, :, i, j].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fox_gates_of_a_document_do_not_depend_on_the_documents_before_it():
+    """After 3000 tokens of strongly forgetting documents (log f ~ -8 each: a running sum near -24000, where
+    fp32 steps are 0.002 apart), the last document's cumulative gates are those it has alone, to fp32 rounding."""
+    torch.manual_seed(0)
+    prior = make_model(pe="fox", n_layer=1).priors[0]
+    with torch.no_grad():
+        prior.gate.bias.fill_(-8.0)
+    x = torch.randn(1, 3040, prior.gate.in_features)
+    doc_ids = torch.tensor([[0] * 1000 + [1] * 2000 + [2] * 40])
+    packed, = prior.token_features(x, positions_in_documents(doc_ids))
+    alone, = prior.token_features(x[:, -40:], torch.arange(40)[None])
+    torch.testing.assert_close(packed[..., -40:], alone, rtol=1e-6, atol=1e-5)
+
+
+def cached_logits(model, seq, prompt_len, window_steps=None):
+    """The logits of every position from prompt_len on, computed one token at a time with a KV cache."""
+    cache = KVCache(model.config, seq.shape[0], seq.shape[1], "cpu", torch.float32)
+    out = [model(seq[:, :prompt_len], kv_cache=cache)[0][:, -1:]]
+    for t in range(prompt_len, seq.shape[1] - 1):
+        out.append(model(seq[:, t:t + 1], kv_cache=cache, start_pos=t)[0])
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("pe", RIVALS)
+@pytest.mark.parametrize("ssmax,window", [(False, 0), (True, 0), (True, 6)])
+def test_cached_decoding_equals_full_recomputation(pe, ssmax, window):
+    """Logits, not only tokens: FoX continues its cumulative gates from the cache, FIRE needs each query's
+    absolute position, T5 its distance; with a window the cache keeps only the last W - 1 positions."""
+    model = make_model(pe=pe, ssmax=ssmax, attn_window=window).eval()
+    seq, _ = batch(B=2, T=24)
+    with torch.no_grad():
+        full = model(seq)[0][:, 9:-1]
+        torch.testing.assert_close(cached_logits(model, seq, 10), full, atol=2e-5, rtol=1e-4)
+        out = model.generate(seq[:, :10], max_new_tokens=8, temperature=0)
+        ref = seq[:, :10]
+        for _ in range(8):
+            ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("pe", RIVALS)
+def test_window_on_every_path(pe):
+    """flex == sdpa == eager with a window cutting through documents; that the windowed eager path is the
+    crop of each query's last W keys is test_baselines.py's crop reference (T5, FoX: functions of the keys
+    inside the window; FIRE's query position counts from the document's start, not the window's)."""
+    model = make_model(pe=pe, ssmax=True, attn_window=7)
+    idx, doc_ids = batch(T=40)
+    with torch.no_grad():
+        ref = logits_with(model, "eager", idx, doc_ids)
+        for impl in ("sdpa", "flex"):
+            torch.testing.assert_close(logits_with(model, impl, idx, doc_ids), ref, atol=2e-5, rtol=1e-4)
+        model.config.attn_window = 0
+        assert not torch.allclose(logits_with(model, "eager", idx, doc_ids), ref, atol=1e-4)
+
+
+def test_fire_depends_on_the_query_position_and_t5_fox_do_not_on_a_shift():
+    """FIRE's bias changes when both positions move by the same amount (past its threshold L); T5's does not."""
+    head = torch.arange(4).view(4, 1, 1)
+    fire = make_model(pe="fire", n_layer=1).priors[0]
+    with torch.no_grad():
+        fire.log_threshold.fill_(math.log(4.0))
+    i, j = torch.tensor([[10.0]]), torch.tensor([[3.0]])
+    near = fire_bias(i - j, head, (i,), (j,), *fire.tensors())
+    far = fire_bias(i - j, head, (i + 50,), (j + 50,), *fire.tensors())
+    assert (near - far).abs().max() > 1e-3
+    t5 = make_model(pe="t5", n_layer=1).priors[0]
+    assert torch.equal(t5_bias(i - j, head, *t5.tensors()), t5_bias((i + 50) - (j + 50), head, *t5.tensors()))
+
+
+def test_rival_configs_build_and_their_parameters_train_in_the_prior_group():
+    for pe in RIVALS:
+        model = Transformer(tiny(pe))
+        prior_ids = {id(p) for p in model.prior_parameters()}
+        assert prior_ids and all(id(p) in prior_ids for prior in model.priors for p in prior.parameters())
+        assert type(model.priors[0]).family == "learnable-bias rivals"
+    assert len(Transformer(tiny("t5", n_layer=3)).priors) == 1  # T5 shares one table across layers
+    with pytest.raises(ValueError, match="t5_num_buckets"):
+        ModelConfig(pe="t5", t5_num_buckets=31)
+    with pytest.raises(ValueError, match="fire_init_c"):
+        ModelConfig(pe="fire", fire_init_c=0.0)
+
+
+def test_eval_priors_shows_each_rivals_curves_and_foxs_gates(tmp_path):
+    """T5, FIRE: the bias against distance per head (from the prior's own function); FoX: no curve, but the
+    quantiles of every head's gates and its memory on validation text, and their plot."""
+    import numpy as np
+
+    from data import write_shard
+    from eval import priors
+    from eval.options import EvalOptions
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_shard(str(data_dir / "demo_val_000000.bin"), np.random.default_rng(0).integers(0, VOCAB, 2000))
+    options = EvalOptions(progress=False, verbose=False, out=str(tmp_path / "out"))
+    for pe in RIVALS:
+        model = make_model(pe=pe, n_layer=2).eval()
+        if pe == "fox":  # layer 1's gates made constant: f = sigmoid(b_h), memory = -1 / log sigmoid(b_h)
+            with torch.no_grad():
+                model.priors[1].gate.weight.zero_()
+                model.priors[1].gate.bias.copy_(torch.tensor([-1.0, 0.0, 2.0, 5.0]))
+        res = priors.evaluate_priors(model, options=options, max_distance=300, data_dir=str(data_dir))
+        heads = res["heads"]
+        assert len(heads) == 8
+        if pe == "fox":
+            assert "bias_at" not in heads[0] and (tmp_path / "out" / "priors_gates.png").is_file()
+            for h in heads:
+                assert 0 < h["gate_p10"] <= h["gate_median"] <= h["gate_p90"] < 1 and h["memory"] > 0
+            for h in heads[4:]:
+                f = torch.sigmoid(torch.tensor([-1.0, 0.0, 2.0, 5.0], dtype=torch.float64))[h["head"]]
+                assert h["gate_median"] == pytest.approx(float(f), rel=1e-5)
+                assert h["memory"] == pytest.approx(float(-1 / f.log()), rel=1e-4)
+        else:
+            head = torch.arange(4).view(4, 1)
+            prior = model.priors[0]
+            with torch.no_grad():
+                expected = prior.distance_curve(torch.tensor([[100.0]]), head)[:, 0]
+            for h in heads:
+                if h["layer"] == 0:
+                    assert h["bias_at"]["100"] == pytest.approx(float(expected[h["head"]]), rel=1e-4, abs=1e-5)
+
+
+def test_every_encoding_names_the_family_the_report_groups_it_by():
+    from model import ENCODINGS
+
+    expected = {"nope": "baselines", "sinusoidal": "baselines", "rope": "RoPE", "alibi": "fixed and kernel priors",
+                "kerple_log": "fixed and kernel priors", "kerple_power": "fixed and kernel priors", "bam": "BAM",
+                "t5": "learnable-bias rivals", "fire": "learnable-bias rivals", "fox": "learnable-bias rivals"}
+    assert {name: enc.family for name, enc in ENCODINGS.items()} == expected
+    assert [name for name, enc in ENCODINGS.items() if not getattr(enc, "DISTANCE_ONLY", True)] == ["fire", "fox"]
