@@ -936,7 +936,10 @@ def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
         factor = ssmax_factor(ssmax_scale, head, ctx.log_n[:, None, :, None])  # (B or 1, H, Tq, 1)
         bias, q = bias * factor, q.float() * factor
     bias = torch.where(ctx.mask, bias, float("-inf"))
-    y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias, enable_gqa=gqa)
+    # fp32 also under bf16 autocast, which would otherwise round the bias (and FIRE's or SSMax's gradient
+    # through it) to 8 bits: eager, the reference, keeps its scores in fp32 too
+    with torch.autocast(q.device.type, enabled=False):
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias, enable_gqa=gqa)
     return y.type_as(v)
 
 
