@@ -141,8 +141,8 @@ def main():
                                                           "'' skips it")
     ap.add_argument("--table_encodings", default=",".join(TABLE_VARIANTS),
                     help="comma-separated priors for part 4 (default: %(default)s)")
-    ap.add_argument("--table_masks", default=",".join(TABLE_MASKS), help="comma-separated masks for part 4 "
-                    "(default: %(default)s; window = %d tokens)" % TABLE_WINDOW)
+    ap.add_argument("--table_masks", default=",".join(TABLE_MASKS),
+                    help=f"comma-separated masks for part 4 (default: %(default)s; window = {TABLE_WINDOW} tokens)")
     args = ap.parse_args()
     encodings = args.encodings.split(",")
     if any(not w.strip().isdigit() or int(w) < 1 for w in args.windows.split(",") if w):
@@ -226,28 +226,47 @@ def window_part(args, device, dtype):
 
 def table_part(args, device, dtype):
     """Part 4: formula against table on flex, forward only, each against NoPE flex under the same mask and T.
-    The two modes of one prior are timed back to back, so a change in the machine's load hits both alike."""
+    The three calls (NoPE, formula, table) are timed in turn, `repeats` rounds, so that a change in the
+    machine's load hits all three alike; each ratio is the median of the per-round ratios."""
     lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
     if args.table_lengths is not None:
         lengths = [int(t) for t in args.table_lengths.split(",") if t]
     if not lengths:
         return
-    print(f"\n## forward only, prior tables on flex: formula vs table, ratios vs nope/flex (window = {TABLE_WINDOW})\n")
-    print("| T | mask | encoding | formula ms | table ms | formula x nope | table x nope | table / formula |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n## forward only, prior tables on flex: formula vs table, ratios vs nope/flex (window = {TABLE_WINDOW}, "
+          f"medians of {args.repeats} rounds)\n")
+    print("| T | mask | encoding | nope ms | formula ms | table ms | formula x nope | table x nope | table / formula |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for T in lengths:
         for mask in args.table_masks.split(","):
             shape = dict(window=TABLE_WINDOW if mask == "window" else 0, docs=mask == "documents")
-            with torch.no_grad():
-                base, _ = measure(attention_call("nope", "flex", T, device, dtype, False, **shape), device, args.repeats)
-                print(f"| {T} | {mask} | nope | {base * 1e3:.1f} | - | 1.00 | - | - |", flush=True)
-                for encoding in args.table_encodings.split(","):
-                    ms = {mode: measure(attention_call(encoding, "flex", T, device, dtype, False, flex_prior=mode,
-                                                       **shape), device, args.repeats)[0]
-                          for mode in ("formula", "table")}
-                    print(f"| {T} | {mask} | {encoding} | {ms['formula'] * 1e3:.1f} | {ms['table'] * 1e3:.1f} | "
-                          f"{ms['formula'] / base:.2f} | {ms['table'] / base:.2f} | {ms['table'] / ms['formula']:.2f} |",
-                          flush=True)
+            for encoding in args.table_encodings.split(","):
+                with torch.no_grad():
+                    runs = [attention_call("nope", "flex", T, device, dtype, False, **shape)] + [
+                        attention_call(encoding, "flex", T, device, dtype, False, flex_prior=mode, **shape)
+                        for mode in ("formula", "table")]
+                    times = list(zip(*(interleaved(runs, device, args.repeats))))  # (nope, formula, table) per round
+                nope, formula, table = (statistics.median(t[i] for t in times) for i in range(3))
+                ratio = [statistics.median(t[i] / t[j] for t in times) for i, j in ((1, 0), (2, 0), (2, 1))]
+                print(f"| {T} | {mask} | {encoding} | {nope * 1e3:.1f} | {formula * 1e3:.1f} | {table * 1e3:.1f} | "
+                      f"{ratio[0]:.2f} | {ratio[1]:.2f} | {ratio[2]:.2f} |", flush=True)
+
+
+def interleaved(runs, device, repeats):
+    """Each run's time in `repeats` rounds that call every run once in turn (after one warm-up call each)."""
+    for run in runs:
+        run()
+    times = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, spent in zip(runs, times):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            spent.append(time.perf_counter() - t0)
+    return times
 
 
 if __name__ == "__main__":

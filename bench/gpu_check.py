@@ -3,7 +3,7 @@ One command that proves the GPU path: FlexAttention's compiled forward and backw
 reference for every encoding, the compiled bf16 training step, long-context inference and the cost of
 attention, with the issue's targets checked. It writes OUT/gpu_check.md and OUT/gpu_check.json.
 
-    python bench/gpu_check.py --out runs/gpu_check                  # one GPU: the full check, < 9 min on an H200
+    python bench/gpu_check.py --out runs/gpu_check                  # one GPU: the full check, < 10 min on an H200
     python bench/gpu_check.py --device cpu --quick --out /tmp/gc    # every code path but CUDA's, tiny shapes, ~1 min
     python bench/gpu_check.py --out runs/gpu_check --sections training,attention   # a part, e.g. after a fix
 
@@ -661,10 +661,14 @@ def check_prior_tables(s, report):
                                    3 if s.quick else 8)
         report.run(f"bam+ssmax {impl} {mode} T={T}: prior gradients over repeated backward passes", spread_case,
                    expected_s=1 if s.quick else 5)
+    # The default was chosen from the CPU's forward (docs/benchmarks.md, "Prior tables on flex"); the GPU's
+    # forward + backward decides: the target is met when the default is the faster mode here.
     formula, table = (ratios.get(("bam+ssmax", mode, 1024)) for mode in ("formula", "table"))
     ratio = None if not (formula and table) else round(table / formula, 3)
+    default = model_module.ModelConfig.flex_prior
     report.target("attention fwd+bwd at T=1024, BAM+SSMax table / formula (model.flex_prior)", ratio,
-                  "<= 1.0 (else make formula the default)", None if ratio is None or not s.cuda else ratio <= 1.0)
+                  f"{'<=' if default == 'table' else '>='} 1.0: the default ({default!r}) is the faster",
+                  None if ratio is None or not s.cuda else (ratio <= 1.0) == (default == "table"))
 
 
 def gradient_spread(s, run, repeats):
