@@ -11,7 +11,9 @@ g_h(i - j) added to the attention logit of head h, query position i and key posi
 written once, as a plain torch expression on broadcastable tensors (`positional_scores`), and so is
 the mask, causal, within the window and within the document (`visible`); the same two expressions
 serve FlexAttention (score_mod, mask_mod and BlockMask), the dense bias of the `sdpa` path and the
-materialised `eager` reference, so the three cannot drift apart.
+materialised `eager` reference, so the three cannot drift apart. On flex a prior that depends on the head
+and i - j only is by default evaluated from that expression once per distance into a per-head table, from
+which the kernel gathers (`distance_table`, ModelConfig.flex_prior).
 """
 
 import functools

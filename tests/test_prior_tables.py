@@ -92,7 +92,8 @@ def dense_case(pe, ssmax, T=29, H=4):
 
 
 def prior_grads(prior, scale, loss):
-    params = [p for p in (*prior.parameters(), *prior.buffers()) if p.requires_grad] + ([scale] if scale is not None else [])
+    params = [p for p in (*prior.parameters(), *prior.buffers()) if p.requires_grad]
+    params += [scale] if scale is not None else []
     return params, torch.autograd.grad(loss, params)
 
 
