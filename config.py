@@ -41,9 +41,9 @@ class ConfigError(ValueError):
 # A model key that may change on resume shapes no parameter either. Every setting not named here must stay:
 # it adds or reshapes parameters (pe, ssmax, bam_per_layer, sizes) or changes what is optimised.
 CHECKPOINT_CHANGES = {
-    "model": {"block_size": "weights", "attn_impl": "resume", "attn_window": "weights", "rope_theta": "weights",
-              "rope_scaling": "weights", "rope_factor": "weights", "rope_original_context": "weights",
-              "yarn_beta_fast": "weights", "yarn_beta_slow": "weights"},
+    "model": {"block_size": "weights", "attn_impl": "resume", "flex_prior": "resume", "attn_window": "weights",
+              "rope_theta": "weights", "rope_scaling": "weights", "rope_factor": "weights",
+              "rope_original_context": "weights", "yarn_beta_fast": "weights", "yarn_beta_slow": "weights"},
     # The loader's state is a position in tokens, valid for any batch size and number of ranks.
     "data": {"data_dir": "resume", "batch_size": "resume"},
     "train": dict.fromkeys(("max_steps", "lr", "prior_lr", "grad_clip", "val_every", "val_tokens", "ckpt_every",

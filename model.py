@@ -13,7 +13,9 @@ values each layer computes from its input (FoX's forget gates; docs/INTERFACES.m
 bias is written once, as a plain torch expression on broadcastable tensors (`positional_scores`), and so is
 the mask, causal, within the window and within the document (`visible`); the same two expressions
 serve FlexAttention (score_mod, mask_mod and BlockMask), the dense bias of the `sdpa` path and the
-materialised `eager` reference, so the three cannot drift apart.
+materialised `eager` reference, so the three cannot drift apart. On flex a prior that depends on the head
+and i - j only is by default evaluated from that expression once per distance into a per-head table, from
+which the kernel gathers (`distance_table`, ModelConfig.flex_prior).
 """
 
 import functools
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")
+FLEX_PRIORS = ("table", "formula")
 BAM_INITS = ("alibi", "uniform", "constant", "sampled", "linear")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
 
@@ -70,6 +73,10 @@ class ModelConfig:
     attn_window: int = 0
     ssmax: bool = False  # Scalable-Softmax (Nakanishi 2025), docs/paper.md §3
     attn_impl: str = "auto"  # auto | flex | sdpa | eager
+    # How the flex kernel reads a distance-only prior and SSMax's factor: "table" gathers them from per-head
+    # tables built once per forward in plain torch (distance_table), "formula" evaluates them per score
+    # inside the kernel; the same numbers either way (docs/benchmarks.md, "Prior tables on flex").
+    flex_prior: str = "table"
     # BAM's Generalized-Gaussian prior (docs/paper.md §2). The official code and the paper's runs start
     # from `alibi` (shape 1, scale = ALiBi slopes), so BAM begins training exactly as ALiBi.
     bam_per_layer: bool = True  # one prior per layer (the paper's 2 x heads x layers parameters)
@@ -98,6 +105,8 @@ class ModelConfig:
             bad(f"unknown pe {self.pe!r}; allowed: {', '.join(ENCODINGS)}")
         if self.attn_impl not in ATTN_IMPLS:
             bad(f"unknown attn_impl {self.attn_impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
+        if self.flex_prior not in FLEX_PRIORS:
+            bad(f"unknown flex_prior {self.flex_prior!r}; allowed: {', '.join(FLEX_PRIORS)}")
         if self.bam_init not in BAM_INITS:
             bad(f"unknown bam_init {self.bam_init!r}; allowed: {', '.join(BAM_INITS)}")
         if self.n_embd % self.n_head:
@@ -327,8 +336,11 @@ class AdditivePrior(Encoding, nn.Module):
     (BAM's shapes) sets GROUPS, GROUP_SPANS and `head_group`."""
 
     METRICS_PREFIX = None  # e.g. "bam": metrics.jsonl logs bam_shape, bam_log_scale, ...
-    GROUPS = {}  # group name -> rule, in the order they are reported
+    # True: the bias depends on the head and i - j only, so the flex path may read it from a per-head table of
+    # distances (distance_table, ModelConfig.flex_prior); a prior that also reads positions, tokens or
+    # documents sets False and is always evaluated by its formula.
     DISTANCE_ONLY = True
+    GROUPS = {}  # group name -> rule, in the order they are reported
     family = "fixed and kernel priors"
 
     @classmethod
@@ -864,6 +876,9 @@ class AttnContext:
     log_n: torch.Tensor | None  # (B or 1, Tq) log of how many keys each query sees (SSMax)
     rope: tuple | None  # (cos, sin) of the queries' positions
     pos_in_doc: torch.Tensor | None = None  # (B or 1, Tq) the queries' positions in their documents
+    # flex with flex_prior = "table": per layer, its prior's distance_table, or None where the layer's prior
+    # is absent or not distance-only; SSMax is then tabulated too. None: formulas in the kernel.
+    prior_tables: tuple | None = None
 
 
 def layer_prior(prior_module, x, ctx, layer, kv_cache=None):
@@ -943,6 +958,63 @@ def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
     return y.type_as(v)
 
 
+# Prior tables for flex (ModelConfig.flex_prior = "table"). A prior that depends on the head and i - j only
+# (AdditivePrior.DISTANCE_ONLY) takes at most T values per head on a causal grid of T tokens; evaluating it
+# per score repeats its formula T times over, and in the backward pass every score adds its gradient into the
+# same few scalars per head (atomics on a GPU, pytorch/pytorch#137452). Instead the table is built outside
+# the kernel in plain torch, once per forward and prior module (Transformer._flex_prior_tables), the kernel
+# only gathers from it, and autograd takes the table's gradient back to the parameters. SSMax's factor
+# s_h log n_i is tabulated alike by query. tests/test_prior_tables.py holds the tables to the formulas.
+
+
+def distance_table(prior, n_head, length, device):
+    """g_h(d) for d = 0 .. length - 1: (H, length) fp32, every value a causal kernel over `length` tokens
+    asks of a distance-only prior; `prior` is (bias_fn, tensors) as for prior_bias."""
+    distances = torch.arange(length, device=device, dtype=torch.float32)
+    return prior_bias(prior, torch.arange(n_head, device=device)[:, None], distances[None, :])
+
+
+def table_bias(dist, head, table):
+    """The bias function of a prior read from its distance_table: entry d is distance d. A negative distance
+    (a key after its query, masked anyway) reads entry 0, so no index leaves the table."""
+    return table[head, dist.clamp(min=0).long()]
+
+
+def ssmax_table(ssmax_scale, log_n, batch):
+    """SSMax's s_h log n_i as a (batch, H, T) fp32 table by query, for `log_n` (1 or batch, T)."""
+    head = torch.arange(len(ssmax_scale), device=log_n.device)[:, None]
+    return ssmax_factor(ssmax_scale, head, log_n[:, None, :]).expand(batch, -1, -1).contiguous()
+
+
+def tabled_scores(scores, b, head, q_pos, k_pos, bias_table, factor_table):
+    """positional_scores with both of its terms read from tables: (scores + g_h(i - j)) * s_h log n_i, where
+    `bias_table` is a distance_table (or None) and `factor_table` an ssmax_table (or None)."""
+    if bias_table is not None:
+        scores = scores + table_bias(q_pos - k_pos, head, bias_table)
+    if factor_table is not None:
+        scores = scores * factor_table[b, head, q_pos]
+    return scores
+
+
+def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes):
+    """One compiled FlexAttention for every distance-only prior (with or without SSMax): its score_mod only
+    gathers from the tables, which are arguments, so gradients flow to them as to q, k and v. `static_shapes`
+    (the CPU): torch 2.13's C++ code for this gather under a document-and-window mask fails to compile once
+    dynamo has made the length dynamic (an undeclared `cur_kvSplitSize` in inductor's flex template; the
+    formula kernel is not affected), so on a CPU each length gets a kernel of its own."""
+
+    def kernel(q, k, v, block_mask, bias_table, factor_table):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return tabled_scores(score, b, h, q_idx, kv_idx, bias_table if use_prior else None,
+                                 factor_table if use_ssmax else None)
+
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                              enable_gqa=k.shape[1] != q.shape[1])
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # as _make_flex_kernel
+    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
+
+
 def _make_flex_kernel(bias_fn, use_ssmax):
     """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
     captured from a module, so every layer (and every model of that variant) reuses one compiled kernel
@@ -974,14 +1046,20 @@ _FLEX_KERNELS = {}
 def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
     """FlexAttention: the prior as score_mod, the mask as a sparse BlockMask; never materialises Tq x Tk.
     Queries and keys are the same positions 0..T-1 (no KV cache), so the token features at the queries
-    are those at the keys (layer_prior)."""
+    are those at the keys (layer_prior). With prior tables (ctx.prior_tables) a tabulated prior,
+    (table_bias, (table,)), and SSMax are gathered from tables; any other prior (one with token features
+    included), and everything with flex_prior = "formula", is evaluated by its formula per score."""
     log_n = None
     if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
         log_n = ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1 else ctx.log_n
     bias_fn, tensors = (None, ()) if prior is None else prior
-    variant = (bias_fn, ssmax_scale is not None)
+    tabulated = ctx.prior_tables is not None and bias_fn in (None, table_bias)
+    if tabulated:
+        variant = ("table", bias_fn is not None, ssmax_scale is not None, q.device.type == "cpu")
+    else:
+        variant = (bias_fn, ssmax_scale is not None)
     if variant not in _FLEX_KERNELS:
-        _FLEX_KERNELS[variant] = _make_flex_kernel(*variant)
+        _FLEX_KERNELS[variant] = _make_flex_table_kernel(*variant[1:]) if tabulated else _make_flex_kernel(*variant)
     T, padded = q.shape[2], ctx.mask.seq_lengths[0]
     if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
         features = tuple(t.expand(q.shape[0], q.shape[1], T).contiguous() for t in features[0])
@@ -990,6 +1068,13 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
         log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
         features = None if features is None else tuple(F.pad(t, (0, padded - T)) for t in features)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one compiled kernel
+    if tabulated:
+        bias_table = tensors[0] if tensors else None
+        if bias_table is not None and bias_table.shape[-1] < padded:  # a shape, no device sync
+            raise ValueError(f"a prior table covers distances 0..{bias_table.shape[-1] - 1}, the kernel runs "
+                             f"{padded} tokens: build it at ctx.mask.seq_lengths[0]")
+        factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, q.shape[0])
+        return _FLEX_KERNELS[variant](q, k, v, ctx.mask, bias_table, factor_table)[:, :, :T]
     return _FLEX_KERNELS[variant](q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)[:, :, :T]
 
 
@@ -1108,7 +1193,11 @@ class Attention(nn.Module):
         q, k, v = self.project(x, ctx)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, int(ctx.q_pos[0]), k, v)
-        prior, features = layer_prior(prior_module, x, ctx, layer, kv_cache)
+        table = None if ctx.prior_tables is None else ctx.prior_tables[layer]
+        if table is not None:  # read from the table built once for this forward (Transformer._flex_prior_tables)
+            prior, features = (table_bias, (table,)), None
+        else:
+            prior, features = layer_prior(prior_module, x, ctx, layer, kv_cache)
         y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale, features)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -1207,7 +1296,18 @@ class Transformer(nn.Module):
         log_n = ssmax_log_n(pos_in_doc, cfg.attn_window) if cfg.ssmax else None
         rotation = self.encoding.rotation
         rope = rotation(q_pos, cfg, length=start_pos + T) if rotation is not None else None
-        return AttnContext(impl, q_pos, k_pos, self._mask(impl, q_pos, k_pos, doc_ids), log_n, rope, pos_in_doc)
+        mask = self._mask(impl, q_pos, k_pos, doc_ids)
+        tables = None
+        if impl == "flex" and cfg.flex_prior == "table":
+            tables = self._flex_prior_tables(mask.seq_lengths[0], device)
+        return AttnContext(impl, q_pos, k_pos, mask, log_n, rope, pos_in_doc, tables)
+
+    def _flex_prior_tables(self, length, device):
+        """Per layer, the distance_table of its prior over the kernel's `length` tokens, built once per prior
+        module (once for all layers where the prior is shared), or None where the prior is not distance-only."""
+        built = [distance_table((p.bias_fn, p.tensors()), self.config.n_head, length, device) if p.DISTANCE_ONLY
+                 else None for p in self.priors]
+        return tuple(built[layer if len(built) > 1 else 0] if built else None for layer in range(self.config.n_layer))
 
     def _plain_causal(self, T_q, T_k, has_docs):
         """Nothing positional in attention but causality, which sdpa's flash kernel does by itself."""

@@ -3,7 +3,7 @@ One command that proves the GPU path: FlexAttention's compiled forward and backw
 reference for every encoding, the compiled bf16 training step, long-context inference and the cost of
 attention, with the issue's targets checked. It writes OUT/gpu_check.md and OUT/gpu_check.json.
 
-    python bench/gpu_check.py --out runs/gpu_check                  # one GPU: the full check, < 9 min on an H200
+    python bench/gpu_check.py --out runs/gpu_check                  # one GPU: the full check, < 10 min on an H200
     python bench/gpu_check.py --device cpu --quick --out /tmp/gc    # every code path but CUDA's, tiny shapes, ~1 min
     python bench/gpu_check.py --out runs/gpu_check --sections training,attention   # a part, e.g. after a fix
 
@@ -27,6 +27,10 @@ Sections, in the order they run:
   long_context  a passkey-style forward (the evaluators' predict_spans) at 64K and 256K tokens, 121M shapes.
   attention     forward+backward of one attention call, 12-layer head shapes, bf16: RoPE, ALiBi, BAM+SSMax
                 against NoPE on flash (sdpa) at T = 512, 1024, 4096.
+  prior_tables  model.flex_prior: forward+backward of one attention call, bf16, with each prior read by formula
+                in the kernel and gathered from its per-head table, against NoPE on flash at T = 512, 1024,
+                4096; then the run-to-run spread of the prior's and SSMax's gradients over repeated backward
+                passes on identical inputs (atomic adds in the kernel's backward make it nondeterministic).
   fsdp          train.parallel = "fsdp" on a world of one rank: each Block compiled (flex on CUDA), sharded
                 with the bf16 policy, 3 steps against bf16 autocast; a DCP save/load round trip.
 
@@ -64,9 +68,9 @@ from eval.scoring import Sample, predict_spans  # noqa: E402
 from model import PE_CHOICES, Transformer  # noqa: E402
 from train import PEAK_BF16_TFLOPS  # noqa: E402
 
-# (section, budget in seconds on one H200). The budgets add up to 490 s; with ~20 s of start-up (imports,
+# (section, budget in seconds on one H200). The budgets add up to 550 s; with ~20 s of start-up (imports,
 # CUDA context) and one case overrunning its section by its own expected time at most, the run stays
-# under 9 minutes. Expected times, all dominated by compilation (Triton for flex, inductor for the model):
+# under 10 minutes. Expected times, all dominated by compilation (Triton for flex, inductor for the model):
 #   graphs       10 traces, no code generation: ~2 s each.
 #   correctness  40 cases on a 2-layer model; a flex kernel is compiled per (prior, SSMax, mask kind,
 #                dtype), 24 at most, ~4 s each with its backward; the rest is milliseconds. Then the whole
@@ -77,8 +81,11 @@ from train import PEAK_BF16_TFLOPS  # noqa: E402
 #   long_context flex compiled for a static then a dynamic length (~15 s), 64K (~1 s), 256K (~5-10 s:
 #                ~1.3 PFLOP of attention).
 #   attention    a flex kernel per (encoding, T) with backward, ~4 s each, 9 of them; timing is milliseconds.
+#   prior_tables a flex kernel per (prior, formula) and one per SSMax setting for every table, with backward,
+#                ~4 s each and a recompile or two for the lengths; 8 repeated backward passes of one call.
 #   fsdp         the 121M model's Block compiled once (inductor, flex inside: ~40 s), 3 steps, a DCP save/load.
-SECTIONS = {"graphs": 20, "correctness": 140, "training": 170, "long_context": 50, "attention": 50, "fsdp": 60}
+SECTIONS = {"graphs": 20, "correctness": 140, "training": 170, "long_context": 50, "attention": 50, "prior_tables": 60,
+            "fsdp": 60}
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_CONFIG = os.path.join(ROOT, "configs/paper/bam_ssmax_512.toml")  # the 121M model, the paper's training
@@ -610,6 +617,80 @@ def check_attention(s, report):
 
 
 # ---------------------------------------------------------------------------------------------------
+# prior_tables: formula against table (model.flex_prior), forward + backward, and how deterministic the
+# prior's gradients are
+
+
+def check_prior_tables(s, report):
+    """On the GPU both modes run on flex, where they differ: per score the formula's gradient is added into a
+    few scalars per head, the table's into H x T entries (docs/benchmarks.md, "Prior tables on flex"). CPU quick
+    has no flex backward and runs them on sdpa (the table through table_bias): the code path, not the numbers."""
+    lengths = [64, 128] if s.quick else [512, 1024, 4096]
+    dtype = s.bf16 if s.cuda else torch.float32
+    impl = "flex" if s.cuda else "sdpa"
+    encodings = quick_subset(s, ["bam+ssmax", "bam", "alibi", "kerple_log", "kerple_power"])
+    ratios = {}
+    for T in lengths:
+        batch = max(1, (16 if s.quick else 32768) // T)  # the same tokens per call at every T
+        base = {}
+
+        def flash_case(T=T, batch=batch, base=base):
+            base["t"], peak = measure_attention(attention_call("nope", "sdpa", T, s.device.type, dtype, True,
+                                                               batch=batch), s.device.type, 3 if s.quick else 10)
+            return {"impl": "sdpa", "shape": f"{batch}x16x{T}x48", "ms": base["t"] * 1e3, "x_nope_flash": 1.0,
+                    "peak_mem_MiB": peak / 2**20}
+        report.run(f"nope sdpa T={T} (flash, the baseline)", flash_case, expected_s=1)
+        for encoding in encodings:
+            for mode in ("formula", "table"):
+                def case(encoding=encoding, mode=mode, T=T, batch=batch, base=base):
+                    run = attention_call(encoding, impl, T, s.device.type, dtype, True, batch=batch, flex_prior=mode)
+                    seconds, peak = measure_attention(run, s.device.type, 3 if s.quick else 10)
+                    ratios[encoding, mode, T] = seconds
+                    versus = ratios.get((encoding, "formula", T)) if mode == "table" else None
+                    return {"impl": impl, "shape": f"{batch}x16x{T}x48", "ms": seconds * 1e3,
+                            "x_nope_flash": round(seconds / base["t"], 2) if "t" in base else None,
+                            "table_x_formula": None if versus is None else round(seconds / versus, 3),
+                            "peak_mem_MiB": peak / 2**20}
+                report.run(f"{encoding} {impl} {mode} T={T}", case, expected_s=1 if s.quick else 5)
+
+    T = lengths[1]
+    for mode in ("formula", "table"):
+        def spread_case(mode=mode, T=T):
+            return gradient_spread(s, attention_call("bam+ssmax", impl, T, s.device.type, dtype, True,
+                                                     batch=max(1, 16 // T) if s.quick else 8, flex_prior=mode),
+                                   3 if s.quick else 8)
+        report.run(f"bam+ssmax {impl} {mode} T={T}: prior gradients over repeated backward passes", spread_case,
+                   expected_s=1 if s.quick else 5)
+    # The default was chosen from the CPU's forward (docs/benchmarks.md, "Prior tables on flex"); the GPU's
+    # forward + backward decides: the target is met when the default is the faster mode here.
+    formula, table = (ratios.get(("bam+ssmax", mode, 1024)) for mode in ("formula", "table"))
+    ratio = None if not (formula and table) else round(table / formula, 3)
+    default = model_module.ModelConfig.flex_prior
+    report.target("attention fwd+bwd at T=1024, BAM+SSMax table / formula (model.flex_prior)", ratio,
+                  f"{'<=' if default == 'table' else '>='} 1.0: the default ({default!r}) is the faster",
+                  None if ratio is None or not s.cuda else (ratio <= 1.0) == (default == "table"))
+
+
+def gradient_spread(s, run, repeats):
+    """The same forward+backward `repeats` times on identical inputs: how far the prior's and SSMax's gradients
+    move between runs (max |g_r - g_0| / max |g_0| over the parameters), and how many runs equal the first bit
+    for bit. Atomic adds in a GPU kernel's backward make the order of a gradient's sums, and so its last bits,
+    change from run to run; on the CPU it is 0."""
+    params = run.prior_parameters
+    grads = []
+    for _ in range(repeats):
+        for p in params:
+            p.grad = None
+        run()
+        s.sync()
+        grads.append([p.grad.detach().float().clone() for p in params])
+    spread = max(rel_err(g, g0) for later in grads[1:] for g, g0 in zip(later, grads[0]))
+    identical = sum(all(torch.equal(g, g0) for g, g0 in zip(later, grads[0])) for later in grads[1:])
+    return {"parameters": len(params), "repeats": repeats, "max_rel_spread": spread,
+            "bitwise_equal_to_first": f"{identical}/{repeats - 1}"}
+
+
+# ---------------------------------------------------------------------------------------------------
 # fsdp: train.parallel = "fsdp" on this one device, a world of one rank: the code path of many GPUs
 
 
@@ -706,7 +787,8 @@ def _fsdp_cases(s, report, parallel, load_checkpoint, step_path):
 
 
 SECTION_FUNCTIONS = {"graphs": check_graphs, "correctness": check_correctness, "training": check_training,
-                     "long_context": check_long_context, "attention": check_attention, "fsdp": check_fsdp}
+                     "long_context": check_long_context, "attention": check_attention,
+                     "prior_tables": check_prior_tables, "fsdp": check_fsdp}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import json
 # Settings that do not change what a run learns: the seed (what a variant averages over), where its files
 # go and how it logs, and implementation choices that are proven equal (attention paths, compilation) or
 # only decide how often something is saved or measured.
-NOT_THE_EXPERIMENT = ("train.seed", "data.data_dir", "log.", "model.attn_impl", "train.compile",
+NOT_THE_EXPERIMENT = ("train.seed", "data.data_dir", "log.", "model.attn_impl", "model.flex_prior", "train.compile",
                       "train.ckpt_every", "train.keep_last", "train.val_every", "train.val_tokens")
 
 

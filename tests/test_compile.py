@@ -37,6 +37,20 @@ def test_compiled_forward_with_doc_ids_is_one_graph(pe, ssmax):
     assert explained.graph_count == 1
 
 
+def test_flex_with_prior_tables_is_one_graph():
+    """The GPU trains on flex, where the prior tables are built inside the forward (Transformer._flex_prior_tables):
+    they must trace into the same one graph. On the CPU flex has no backward, so this traces an inference forward;
+    bench/gpu_check.py's graphs section traces the training forward on a GPU."""
+    torch.manual_seed(0)
+    model = Transformer(tiny("bam", True, attn_impl="flex", flex_prior="table"))
+    x, y, doc_ids = batch()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(x, y, doc_ids=doc_ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
 def test_explain_sees_a_host_read_of_doc_ids():
     """The check above can fail: the ordering check, traced instead of skipped, is a graph break."""
 

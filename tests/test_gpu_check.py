@@ -40,6 +40,11 @@ def test_quick_mode_runs_every_section_and_every_case_passes(tmp_path):
     training = [c for c in result["cases"] if c["name"].startswith("train ")]
     assert training and all(c["loss_falls"] and c["tokens_per_s"] > 0 for c in training)
     assert all(t["met"] is None for t in result["targets"])  # GPU targets are not judged on a CPU
+    # prior tables: formula and table both timed; on a CPU repeated backward passes agree bit for bit
+    tables = [c for c in result["cases"] if c["section"] == "prior_tables"]
+    assert {c["name"].split(" ")[2] for c in tables if c["name"].startswith("bam+ssmax")} == {"formula", "table"}
+    spread = [c for c in tables if "repeated backward" in c["name"]]
+    assert len(spread) == 2 and all(c["max_rel_spread"] == 0 and c["bitwise_equal_to_first"] == "2/2" for c in spread)
     # FSDP on a world of one rank: the bf16 policy really computes in bf16, the DCP round trip is exact
     fsdp = {c["name"].split(" ")[1]: c for c in result["cases"] if c["section"] == "fsdp"}
     assert fsdp["(world"]["weights_in_forward"] == "bfloat16" and fsdp["(world"]["compiled"].startswith("per Block")

@@ -432,6 +432,7 @@ def test_load_model_from_file_and_run_dir(tmp_path):
     (dict(n_head=5), "must divide n_embd"),
     (dict(n_kv_head=3), "must divide n_head"),
     (dict(bam_init="zeros"), "allowed: alibi, uniform"),
+    (dict(flex_prior="fast"), "unknown flex_prior 'fast'; allowed: table, formula"),
 ])
 def test_bad_config_names_what_is_allowed(kw, match):
     with pytest.raises(ValueError, match=match):

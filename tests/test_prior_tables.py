@@ -1,0 +1,245 @@
+"""Prior tables on flex (ModelConfig.flex_prior = "table", model.distance_table): the table path against the
+formula path it replaces, forward on the compiled CPU kernel and with gradients on the dense paths; which
+priors are routed to a table; and that a table is built once per forward and prior module."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import model as model_module
+from model import (ATTENTION, PRIORS, AdditivePrior, AttnContext, ModelConfig, Transformer, alibi_bias, alibi_slopes,
+                   dense_mask, distance_table, positional_scores, positions_in_documents, ssmax_log_n, ssmax_table,
+                   table_bias, tabled_scores)
+
+VOCAB = 97
+DISTANCE_PRIORS = [name for name, enc in PRIORS.items() if enc.DISTANCE_ONLY]
+
+
+def make_model(pe, ssmax, seed=0, **kw):
+    cfg = dict(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, block_size=16, pe=pe, ssmax=ssmax,
+               bam_train_loc=True)
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(**{**cfg, **kw}))
+    # every prior and SSMax parameter off its init, so no case passes by a special value (ALiBi's shape 1)
+    with torch.no_grad():
+        for p in model.prior_parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def documents(T, B=2):
+    """Row 0: three documents, row 1: two; no boundary on flex's 128-token blocks."""
+    a, b, c = T // 4 + 1, T // 2 + 1, 5 * T // 8
+    return torch.tensor([[0] * a + [1] * b + [2] * (T - a - b), [0] * c + [1] * (T - c)][:B])
+
+
+def logits(model, flex_prior, idx, doc_ids, window):
+    model.config.attn_impl, model.config.flex_prior, model.config.attn_window = "flex", flex_prior, window
+    with torch.no_grad():
+        return model(idx, doc_ids=doc_ids)[0]
+
+
+def test_only_a_prior_of_the_head_and_distance_is_called_distance_only():
+    assert set(DISTANCE_PRIORS) >= {"alibi", "bam", "kerple_log", "kerple_power"}
+    assert AdditivePrior.DISTANCE_ONLY is True  # the default a new prior inherits, and must switch off if it reads more
+
+
+# The forward grid. Every distance-only prior shares one compiled table kernel per SSMax setting, but each mask kind
+# (causal, window, documents, both) and head layout (MHA, GQA) is a compilation of its own, ~15 s of C++ on a CPU;
+# the formula path compiles one kernel per prior as well, so the whole grid against the compiled formula kernels
+# would be ~70 compilations. The grid is therefore held to the eager path (the same formulas on the dense grid, the
+# reference every flex test uses), and the compiled formula kernel to the table kernel at the training setting
+# (documents), at the shapes of test_model's flex tests, whose kernels a suite run has compiled already.
+# On CPU both grid lengths run at 256 (flex_mask_length pads to whole 128-token blocks); 200 ends inside a
+# block, so padded queries and keys and the table's last entries are exercised; on a GPU they are two shapes.
+@pytest.mark.parametrize("ssmax", [False, True])
+def test_flex_table_equals_formula_forward(ssmax):
+    g = torch.Generator().manual_seed(1)
+    for pe in DISTANCE_PRIORS:
+        idx, doc_ids = torch.randint(0, VOCAB, (2, 40), generator=g), documents(40)
+        model = make_model(pe, ssmax)
+        torch.testing.assert_close(logits(model, "table", idx, doc_ids, 0), logits(model, "formula", idx, doc_ids, 0),
+                                   atol=1e-6, rtol=1e-6, msg=lambda m: f"{pe} ssmax={ssmax}, table vs formula: {m}")
+        for n_kv_head in (0, 2):  # 0: multi-head; 2: grouped-query, two query heads per key head
+            model = make_model(pe, ssmax, n_kv_head=n_kv_head)
+            for T in (256, 200):
+                idx = torch.randint(0, VOCAB, (2, T), generator=g)
+                for doc_ids in (None, documents(T)):
+                    for window in (0, 50):
+                        table = logits(model, "table", idx, doc_ids, window)
+                        model.config.attn_impl = "eager"
+                        with torch.no_grad():
+                            reference = model(idx, doc_ids=doc_ids)[0]
+                        torch.testing.assert_close(table, reference, atol=1e-5, rtol=1e-5, msg=lambda m: (
+                            f"{pe} ssmax={ssmax} kv={n_kv_head} T={T} docs={doc_ids is not None} window={window}: {m}"))
+
+
+def dense_case(pe, ssmax, T=29, H=4):
+    """What a dense path needs to score one batch with documents: positions, mask, log n, prior, SSMax."""
+    cfg = ModelConfig(n_head=H, n_embd=8 * H, pe=pe, ssmax=ssmax, bam_train_loc=True)
+    torch.manual_seed(0)
+    prior = PRIORS[pe](cfg)
+    with torch.no_grad():
+        for p in prior.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    for buffer in prior.buffers():  # ALiBi's fixed slopes: their gradient is compared too, as if they were learned
+        buffer.requires_grad_(True)
+    scale = nn.Parameter(1 + 0.2 * torch.randn(H)) if ssmax else None
+    doc_ids = documents(T)
+    pos = torch.arange(T)
+    log_n = ssmax_log_n(positions_in_documents(doc_ids)) if ssmax else None
+    return prior, scale, pos, doc_ids, log_n
+
+
+def prior_grads(prior, scale, loss):
+    params = [p for p in (*prior.parameters(), *prior.buffers()) if p.requires_grad]
+    params += [scale] if scale is not None else []
+    return params, torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("pe,ssmax", [(pe, ssmax) for pe in DISTANCE_PRIORS for ssmax in (False, True)])
+def test_table_scores_equal_formula_with_every_prior_gradient(pe, ssmax):
+    """The flex table kernel's score function (tabled_scores) on the whole grid, against positional_scores (the
+    formula kernel's): the same logits and the same gradient for every prior and SSMax parameter, which on the
+    table path reaches them through the tables by ordinary autograd."""
+    prior, scale, pos, doc_ids, log_n = dense_case(pe, ssmax)
+    B, H, T = 2, 4, len(pos)
+    g = torch.Generator().manual_seed(2)
+    scores, weights = torch.randn(B, H, T, T, generator=g), torch.randn(B, H, T, T, generator=g)
+    mask = dense_mask(pos, pos, 0, doc_ids)
+    b, head = torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(H, 1, 1)
+
+    def loss(logits):  # softmax over the visible keys, then a fixed random readout
+        return (logits.masked_fill(~mask, float("-inf")).softmax(-1) * weights).sum(), logits.masked_fill(~mask, 0)
+
+    formula_loss, formula = loss(positional_scores(scores, head, pos[:, None], pos[None, :],
+                                                   None if log_n is None else log_n[:, None, :, None],
+                                                   (prior.bias_fn, prior.tensors()), scale))
+    tables = (distance_table((prior.bias_fn, prior.tensors()), H, T, pos.device),
+              None if scale is None else ssmax_table(scale, log_n, B))
+    table_loss, table = loss(tabled_scores(scores, b, head, pos[:, None], pos[None, :], *tables))
+    torch.testing.assert_close(table, formula, atol=1e-6, rtol=1e-6)
+    params, want = prior_grads(prior, scale, formula_loss)
+    _, got = prior_grads(prior, scale, table_loss)
+    assert params and all(w.abs().sum() > 0 for w in want)
+    for p, w, t in zip(params, want, got):
+        torch.testing.assert_close(t, w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("pe", DISTANCE_PRIORS)
+def test_dense_paths_give_the_table_prior_the_formulas_gradients(pe, impl):
+    """A prior read from its table (table_bias) through the dense attention paths: the output and the gradient of
+    every prior and SSMax parameter equal those of its formula, with documents and grouped-query attention."""
+    prior, scale, pos, doc_ids, log_n = dense_case(pe, True)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, len(pos), 8, generator=g)
+    k, v = (torch.randn(2, 2, len(pos), 8, generator=g) for _ in range(2))
+    ctx = AttnContext(impl, pos, pos, dense_mask(pos, pos, 0, doc_ids), log_n, None)
+    out = {}
+    for name in ("formula", "table"):
+        formula = (prior.bias_fn, prior.tensors())
+        used = formula if name == "formula" else (table_bias, (distance_table(formula, 4, len(pos), pos.device),))
+        y = ATTENTION[impl](q, k, v, ctx, used, scale)
+        out[name] = (y, *prior_grads(prior, scale, (y * v.repeat_interleave(2, 1)).sum())[1])
+    for want, got in zip(out["formula"], out["table"]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+class NotDistanceOnlyPrior(AdditivePrior):
+    """A stand-in for a prior that reads more than the head and i - j (FoX's forget gates, FIRE's query
+    position): the flag alone must keep it off the table; its formula here is ALiBi's, to have one."""
+
+    DISTANCE_ONLY = False
+    METRICS_PREFIX = "not_distance_only"
+    bias_fn = staticmethod(alibi_bias)
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.slopes = nn.Parameter(torch.tensor(alibi_slopes(cfg.n_head)))
+
+    def tensors(self):
+        return (self.slopes,)
+
+    def head_parameters(self):
+        return {"slope": self.slopes.tolist()}
+
+
+@pytest.fixture
+def recorded_kernels(monkeypatch):
+    """Which flex kernels a forward builds, and how many distance tables; no kernel is compiled (a fake one
+    returns zeros), so routing is checked without FlexAttention's half a minute of C++ compilation on a CPU."""
+    built, tables = [], []
+    real_table = model_module.distance_table
+
+    def fake(kind):
+        def make(*variant):
+            built.append((kind, variant))
+            return lambda q, *args: torch.zeros_like(q)
+        return make
+
+    def counting_table(*args):
+        tables.append(real_table(*args))
+        return tables[-1]
+
+    monkeypatch.setattr(model_module, "_FLEX_KERNELS", {})
+    monkeypatch.setattr(model_module, "_make_flex_kernel", fake("formula"))
+    monkeypatch.setattr(model_module, "_make_flex_table_kernel", fake("table"))
+    monkeypatch.setattr(model_module, "distance_table", counting_table)
+    monkeypatch.setitem(model_module.ENCODINGS, "not_distance_only", NotDistanceOnlyPrior)
+    return built, tables
+
+
+def flex_forward(model, flex_prior="table"):
+    model.config.attn_impl, model.config.flex_prior = "flex", flex_prior
+    idx = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        model(idx, doc_ids=documents(40))
+
+
+@pytest.mark.parametrize("ssmax", [False, True])
+def test_a_prior_that_is_not_distance_only_is_not_routed_to_a_table(recorded_kernels, ssmax):
+    built, tables = recorded_kernels
+    flex_forward(make_model("not_distance_only", ssmax))
+    assert built == [("formula", (alibi_bias, ssmax))] and tables == []
+    built.clear()
+    flex_forward(make_model("alibi", ssmax))  # the control: the same formula, distance-only, is tabulated
+    assert built == [("table", (True, ssmax, True))] and len(tables) == 1  # True: static shapes on a CPU
+
+
+@pytest.mark.parametrize("pe,kw,expected", [
+    ("alibi", {}, 1),                          # ALiBi: one prior shared by every layer
+    ("bam", {"bam_per_layer": False}, 1),      # BAM shared: one table for all layers
+    ("bam", {}, 3),                            # BAM per layer: one table per layer's prior
+    ("kerple_log", {}, 3),
+])
+def test_a_table_is_built_once_per_forward_and_prior_module(recorded_kernels, monkeypatch, pe, kw, expected):
+    built, tables = recorded_kernels
+    seen = []
+    real_flex = model_module.ATTENTION["flex"]
+
+    def recording_flex(q, k, v, ctx, prior, ssmax_scale):
+        seen.append(prior[1][0])
+        return real_flex(q, k, v, ctx, prior, ssmax_scale)
+
+    monkeypatch.setitem(model_module.ATTENTION, "flex", recording_flex)
+    model = make_model(pe, True, n_layer=3, **kw)
+    flex_forward(model)
+    assert len(tables) == expected and len(seen) == 3
+    assert all(any(t is s for t in tables) for s in seen)  # every layer reads one of the tables built
+    tables.clear()
+    flex_forward(model, "formula")  # the formula path builds none
+    assert tables == []
+    assert [kind for kind, _ in built] == ["table", "formula"]
+
+
+def test_a_table_too_short_for_the_kernel_is_one_clear_error():
+    """A table built for fewer tokens than the kernel runs would be read out of bounds on a GPU."""
+    prior, _, pos, _, _ = dense_case("bam", False, T=40)
+    q = torch.randn(1, 4, 40, 8)
+    mask = model_module.make_block_mask(None, 40, "cpu")
+    short = distance_table((prior.bias_fn, prior.tensors()), 4, 40, "cpu")  # the kernel runs 128 on a CPU
+    ctx = AttnContext("flex", pos, pos, mask, None, None, prior_tables=(short,))
+    with pytest.raises(ValueError, match="prior table covers distances 0..39, the kernel runs 128 tokens"):
+        with torch.no_grad():
+            ATTENTION["flex"](q, q, q, ctx, (table_bias, (short,)), None)
