@@ -33,6 +33,8 @@ from bench.peak_memory import PeakMemory, fixed_mmap_threshold  # noqa: E402
 from model import (ATTENTION, ENCODINGS, PRIORS, AttnContext, ModelConfig, apply_rope, dense_mask,  # noqa: E402
                    distance_table, layer_prior, make_block_mask, positions_in_documents, ssmax_log_n,
                    table_bias)
+from cli import Parser  # noqa: E402
+from ranges import number  # noqa: E402
 
 H, HD = 16, 48  # the paper's 12-layer model: 768 wide, 16 heads
 # Every registered encoding that changes attention (NoPE as the baseline, those that rotate q and k, every
@@ -134,11 +136,10 @@ def measure(run, device, repeats):
 
 
 def main():
-    fixed_mmap_threshold()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="T = 512, 1024 and 4K ... 16K only")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=number(int, ">= 1, <= 1000"), default=3)
     ap.add_argument("--lengths", default=None, help="comma-separated T for part 1 (default 512 ... 4096); '' skips it")
     ap.add_argument("--long_lengths", default=None, help="comma-separated T for part 2; '' skips it")
     ap.add_argument("--encodings", default=",".join(VARIANTS), help="comma-separated (default: %(default)s)")
@@ -151,6 +152,7 @@ def main():
     ap.add_argument("--table_masks", default=",".join(TABLE_MASKS),
                     help=f"comma-separated masks for part 4 (default: %(default)s; window = {TABLE_WINDOW} tokens)")
     args = ap.parse_args()
+    fixed_mmap_threshold()  # re-executes this script: after its arguments are known to be good
     encodings = args.encodings.split(",")
     if any(not w.strip().isdigit() or int(w) < 1 for w in args.windows.split(",") if w):
         ap.error(f"--windows takes positive integers, got {args.windows!r}")

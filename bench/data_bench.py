@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prepare_fineweb  # noqa: E402
 from checkpoint import write_bytes  # noqa: E402
 from data import ShardLoader, get_tokenizer, write_shard  # noqa: E402
+from cli import Parser  # noqa: E402
+from ranges import number  # noqa: E402
 
 
 def bench_prepare(corpus_path, workers, repeats, tmp):
@@ -79,10 +81,10 @@ def bench_loader(data_dir, batch_size, seq_len, batches):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--copies", type=int, default=8,
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=number(int, ">= 1, <= 1024"), default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--repeats", type=number(int, ">= 1, <= 1000"), default=3)
+    parser.add_argument("--copies", type=number(int, ">= 1, <= 1000"), default=8,
                         help="the demo corpus repeated this many times, so the pool has enough work")
     args = parser.parse_args()
     get_tokenizer()

@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.peak_memory import PeakMemory, fixed_mmap_threshold  # noqa: E402
+from cli import Parser  # noqa: E402
 
 SHAPES = {  # configs/tiny.toml's model and the paper's 12-layer model, both BAM + SSMax
     "tiny": dict(n_layer=4, n_embd=128, n_head=4, block_size=128),
@@ -65,8 +66,7 @@ def measure(shape, length, device_name, impl):
 
 
 def main():
-    fixed_mmap_threshold()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shapes", default="tiny,121m")
     ap.add_argument("--lengths", default=None, help="for every shape (default: per shape, see above)")
@@ -74,6 +74,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--child", nargs=2, metavar=("SHAPE", "LENGTH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    fixed_mmap_threshold()  # re-executes this script: after its arguments are known to be good
     if args.child:
         print(json.dumps(measure(args.child[0], int(args.child[1]), args.device, args.impl)))
         return

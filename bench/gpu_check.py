@@ -67,6 +67,8 @@ from data import EOT, document_ids  # noqa: E402
 from eval.scoring import Sample, predict_spans  # noqa: E402
 from model import PE_CHOICES, Transformer  # noqa: E402
 from train import PEAK_BF16_TFLOPS  # noqa: E402
+from cli import Parser  # noqa: E402
+from ranges import number  # noqa: E402
 
 # (section, budget in seconds on one H200). The budgets add up to 550 s; with ~20 s of start-up (imports,
 # CUDA context) and one case overrunning its section by its own expected time at most, the run stays
@@ -800,12 +802,12 @@ def fail(message):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder for gpu_check.md and gpu_check.json")
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu with --quick")
     ap.add_argument("--quick", action="store_true", help="tiny shapes: every code path but CUDA's, for CI")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    ap.add_argument("--budget_s", type=float, default=None,
+    ap.add_argument("--budget_s", type=number(float, "> 0"), default=None,
                     help=f"total time budget in seconds, split over the sections in proportion to their budgets "
                          f"(default: {sum(SECTIONS.values())} on a GPU, none with --quick)")
     ap.add_argument("--compile_backend", default=None,

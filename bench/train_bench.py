@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import load_config  # noqa: E402
 from data import EOT, document_ids  # noqa: E402
 from model import ENCODINGS, Transformer  # noqa: E402
+from cli import Parser  # noqa: E402
+from ranges import number  # noqa: E402
 
 
 def synthetic_batch(batch_size, seq_len, vocab_size, device):
@@ -69,14 +71,14 @@ def make_step(model_cfg, train_cfg, batch, device, autocast, doc_mask, optimizer
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/tiny.toml", help="model and batch come from here")
-    parser.add_argument("--batch_size", type=int, default=None, help="default: the config's data.batch_size")
-    parser.add_argument("--seq_len", type=int, default=None, help="default: the config's model.block_size")
-    parser.add_argument("--rounds", type=int, default=10, help="timed steps per variant, taken in turns")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (CPU only)")
+    parser.add_argument("--batch_size", type=number(int, ">= 1"), default=None, help="default: the config's data.batch_size")
+    parser.add_argument("--seq_len", type=number(int, ">= 1"), default=None, help="default: the config's model.block_size")
+    parser.add_argument("--rounds", type=number(int, ">= 1, <= 100000"), default=10, help="timed steps per variant, taken in turns")
+    parser.add_argument("--threads", type=number(int, ">= 1, <= 1024"), default=1, help="CPU threads for torch (CPU only)")
     parser.add_argument("--no_doc_mask", action="store_true", help="one document per row")
-    parser.add_argument("--targets_per_row", type=int, default=0,
+    parser.add_argument("--targets_per_row", type=number(int, ">= 0"), default=0,
                         help="count the loss at only this many positions a row (0 = all), as loss_on = "
                              "passkey_answers does; the output layer then runs only there")
     parser.add_argument("--optimizer", choices=("radam", "adamw"), default="radam")

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import ModelConfig, Transformer  # noqa: E402
 from parallel import checkpoint_blocks  # noqa: E402
 from sizing import Sizes, activation_bytes, static_bytes  # noqa: E402
+from cli import Parser  # noqa: E402
 
 SHAPES = {  # (model, batch): the first is dominated by its output layer, the second by its Blocks
     "4 x 128, GPT-2 vocab, 8 x 128 tokens": (dict(n_layer=4, n_embd=128, n_head=4, block_size=128), 8),
@@ -66,7 +67,7 @@ def by_kind(snapshot):
 
 
 def main():
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"{'shape':<40} {'AC':<5} {'activations MiB: measured':>26} {'estimated':>10} {'ratio':>6}   "
           f"{'weights+grads+optimizer MiB: measured':>38} {'estimated':>10}")
     for name, (shape, batch) in SHAPES.items():

@@ -3,6 +3,8 @@ created (issue 24, class 1). Driven from the declarations, so a new option is co
 every numeric config field must have a range (model.MODEL_RANGES, config.RANGES), every numeric flag of every
 command must be a ranges.number, and each is then fed inf, nan and a value just outside its range."""
 
+import argparse
+import sys
 import dataclasses
 import math
 import typing
@@ -110,6 +112,10 @@ def command_mains():
     for name in eval_package.EVALUATORS:
         module = __import__(name, fromlist=["main"])
         mains[name] = module.main
+    for name in ("bench.attention", "bench.data_bench", "bench.gpu_check", "bench.train_bench"):
+        main = __import__(name, fromlist=["main"]).main
+        # the benchmarks read sys.argv themselves (all but gpu_check); the parser is caught before they run
+        mains[name] = main if name == "bench.gpu_check" else (lambda argv, main=main: main())
     return mains
 
 
@@ -119,7 +125,8 @@ def parser_of(main, monkeypatch):
         raise Captured(self)
 
     with monkeypatch.context() as m:
-        m.setattr(cli.Parser, "parse_known_args", capture)
+        m.setattr(argparse.ArgumentParser, "parse_known_args", capture)  # cli.Parser's and the benchmarks'
+        m.setattr(sys, "argv", ["x"])
         with pytest.raises(Captured) as info:
             main(["x"])
     return info.value.args[0]
