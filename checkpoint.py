@@ -107,7 +107,7 @@ def atomic_file(path, mode="wb"):
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        _fsync_dir(directory)  # the rename itself is only durable once the directory entry is on disk
+        folders.fsync_dir(directory)  # the rename itself is only durable once the directory entry is on disk
     except WriteError:
         raise  # a nested atomic write already said which file
     except OSError as e:
@@ -145,14 +145,6 @@ def check_writable(directory):
         if created:
             shutil.rmtree(missing, ignore_errors=True)
     return directory
-
-
-def _fsync_dir(directory):
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def write_bytes(path, chunks):

@@ -143,7 +143,7 @@ def swap_in(tmp, path, exchange=True):
     leaves, once recover(path) has run, the old complete folder at `path` or the new one."""
     new = sibling(path, "new")
     os.rename(tmp, new)  # from here on, the new version is whole and recover() will put it in place
-    _fsync_dir(os.path.dirname(new))
+    fsync_dir(os.path.dirname(new))
     _fault("complete")
     _put_new_in_place(new, path, exchange)
 
@@ -152,7 +152,7 @@ def _put_new_in_place(new, path, exchange):
     parent, journal = os.path.dirname(new), sibling(path, "swap")
     if not os.path.lexists(path):
         os.rename(new, path)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         return
     if exchange:
         _write_journal(journal, os.stat(new).st_ino)
@@ -164,7 +164,7 @@ def _put_new_in_place(new, path, exchange):
                 raise
             os.remove(journal)  # not supported here: the two renames below instead
         else:
-            _fsync_dir(parent)
+            fsync_dir(parent)
             _fault("exchanged")
             shutil.rmtree(new)  # the old version, swapped out
             _fault("old removed")
@@ -174,7 +174,7 @@ def _put_new_in_place(new, path, exchange):
     os.rename(path, old)
     _fault("old aside")
     os.rename(new, path)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     _fault("new in place")
     shutil.rmtree(old)
 
@@ -218,7 +218,7 @@ def recover(path, exchange=True):
     if os.path.lexists(journal):
         os.remove(journal)
     if os.path.lexists(path) or done:
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
     return "; ".join(done)
 
 
@@ -246,7 +246,7 @@ def _write_journal(journal, inode):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, journal)
-    _fsync_dir(os.path.dirname(journal))
+    fsync_dir(os.path.dirname(journal))
 
 
 def _read_journal(journal):
@@ -269,7 +269,8 @@ def _exchange(a, b):
         raise OSError(code, os.strerror(code), a, None, b)
 
 
-def _fsync_dir(directory):
+def fsync_dir(directory):
+    """Make a rename or a new entry in `directory` durable (the entry is on disk only once it is synced)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

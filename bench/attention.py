@@ -119,17 +119,20 @@ def attention_call(encoding, impl, T, device, dtype, backward, window=0, batch=1
     return run
 
 
+def timed(run, device):
+    """Seconds of one call of `run` (on a GPU, from an idle stream to its end)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def measure(run, device, repeats):
     run()  # warm-up (and compile, for flex)
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    times = [timed(run, device) for _ in range(repeats)]
     with PeakMemory(device) as mem:
         run()
     return statistics.median(times), mem.bytes
@@ -268,13 +271,7 @@ def interleaved(runs, device, repeats):
     times = [[] for _ in runs]
     for _ in range(repeats):
         for run, spent in zip(runs, times):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            run()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            spent.append(time.perf_counter() - t0)
+            spent.append(timed(run, device))
     return times
 
 
