@@ -156,7 +156,10 @@ class NotDistanceOnlyPrior(AdditivePrior):
 
     DISTANCE_ONLY = False
     METRICS_PREFIX = "not_distance_only"
-    bias_fn = staticmethod(alibi_bias)
+
+    @staticmethod
+    def bias_fn(dist, head, query, key, slopes):  # the contract's form for a prior with token features
+        return alibi_bias(dist, head, slopes) + 0 * (query[0] - key[0])
 
     def __init__(self, cfg):
         super().__init__()
@@ -164,6 +167,9 @@ class NotDistanceOnlyPrior(AdditivePrior):
 
     def tensors(self):
         return (self.slopes,)
+
+    def token_features(self, x, pos_in_doc, past=None):
+        return (torch.zeros(x.shape[0], 1, x.shape[1], device=x.device),)
 
     def head_parameters(self):
         return {"slope": self.slopes.tolist()}
@@ -205,7 +211,7 @@ def flex_forward(model, flex_prior="table"):
 def test_a_prior_that_is_not_distance_only_is_not_routed_to_a_table(recorded_kernels, ssmax):
     built, tables = recorded_kernels
     flex_forward(make_model("not_distance_only", ssmax))
-    assert built == [("formula", (alibi_bias, ssmax))] and tables == []
+    assert built == [("formula", (NotDistanceOnlyPrior.bias_fn, ssmax))] and tables == []
     built.clear()
     flex_forward(make_model("alibi", ssmax))  # the control: the same formula, distance-only, is tabulated
     assert built == [("table", (True, ssmax, True))] and len(tables) == 1  # True: static shapes on a CPU
@@ -222,9 +228,9 @@ def test_a_table_is_built_once_per_forward_and_prior_module(recorded_kernels, mo
     seen = []
     real_flex = model_module.ATTENTION["flex"]
 
-    def recording_flex(q, k, v, ctx, prior, ssmax_scale):
+    def recording_flex(q, k, v, ctx, prior, ssmax_scale, features=None):
         seen.append(prior[1][0])
-        return real_flex(q, k, v, ctx, prior, ssmax_scale)
+        return real_flex(q, k, v, ctx, prior, ssmax_scale, features)
 
     monkeypatch.setitem(model_module.ATTENTION, "flex", recording_flex)
     model = make_model(pe, True, n_layer=3, **kw)
