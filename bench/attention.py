@@ -139,7 +139,7 @@ def measure(run, device, repeats):
 
 
 def main():
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="bench/attention.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="T = 512, 1024 and 4K ... 16K only")
     ap.add_argument("--repeats", type=number(int, ">= 1, <= 1000"), default=3)

@@ -81,7 +81,7 @@ def bench_loader(data_dir, batch_size, seq_len, batches):
 
 
 def main():
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="bench/data_bench.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=number(int, ">= 1, <= 1024"), default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=number(int, ">= 1, <= 1000"), default=3)
     parser.add_argument("--copies", type=number(int, ">= 1, <= 1000"), default=8,

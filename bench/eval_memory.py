@@ -66,7 +66,7 @@ def measure(shape, length, device_name, impl):
 
 
 def main():
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="bench/eval_memory.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shapes", default="tiny,121m")
     ap.add_argument("--lengths", default=None, help="for every shape (default: per shape, see above)")

@@ -71,7 +71,7 @@ def make_step(model_cfg, train_cfg, batch, device, autocast, doc_mask, optimizer
 
 
 def main():
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="bench/train_bench.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/tiny.toml", help="model and batch come from here")
     parser.add_argument("--batch_size", type=number(int, ">= 1"), default=None, help="default: the config's data.batch_size")
     parser.add_argument("--seq_len", type=number(int, ">= 1"), default=None, help="default: the config's model.block_size")

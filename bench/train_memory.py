@@ -67,7 +67,7 @@ def by_kind(snapshot):
 
 
 def main():
-    Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    Parser(prog="bench/train_memory.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"{'shape':<40} {'AC':<5} {'activations MiB: measured':>26} {'estimated':>10} {'ratio':>6}   "
           f"{'weights+grads+optimizer MiB: measured':>38} {'estimated':>10}")
     for name, (shape, batch) in SHAPES.items():

@@ -65,7 +65,7 @@ def test_zero_budget_skips_every_case_and_still_writes_both_files(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--device", "cpu"], "needs a CUDA GPU"),
     (["--device", "cpu", "--quick", "--sections", "graphs,nonsense"], "unknown section(s) nonsense"),
-    (["--device", "cpu", "--quick", "--budget_s", "-1"], "--budget_s must be >= 0"),
+    (["--device", "cpu", "--quick", "--budget_s", "-1"], "argument --budget_s: '-1' is not allowed: a finite number >= 0"),
     (["--device", "tpu9", "--quick"], "is not a device"),
 ])
 def test_bad_arguments_fail_with_one_line(tmp_path, capsys, argv, message):
