@@ -45,7 +45,10 @@ def eval_folder(path):
 
 
 def run_dir_of(path):
-    if os.path.isdir(path) and os.path.isdir(os.path.join(path, "checkpoints")):
+    """The run directory of `path`: one with checkpoints, or one kept without them (its config.toml beside
+    its eval/ folder, as configs/repro/grid5.sh keeps finished runs under docs/repro/runs5)."""
+    if os.path.isdir(path) and (os.path.isdir(os.path.join(path, "checkpoints"))
+                                or os.path.isfile(os.path.join(path, CONFIG)) and os.path.isdir(os.path.join(path, "eval"))):
         return path
     if os.path.isfile(path) and os.path.basename(os.path.dirname(os.path.abspath(path))) == "checkpoints":
         return os.path.dirname(os.path.dirname(os.path.abspath(path)))

@@ -15,11 +15,14 @@ from eval.results import SCHEMA_VERSION
 LENGTHS = [128, 256, 512]
 
 
-def fake_run(root, name, seed, correct, overrides=(), model_overrides=None, legacy=False, samples=20):
+def fake_run(root, name, seed, correct, overrides=(), model_overrides=None, legacy=False, samples=20,
+             checkpoints=True):
     """A run directory as train.py and eval.passkey leave it: config.toml, checkpoints/, eval/passkey*.json
     with `correct` prompts right (of `samples`) at each of LENGTHS."""
     run = root / name
-    (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+    run.mkdir(parents=True, exist_ok=True)
+    if checkpoints:  # False: a finished run kept without them (configs/repro/grid5.sh's docs/repro/runs5)
+        (run / "checkpoints").mkdir(exist_ok=True)
     cfg = load_config(None, ["--model.pe=bam", "--model.ssmax=true", "--model.n_layer=3", "--model.n_embd=96",
                              "--model.n_head=6", "--model.block_size=128", "--train.lr=3e-3",
                              f"--train.seed={seed}", f"--log.out_dir={run}", *overrides])
@@ -50,7 +53,7 @@ def grid(tmp_path):
             fake_run(root, "bam_ssmax_seed3", 3, [18, 10, 8]),
             fake_run(root, "bam_ssmax_uniform_seed1", 1, [20, 20, 20], ["--model.bam_init=uniform"]),
             fake_run(root, "bam_ssmax_uniform_seed2", 2, [20, 19, 18], ["--model.bam_init=uniform"]),
-            fake_run(root, "bam_ssmax_prior_lr_seed1", 1, [20, 18, 17], ["--train.prior_lr=3e-2"]),
+            fake_run(root, "bam_ssmax_prior_lr_seed1", 1, [20, 18, 17], ["--train.prior_lr=3e-2"], checkpoints=False),
             fake_run(root, "bam_ssmax_seed1", 1, [20, 20, 19], model_overrides={"attn_window": 64})]
 
 
