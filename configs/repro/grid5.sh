@@ -6,7 +6,8 @@
 #   bash configs/repro/grid5.sh                 # everything; about 15 minutes of the 2-core machine per run
 #   RUNS="nope rope@3" bash configs/repro/grid5.sh   # some runs only (configs/repro/<name>.toml @seed)
 #
-# Everything resumes (run.sh, rope_extensions.sh), so the same command carries the grid across sessions.
+# Everything resumes (run.sh, rope_extensions.sh), so the same command carries the grid across sessions;
+# a run already kept in $RESULTS is not trained again, even on a machine that never had its checkpoints.
 # Each finished run's small files (config.toml, metrics.jsonl, eval/*.json) are copied to $RESULTS, which
 # is committed: the report is regenerated from them without the checkpoints, on any machine.
 set -euo pipefail
@@ -27,7 +28,16 @@ if [[ -z ${RUNS:-} ]]; then  # seed by seed, so that a grid stopped early is bal
     (( seed <= 2 )) && for name in $OTHERS $RIVALS; do RUNS+=" $name@$seed"; done
   done
 fi
-export RUNS
+# A run already kept in $RESULTS is done: leave it out (its checkpoints may be on another machine)
+source configs/repro/passkey.sh
+todo=""
+for run in $RUNS; do
+  name=${run%@*}; seed=1; [[ $run == *@* ]] && seed=${run#*@}
+  LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 passkey_done "$RESULTS/${name}_seed$seed/eval/passkey.json" \
+    && { echo "== $run: kept in $RESULTS"; continue; }
+  todo+=" $run"
+done
+export RUNS=${todo# }
 
 collect() {  # copy every finished run's small files to $RESULTS (a run is finished when its passkey is)
   source configs/repro/passkey.sh
@@ -44,8 +54,14 @@ collect() {  # copy every finished run's small files to $RESULTS (a run is finis
   done
 }
 
-LENGTHS=${LENGTHS:-1x,2x,4x,8x,16x,32x,64x} SAMPLES=${SAMPLES:-20} bash configs/repro/run.sh
-METHODS="linear yarn" bash configs/repro/rope_extensions.sh
+# (run.sh with an empty RUNS would run its own default list)
+[[ -n $RUNS ]] && LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 bash configs/repro/run.sh
+shopt -s nullglob
+trained=("$OUT"/rope_seed*/checkpoints)
+if (( ${#trained[@]} )); then  # RoPE runs trained here: PI and YaRN on each, the fine-tune from seed 1's
+  FINE_TUNE=$([[ -d $OUT/rope_seed1/checkpoints ]] && echo 1 || echo 0) METHODS="linear yarn" \
+      bash configs/repro/rope_extensions.sh
+fi
 LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 collect
 python -m eval.report "$RESULTS"/*/ --out docs/repro/report5.md --no_run_plots \
     --title "Passkey retrieval at 5-digit keys past a 128-token training context (CPU), seeds aggregated" \
