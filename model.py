@@ -891,11 +891,12 @@ def layer_prior(prior_module, x, ctx, layer, kv_cache=None):
     prior = (prior_module.bias_fn, prior_module.tensors())
     if prior_module.DISTANCE_ONLY:
         return prior, None
+    if kv_cache is None:  # training and full forwards: no position read back from the device per layer
+        new = prior_module.token_features(x, ctx.pos_in_doc, None)
+        return prior, (new, new)
     start = int(ctx.q_pos[0])
-    past = kv_cache.past_features(layer, start) if kv_cache is not None else None
-    new = prior_module.token_features(x, ctx.pos_in_doc, past)
-    keys = kv_cache.update_features(layer, start, new) if kv_cache is not None else new
-    return prior, (new, keys)
+    new = prior_module.token_features(x, ctx.pos_in_doc, kv_cache.past_features(layer, start))
+    return prior, (new, kv_cache.update_features(layer, start, new))
 
 
 def grid_features(features):
