@@ -5,6 +5,7 @@
 #
 #   bash configs/repro/grid5.sh                 # everything; about 15 minutes of the 2-core machine per run
 #   RUNS="nope rope@3" bash configs/repro/grid5.sh   # some runs only (configs/repro/<name>.toml @seed)
+#   RUNS="rope@3" FINE_TUNE=0 bash configs/repro/grid5.sh   # and leave RoPE's YaRN fine-tune for later
 #
 # Everything resumes (run.sh, rope_extensions.sh), so the same command carries the grid across sessions;
 # a run already kept in $RESULTS is not trained again, even on a machine that never had its checkpoints.
@@ -59,7 +60,8 @@ collect() {  # copy every finished run's small files to $RESULTS (a run is finis
 shopt -s nullglob
 trained=("$OUT"/rope_seed*/checkpoints)
 if (( ${#trained[@]} )); then  # RoPE runs trained here: PI and YaRN on each, the fine-tune from seed 1's
-  FINE_TUNE=$([[ -d $OUT/rope_seed1/checkpoints ]] && echo 1 || echo 0) METHODS="linear yarn" \
+  # FINE_TUNE=0 defers the fine-tune (a later call does it); by default it runs where seed 1's checkpoints are
+  FINE_TUNE=${FINE_TUNE:-$([[ -d $OUT/rope_seed1/checkpoints ]] && echo 1 || echo 0)} METHODS="linear yarn" \
       bash configs/repro/rope_extensions.sh
 fi
 LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 collect
