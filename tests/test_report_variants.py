@@ -100,3 +100,27 @@ def test_an_unknown_variant_to_compare_is_one_line_and_writes_nothing(grid, tmp_
     assert err.startswith("error: --compare 'rope': no such variant") and "'bam + ssmax'" in err
     assert len(err.splitlines()) == 1 and not out.exists()
     assert not os.path.exists(tmp_path / "report_passkey.png")
+
+
+def fake_priors(run, retrieval):
+    """RUN/eval/priors.json as eval.priors writes it for a BAM model: 6 heads, `retrieval` of them b <= 0."""
+    shapes = [-0.3] * retrieval + [1.5] * (6 - retrieval)
+    heads = [{"layer": 0, "head": h, "shape": b, "group": "retrieval" if b <= 0 else "local"}
+             for h, b in enumerate(shapes)]
+    results = {"schema": "priors", "schema_version": SCHEMA_VERSION, "model": {"name": os.path.basename(run)},
+               "settings": {}, "pe": "bam", "ssmax": True, "shared_across_layers": False, "heads": heads,
+               "groups": {"local": 6 - retrieval, "retrieval": retrieval, "aggressive": 0}}
+    with open(os.path.join(run, "eval", "priors.json"), "w") as f:
+        json.dump(results, f)
+
+
+def test_report_sets_bam_seeds_that_grew_retrieval_heads_against_their_accuracy(grid, tmp_path):
+    for run, retrieval in zip(grid[:3], [0, 0, 2]):  # bam_ssmax seeds 1-3: 50, 20 and 40 % at 512 tokens
+        fake_priors(run, retrieval)
+    out = tmp_path / "report.md"
+    assert report.main([*dict.fromkeys(grid), "--out", str(out), "--no_run_plots"]) == 0
+    text = out.read_text()
+    assert "| bam_ssmax_seed3 | 4 | 2 | 0 | -0.30 / 1.50 / 1.50 | 40 at 512 |" in text
+    assert "mean passkey accuracy (%) at 512 tokens" in text
+    assert "| bam + ssmax | 3 | 1 | 40 (40) | 35 (50, 20) |" in text
+    assert "| bam + ssmax, init uniform |" not in text.split("BAM variants by seed")[1]  # no priors evaluated
