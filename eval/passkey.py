@@ -31,7 +31,7 @@ from eval.contract import Evaluator
 from eval.loading import load_for_eval
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
 from eval.prompts import encode_template, repeat_haystack, tokenizer
-from eval.reporting import DASH, binomial_interval, by_variant, length_label, rate, table
+from eval.reporting import DASH, binomial_interval, by_family, by_variant, length_label, rate, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
 from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap
@@ -329,12 +329,9 @@ def plot_variants(runs, path):
     encodings (model.ENCODINGS' `family`): a line per variant through its mean over seeds, a band over its
     seeds' range."""
     from eval.plotting import log2_length_axis, plt, save_figure
-    from model import ENCODINGS
 
-    families = {}
-    for variant, members in by_variant([r for r in runs if r.all("passkey").get("passkey", {}).get("results")]).items():
-        pe = ((members[0].model or {}).get("config") or {}).get("pe")
-        families.setdefault(getattr(ENCODINGS.get(pe), "family", "other"), {})[variant] = members
+    variants = by_variant([r for r in runs if r.all("passkey").get("passkey", {}).get("results")])
+    families = {family: {v: variants[v] for v in names} for family, names in by_family(variants).items()}
     if not families:
         return False
     columns = min(2, len(families))

@@ -4,7 +4,8 @@ One markdown report comparing runs, from the results their evaluators saved (not
     python -m eval.report runs/bam_ssmax_512 runs/rope_512 runs/alibi_512 --out report.md
 
 Reads RUN/eval/*.json of each run (the results of every evaluator in eval.EVALUATORS) and RUN/metrics.jsonl
-for the tokens trained, and writes: the runs (encoding, size, parameters, tokens), then one section per
+for the tokens trained and the loss curves, and writes: the runs (encoding, size, parameters, tokens), the
+loss each variant reached (eval.training, with <name>_training.png), then one section per
 evaluator in the registry's order (passkey accuracy by length, NIAH by length and task, perplexity at chosen
 positions, downstream task scores, the prior shape groups, attention by prompt length), and every run's plots
 side by side (relative links, so the report can be moved together with the run folders). Evaluators with a
@@ -27,7 +28,7 @@ import sys
 from checkpoint import CONFIG, write_bytes, write_text
 from cli import Parser, run_cli
 from config import ConfigError, load_config, to_dict
-from eval import EvalError, evaluators, variants
+from eval import EvalError, evaluators, training, variants
 from eval.loading import output_dir
 from eval.options import overrides_label, overrides_suffix
 from eval.reporting import DASH, Run, human, table
@@ -137,6 +138,7 @@ def add_training_state(run, path):
     run_dir = run_dir_of(path)
     metrics = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
     if metrics and os.path.isfile(metrics):
+        run.metrics = metrics
         rows = read_metrics(metrics)
         if rows and run.tokens is None:
             run.tokens, run.step = rows[-1].get("tokens"), run.step or rows[-1].get("step")
@@ -230,6 +232,8 @@ def write_report(sources, *, out="report.md", title="Evaluation report", run_plo
         raise EvalError(f"--out {out} is a directory; give the markdown file to write, e.g. {os.path.join(out, 'report.md')}")
     stem = os.path.splitext(os.path.abspath(out))[0]
     summary = []
+    if training.plot(runs, f"{stem}_training.png"):
+        summary.append(f"{stem}_training.png")
     for evaluator in evaluators().values():
         path = f"{stem}_{evaluator.name}.png"
         if evaluator.summary_plot and any(r.all(evaluator.name) for r in runs) and evaluator.summary_plot(runs, path):
@@ -237,7 +241,8 @@ def write_report(sources, *, out="report.md", title="Evaluation report", run_plo
     listed = ", ".join(f"`{s}`" for s in sources)
     lines = [f"# {title}", "", f"Runs: {listed}. Built by `python -m eval.report` from the "
              f"saved results (`RUN/eval/*.json`); rerun an evaluator to refresh its numbers.", ""]
-    sections = [runs_section(runs)] + [evaluator_section(e, runs, options) for e in evaluators().values()]
+    sections = [runs_section(runs), training.section(runs)] + [evaluator_section(e, runs, options)
+                                                                for e in evaluators().values()]
     for section in sections + [plots_section(runs, out, summary, run_plots)]:
         lines += section + [""]
     write_text(out, "\n".join(lines))

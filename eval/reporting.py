@@ -23,6 +23,7 @@ class Run:
     config: dict | None = None  # the run's resolved config (RUN/config.toml as a new run reads it), if any
     variant: str = ""  # the name of its variant: the runs whose configs differ only in the seed (eval.variants)
     seed: int | None = None
+    metrics: str | None = None  # the run's metrics.jsonl (train.py's log), if it has one
 
     def all(self, schema):
         """{file stem: results} of one evaluator (passkey keeps several: passkey, passkey_given1, ...)."""
@@ -41,6 +42,18 @@ class Run:
         """<results file stem><suffix>.png of the main results of `schema`, or None."""
         results = self.get(schema)
         return os.path.splitext(results["_file"])[0] + suffix + ".png" if results else None
+
+
+def by_family(variants):
+    """{family: [variant names]} of {variant: [its runs]}, by the encoding's family (model.ENCODINGS), for
+    small multiples: RoPE and its extensions in one panel, additive priors in another, ..."""
+    from model import ENCODINGS
+
+    families = {}
+    for variant, members in variants.items():
+        pe = ((members[0].model or {}).get("config") or {}).get("pe") or ((members[0].config or {}).get("model") or {}).get("pe")
+        families.setdefault(getattr(ENCODINGS.get(pe), "family", "other"), []).append(variant)
+    return families
 
 
 def by_variant(runs):

@@ -124,3 +124,32 @@ def test_report_sets_bam_seeds_that_grew_retrieval_heads_against_their_accuracy(
     assert "mean passkey accuracy (%) at 512 tokens" in text
     assert "| bam + ssmax | 3 | 1 | 40 (40) | 35 (50, 20) |" in text
     assert "| bam + ssmax, init uniform |" not in text.split("BAM variants by seed")[1]  # no priors evaluated
+
+
+def write_metrics(run, losses, val):
+    """RUN/metrics.jsonl as train.py logs it: a loss every 10 steps, validation losses at some steps, and the
+    steps after step 20 logged twice, as after a resume (the second, later row of a step wins)."""
+    rows = [{"step": 0, "tokens": 0, "val_loss": 10.0}]
+    rows += [{"step": 10 * (i + 1), "loss": 99.0, "tokens": 1} for i in range(2, len(losses))]  # replaced below
+    rows += [{"step": 10 * (i + 1), "loss": loss, "tokens": 10 * (i + 1)} for i, loss in enumerate(losses)]
+    rows += [{"step": step, "val_loss": v} for step, v in val]
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n{\"step\": 1")  # a line cut short by a kill
+
+
+def test_report_training_section_means_the_last_tenth_over_seeds_and_draws_the_curves(grid, tmp_path):
+    from eval import training
+
+    for run, offset in zip(grid[:3], [0.0, 0.3, 0.6]):  # bam_ssmax seeds 1-3: 20 losses, the last two 1+offset
+        write_metrics(run, [3.0] * 18 + [1.0 + offset] * 2, [(100, 2.0 + offset), (200, 0.5 + offset)])
+    out = tmp_path / "report.md"
+    assert report.main([*dict.fromkeys(grid), "--out", str(out), "--no_run_plots"]) == 0
+    text = out.read_text()
+    # the last tenth of 20 logged steps is 2 steps: 1.0, 1.3, 1.6 -> mean 1.3; validation 0.5, 0.8, 1.1 -> 0.8
+    assert "| bam + ssmax | 3 | 200 | 1.300 [1.000 1.300 1.600] | 0.800 [0.500 0.800 1.100] |" in text
+    section = text[text.index("## Training"):text.index("## Passkey")]
+    assert "bam-local" not in section and "init uniform" not in section  # an override; no metrics.jsonl
+    (train_steps, losses), (val_steps, val) = training.curves(os.path.join(grid[0], "metrics.jsonl"))
+    assert train_steps == list(range(10, 210, 10)) and 99.0 not in losses  # a step's last row wins
+    assert val_steps == [0, 100, 200] and val == [10.0, 2.0, 0.5]
+    assert "![](report_training.png)" in text and (tmp_path / "report_training.png").stat().st_size > 10_000

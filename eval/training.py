@@ -1,0 +1,112 @@
+"""
+The report's training section: the loss each variant reached and how it got there, from every run's
+RUN/metrics.jsonl (train.py's log, kept with the run even where its checkpoints are not, as
+configs/repro/grid5.sh keeps docs/repro/runs5). A variant that learned nothing shows it here first: its
+passkey row is empty and its loss curve stays flat.
+
+Only a run's own training counts: evaluator overrides ("rope_seed1: rope + YaRN auto") share the run's
+training and are left out. The training loss of a step is its batch's; the table gives its mean over the
+last tenth of the logged steps, so one noisy batch does not set it, and the last validation loss.
+"""
+
+import numpy as np
+
+from eval.reporting import DASH, by_family, by_variant, table
+from eval.results import read_metrics
+
+
+def curves(path):
+    """(steps, training losses), (steps, validation losses) of one metrics.jsonl; the last row of a step
+    wins (a run resumed from a checkpoint logs that checkpoint's later steps again)."""
+    rows = {}
+    for row in read_metrics(path):
+        if isinstance(row.get("step"), int):
+            rows.setdefault(row["step"], {}).update(row)
+    steps = sorted(rows)
+    train = [(s, rows[s]["loss"]) for s in steps if isinstance(rows[s].get("loss"), (int, float))]
+    val = [(s, rows[s]["val_loss"]) for s in steps if isinstance(rows[s].get("val_loss"), (int, float))]
+    return tuple(map(list, zip(*train))) or ([], []), tuple(map(list, zip(*val))) or ([], [])
+
+
+def trained(runs):
+    """{variant: [(run, curves)]} of the runs as trained (no overrides) whose metrics.jsonl has a loss."""
+    found = {}
+    for variant, members in by_variant([r for r in runs if not r.overrides and r.metrics]).items():
+        kept = [(r, curves(r.metrics)) for r in members]
+        kept = [(r, c) for r, c in kept if c[0][0]]
+        if kept:
+            found[variant] = kept
+    return found
+
+
+def final_train_loss(train):
+    steps, losses = train
+    return float(np.mean(losses[-max(1, len(losses) // 10):]))
+
+
+def seeds_cell(values):
+    """The mean over seeds, each seed's value in brackets (only the mean for one seed)."""
+    if not values:
+        return DASH
+    mean = f"{np.mean(values):.3f}"
+    return mean if len(values) == 1 else f"{mean} [{' '.join(f'{v:.3f}' for v in values)}]"
+
+
+def section(runs):
+    """The '## Training' lines: per variant, steps, final training and validation loss over its seeds."""
+    variants = trained(runs)
+    if not variants:
+        return []
+    rows = []
+    for variant, members in variants.items():
+        steps = sorted({c[0][0][-1] for _, c in members})
+        rows.append([variant, len(members), ", ".join(f"{s:,}" for s in steps),
+                     seeds_cell([final_train_loss(c[0]) for _, c in members]),
+                     seeds_cell([c[1][1][-1] for _, c in members if c[1][1]])])
+    return ["## Training", "",
+            "From each run's metrics.jsonl: the training loss (nats per token) averaged over the last tenth of "
+            "the logged steps, and the last validation loss; the mean over the variant's seeds, each seed's in "
+            "brackets.", ""] + table(["variant", "seeds", "steps", "training loss, end", "validation loss, last"], rows)
+
+
+def plot(runs, path):
+    """Training loss against step in small multiples by family: per variant the mean over its seeds
+    (each seed smoothed over 5 logged steps), a band over the seeds' range, the validation losses as dots.
+    False (nothing drawn) when no run has a metrics.jsonl."""
+    from eval.plotting import plt, save_figure
+
+    variants = trained(runs)
+    if not variants:
+        return False
+    families = by_family({v: [r for r, _ in members] for v, members in variants.items()})
+    columns = min(2, len(families))
+    rows = -(-len(families) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7.0 * columns, 4.0 * rows), squeeze=False, sharey=True)
+    for ax, (family, names) in zip(axes.flat, families.items()):
+        for i, variant in enumerate(names):
+            members = variants[variant]
+            color, style = plt.get_cmap("tab10")(i % 10), ("-", "--", ":")[i // 10 % 3]
+            steps = sorted(set.intersection(*(set(c[0][0]) for _, c in members)))
+            smooth = np.array([np.convolve(np.interp(steps, *c[0]), np.ones(5) / 5, mode="valid") for _, c in members])
+            x = steps[2:len(steps) - 2] if len(steps) >= 5 else []
+            if not len(x):
+                continue
+            ax.plot(x, smooth.mean(0), color=color, linestyle=style, linewidth=1.2,
+                    label=f"{variant} ({len(members)} seed{'s' if len(members) > 1 else ''})")
+            if len(members) > 1:
+                ax.fill_between(x, smooth.min(0), smooth.max(0), color=color, alpha=0.15, linewidth=0)
+            for _, c in members:
+                ax.plot(*c[1], linestyle="none", marker=".", markersize=4, color=color)
+        ax.set_yscale("log")
+        ax.set_title(family, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="upper right")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("training loss (dots: validation)")
+    for ax in list(axes.flat)[len(families):]:
+        ax.set_axis_off()
+    fig.suptitle("training loss by variant: mean over seeds, band = the seeds' range", fontsize=11)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+    return True
