@@ -328,16 +328,14 @@ def plot_variants(runs, path):
     """Accuracy against length (the plain passkey results) in small multiples, one panel per family of
     encodings (model.ENCODINGS' `family`): a line per variant through its mean over seeds, a band over its
     seeds' range."""
-    from eval.plotting import log2_length_axis, plt, save_figure
+    from eval.plotting import family_panels, finish_panels, log2_length_axis, plt
 
     variants = by_variant([r for r in runs if r.all("passkey").get("passkey", {}).get("results")])
     families = {family: {v: variants[v] for v in names} for family, names in by_family(variants).items()}
     if not families:
         return False
-    columns = min(2, len(families))
-    rows = -(-len(families) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(7.0 * columns, 4.2 * rows), squeeze=False, sharey=True)
-    for ax, (family, variants) in zip(axes.flat, families.items()):
+    fig, axes, panels = family_panels(families)
+    for ax, family, variants in panels:
         for i, (variant, members) in enumerate(variants.items()):
             lengths = sorted({x["length"] for r in members for x in r.all("passkey")["passkey"]["results"]})
             per_seed = [[c / n for c, n in seed_counts(members, "passkey", L)] for L in lengths]
@@ -357,13 +355,8 @@ def plot_variants(runs, path):
         ax.set_xlabel("prompt length (tokens); dotted: training context")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="lower left")  # accuracy falls with length: short and low is empty
-    for ax in axes[:, 0]:
-        ax.set_ylabel("passkey accuracy (%)")
-    for ax in list(axes.flat)[len(families):]:
-        ax.set_axis_off()
-    fig.suptitle("passkey retrieval by variant: mean over seeds, band = the seeds' range", fontsize=11)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=110)
+    finish_panels(fig, axes, len(families), "passkey accuracy (%)",
+                  "passkey retrieval by variant: mean over seeds, band = the seeds' range", path)
     return True
 
 

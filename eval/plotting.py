@@ -49,3 +49,23 @@ def log2_length_axis(ax):
     """An x axis of token counts on a log2 scale, ticks written as 512, 4K, 256K."""
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: format_length(int(v)) if v >= 1 else ""))
+
+
+def family_panels(families, height=4.2):
+    """(fig, axes, [(ax, family, its variants)]): one panel per family of encodings, two per row, sharing
+    the y axis (the report's small multiples, eval.reporting.by_family)."""
+    columns = min(2, len(families))
+    rows = -(-len(families) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7.0 * columns, height * rows), squeeze=False, sharey=True)
+    return fig, axes, [(ax, family, variants) for ax, (family, variants) in zip(axes.flat, families.items())]
+
+
+def finish_panels(fig, axes, used, ylabel, title, path):
+    """The y label on the first column, the panels left over blanked, the title; saved to `path`."""
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
+    for ax in list(axes.flat)[used:]:
+        ax.set_axis_off()
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)

@@ -46,14 +46,16 @@ class Run:
 
 def by_family(variants):
     """{family: [variant names]} of {variant: [its runs]}, by the encoding's family (model.ENCODINGS), for
-    small multiples: RoPE and its extensions in one panel, additive priors in another, ..."""
+    small multiples: RoPE and its extensions in one panel, additive priors in another, ..., the families in
+    the registry's order."""
     from model import ENCODINGS
 
     families = {}
     for variant, members in variants.items():
         pe = ((members[0].model or {}).get("config") or {}).get("pe") or ((members[0].config or {}).get("model") or {}).get("pe")
         families.setdefault(getattr(ENCODINGS.get(pe), "family", "other"), []).append(variant)
-    return families
+    order = list(dict.fromkeys(e.family for e in ENCODINGS.values()))  # baselines, RoPE, ..., as the registry
+    return dict(sorted(families.items(), key=lambda f: order.index(f[0]) if f[0] in order else len(order)))
 
 
 def by_variant(runs):

@@ -73,16 +73,14 @@ def plot(runs, path):
     """Training loss against step in small multiples by family: per variant the mean over its seeds
     (each seed smoothed over 5 logged steps), a band over the seeds' range, the validation losses as dots.
     False (nothing drawn) when no run has a metrics.jsonl."""
-    from eval.plotting import plt, save_figure
+    from eval.plotting import family_panels, finish_panels, plt
 
     variants = trained(runs)
     if not variants:
         return False
     families = by_family({v: [r for r, _ in members] for v, members in variants.items()})
-    columns = min(2, len(families))
-    rows = -(-len(families) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(7.0 * columns, 4.0 * rows), squeeze=False, sharey=True)
-    for ax, (family, names) in zip(axes.flat, families.items()):
+    fig, axes, panels = family_panels(families, height=4.0)
+    for ax, family, names in panels:
         for i, variant in enumerate(names):
             members = variants[variant]
             color, style = plt.get_cmap("tab10")(i % 10), ("-", "--", ":")[i // 10 % 3]
@@ -102,11 +100,6 @@ def plot(runs, path):
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=7, loc="upper right")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("training loss (dots: validation)")
-    for ax in list(axes.flat)[len(families):]:
-        ax.set_axis_off()
-    fig.suptitle("training loss by variant: mean over seeds, band = the seeds' range", fontsize=11)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=110)
+    finish_panels(fig, axes, len(families), "training loss (dots: validation)",
+                  "training loss by variant: mean over seeds, band = the seeds' range", path)
     return True
