@@ -122,6 +122,9 @@ def diverged(run, step, why):
     good = [p for p in step_checkpoints(run_dir) if checkpoint_step(p) <= step - 2]
     if run.procs.master:
         reject_after(run_dir, checkpoint_step(good[-1]) if good else -1)
+        # The last row of metrics.jsonl says where and why the run stopped: a report shows the loss curve
+        # of a run that did not train beside those that did (a --resume drops the row with the steps it redoes).
+        run.metrics.record({"step": step, "diverged": why})
     start = f"continues from {good[-1]}" if good else "starts over (no checkpoint predates it)"
     raise Diverged(f"diverged at step {step}: {why}; stopped without applying it. `--resume --train.lr={lr / 2:.3g}` "
                    f"{start}; lowering train.lr further, raising train.warmup_steps or setting train.grad_clip "

@@ -199,7 +199,7 @@ class MetricsLog:
         if self.wandb_run:
             import wandb
 
-            flat = {k: v for k, v in row.items() if k != "prior"}
+            flat = {k: v for k, v in row.items() if isinstance(v, (int, float))}  # not the prior, nor a divergence's why
             flat.update({f"prior/{kind}": wandb.Histogram(np.ravel(values))
                          for kind, values in row.get("prior", {}).items()})
             self.wandb_run.log(flat, step=row["step"])

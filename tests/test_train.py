@@ -272,7 +272,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, synt
     assert "error: diverged at step 3: non-finite loss or gradient (loss nan" in err, err
     # Step 3's loss came from step 2's weights: resuming goes back to step 1, step 2 is set aside.
     assert "--resume --train.lr=0.0005` continues from " in err and "step_00000001.pt" in err
-    assert newest(run)["step"] == 1 and [r["step"] for r in rows(run)] == [1, 2]
+    assert newest(run)["step"] == 1 and [r["step"] for r in rows(run)] == [1, 2, 3]
+    # the last row says where and why it stopped (a report draws the curve of a run that did not train)
+    assert rows(run)[-1] == {"step": 3, "diverged": "non-finite loss or gradient (loss nan, grad norm nan)"}
     assert os.path.exists(os.path.join(run, "checkpoints", "step_00000002.pt.rejected"))
 
 
