@@ -2,7 +2,8 @@
 The report's training section: the loss each variant reached and how it got there, from every run's
 RUN/metrics.jsonl (train.py's log, kept with the run even where its checkpoints are not, as
 configs/repro/grid5.sh keeps docs/repro/runs5). A variant that learned nothing shows it here first: its
-passkey row is empty and its loss curve stays flat.
+passkey row is empty and its loss curve stays flat. A run that train.py's divergence guard stopped is shown
+where it stopped and why, its curve ending in an x.
 
 Only a run's own training counts: evaluator overrides ("rope_seed1: rope + YaRN auto") share the run's
 training and are left out. The training loss of a step is its batch's; the table gives its mean over the
@@ -26,6 +27,14 @@ def curves(path):
     train = [(s, rows[s]["loss"]) for s in steps if isinstance(rows[s].get("loss"), (int, float))]
     val = [(s, rows[s]["val_loss"]) for s in steps if isinstance(rows[s].get("val_loss"), (int, float))]
     return tuple(map(list, zip(*train))) or ([], []), tuple(map(list, zip(*val))) or ([], [])
+
+
+def divergence(path):
+    """(step, why) where train.py's divergence guard stopped the run (the last row of its metrics.jsonl
+    says so, see recovery.diverged), or None for a run that did not diverge."""
+    rows = read_metrics(path)
+    last = rows[-1] if rows else {}
+    return (last["step"], last["diverged"]) if "diverged" in last else None
 
 
 def trained(runs):
@@ -57,16 +66,26 @@ def section(runs):
     variants = trained(runs)
     if not variants:
         return []
-    rows = []
+    rows, notes = [], []
     for variant, members in variants.items():
-        steps = sorted({c[0][0][-1] for _, c in members})
-        rows.append([variant, len(members), ", ".join(f"{s:,}" for s in steps),
-                     seeds_cell([final_train_loss(c[0]) for _, c in members]),
-                     seeds_cell([c[1][1][-1] for _, c in members if c[1][1]])])
-    return ["## Training", "",
-            "From each run's metrics.jsonl: the training loss (nats per token) averaged over the last tenth of "
-            "the logged steps, and the last validation loss; the mean over the variant's seeds, each seed's in "
-            "brackets.", ""] + table(["variant", "seeds", "steps", "training loss, end", "validation loss, last"], rows)
+        stopped = {r.name: divergence(r.metrics) for r, _ in members}
+        # The losses of the seeds that trained to the end; a seed that diverged early is not averaged with
+        # them (its loss is that of a shorter run), unless no seed got further.
+        counted = [(r, c) for r, c in members if not stopped[r.name]] or members
+        steps = [f"{s:,}" for s in sorted({c[0][0][-1] for r, c in members if not stopped[r.name]})]
+        for r, _ in members:
+            if stopped[r.name]:
+                steps.append(f"seed {r.seed} diverged at {stopped[r.name][0]:,}")
+                notes.append(f"- {r.name} ({variant}) diverged at step {stopped[r.name][0]:,}: {stopped[r.name][1]}")
+        rows.append([variant, len(members), "; ".join(steps),
+                     seeds_cell([final_train_loss(c[0]) for _, c in counted]),
+                     seeds_cell([c[1][1][-1] for _, c in counted if c[1][1]])])
+    return (["## Training", "",
+             "From each run's metrics.jsonl: the training loss (nats per token) averaged over the last tenth of "
+             "the logged steps, and the last validation loss; the mean over the variant's seeds, each seed's in "
+             "brackets (over the seeds that trained to the end when some diverged).", ""]
+            + table(["variant", "seeds", "steps", "training loss, end", "validation loss, last"], rows)
+            + ([""] + notes if notes else []))
 
 
 def plot(runs, path):
@@ -82,8 +101,19 @@ def plot(runs, path):
     fig, axes, panels = family_panels(families, height=4.0)
     for ax, family, names in panels:
         for i, variant in enumerate(names):
-            members = variants[variant]
             color, style = plt.get_cmap("tab10")(i % 10), ("-", "--", ":")[i // 10 % 3]
+            members = []
+            for r, c in variants[variant]:  # a diverged seed: its own thin line to an x where it stopped
+                stop = divergence(r.metrics)
+                if not stop:
+                    members.append((r, c))
+                    continue
+                ax.plot(*c[0], color=color, linewidth=0.8, alpha=0.7)
+                ax.plot(*c[1], linestyle="none", marker=".", markersize=4, color=color)
+                ax.plot(c[0][0][-1], c[0][1][-1], marker="x", markersize=7, color=color,
+                        label=f"{variant}: seed {r.seed} diverged at step {stop[0]:,}")
+            if not members:
+                continue
             steps = sorted(set.intersection(*(set(c[0][0]) for _, c in members)))
             smooth = np.array([np.convolve(np.interp(steps, *c[0]), np.ones(5) / 5, mode="valid") for _, c in members])
             x = steps[2:len(steps) - 2] if len(steps) >= 5 else []

@@ -153,3 +153,21 @@ def test_report_training_section_means_the_last_tenth_over_seeds_and_draws_the_c
     assert train_steps == list(range(10, 210, 10)) and 99.0 not in losses  # a step's last row wins
     assert val_steps == [0, 100, 200] and val == [10.0, 2.0, 0.5]
     assert "![](report_training.png)" in text and (tmp_path / "report_training.png").stat().st_size > 10_000
+
+
+def test_report_training_section_shows_where_a_seed_diverged_and_averages_the_others(grid, tmp_path):
+    for run, offset in zip(grid[:2], [0.0, 0.3]):
+        write_metrics(run, [3.0] * 18 + [1.0 + offset] * 2, [(100, 2.0 + offset), (200, 0.5 + offset)])
+    # seed 3 stopped by the guard at step 90 (recovery.diverged's row), its passkey never run
+    write_metrics(grid[2], [3.0] * 8, [(50, 2.9)])
+    with open(os.path.join(grid[2], "metrics.jsonl"), "a") as f:
+        f.write("\n" + json.dumps({"step": 90, "diverged": "loss 9 is more than 6 robust standard deviations"}) + "\n")
+    for file in os.listdir(os.path.join(grid[2], "eval")):
+        os.remove(os.path.join(grid[2], "eval", file))
+    out = tmp_path / "report.md"
+    assert report.main([*dict.fromkeys(grid), "--out", str(out), "--no_run_plots"]) == 0
+    text = out.read_text()
+    # the two seeds that trained to step 200 are averaged; the third is named with its step
+    assert "| bam + ssmax | 3 | 200; seed 3 diverged at 90 | 1.150 [1.000 1.300] | 0.650 [0.500 0.800] |" in text
+    assert "- bam_ssmax_seed3 (bam + ssmax) diverged at step 90: loss 9 is more than 6 robust" in text
+    assert (tmp_path / "report_training.png").stat().st_size > 10_000
