@@ -36,16 +36,21 @@ for run in $RUNS; do
   name=${run%@*}; seed=1; [[ $run == *@* ]] && seed=${run#*@}
   LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 passkey_done "$RESULTS/${name}_seed$seed/eval/passkey.json" \
     && { echo "== $run: kept in $RESULTS"; continue; }
+  grep -qs '"diverged"' "$RESULTS/${name}_seed$seed/metrics.jsonl" \
+    && { echo "== $run: diverged, kept in $RESULTS (its metrics.jsonl says where)"; continue; }
   todo+=" $run"
 done
 export RUNS=${todo# }
 
-collect() {  # copy every finished run's small files to $RESULTS (a run is finished when its passkey is)
+collect() {  # copy every finished run's small files to $RESULTS: a run is finished when its passkey is, or
+  # when train.py's divergence guard stopped it (the last row of its metrics.jsonl): that is a result too,
+  # which the report's training section shows with its loss curve
   source configs/repro/passkey.sh
   local dir name file
   for dir in "$OUT"/*_seed*/; do
     dir=${dir%/}; name=${dir##*/}
-    passkey_done "$dir/eval/passkey.json" || continue
+    passkey_done "$dir/eval/passkey.json" || [[ $(tail -n 1 "$dir/metrics.jsonl" 2>/dev/null) == *'"diverged"'* ]] \
+      || continue
     mkdir -p "$RESULTS/$name/eval"
     cp "$dir/config.toml" "$dir/metrics.jsonl" "$RESULTS/$name/"
     for file in "$dir"/eval/*.json; do
@@ -55,8 +60,10 @@ collect() {  # copy every finished run's small files to $RESULTS (a run is finis
   done
 }
 
-# (run.sh with an empty RUNS would run its own default list)
-[[ -n $RUNS ]] && LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 bash configs/repro/run.sh
+# (run.sh with an empty RUNS would run its own default list.) A failed or diverged run does not stop the
+# others being kept: the status is returned at the end.
+status=0
+if [[ -n $RUNS ]]; then LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 bash configs/repro/run.sh || status=$?; fi
 shopt -s nullglob
 trained=("$OUT"/rope_seed*/checkpoints)
 if (( ${#trained[@]} )); then  # RoPE runs trained here: PI and YaRN on each, the fine-tune from seed 1's
@@ -65,9 +72,16 @@ if (( ${#trained[@]} )); then  # RoPE runs trained here: PI and YaRN on each, th
       bash configs/repro/rope_extensions.sh
 fi
 LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 collect
-python -m eval.report "$RESULTS"/*/ --out docs/repro/report5.md --no_run_plots \
-    --title "Passkey retrieval at 5-digit keys past a 128-token training context (CPU), seeds aggregated" \
-    --compare "bam + ssmax, prior lr x10" "rope" --compare "bam + ssmax, prior lr x10" "alibi" \
-    --compare "bam + ssmax, prior lr x10" "bam + ssmax" --compare "bam + ssmax" "alibi" \
-    --compare "bam + ssmax, prior lr x10" "rope + YaRN auto" --compare "alibi" "nope"
+compare=(--compare "bam + ssmax, prior lr x10" "rope" --compare "bam + ssmax, prior lr x10" "alibi"
+         --compare "bam + ssmax, prior lr x10" "bam + ssmax" --compare "bam + ssmax" "alibi"
+         --compare "bam + ssmax, prior lr x10" "rope + YaRN auto" --compare "alibi" "nope")
+for name in $RIVALS; do  # each rival with a passkey result against BAM + SSMax and RoPE + YaRN
+  passkeys=("$RESULTS/${name}"_seed*/eval/passkey.json)
+  (( ${#passkeys[@]} )) || continue
+  label=${name/_ssmax/ + ssmax}  # the report's variant name: fox_ssmax -> "fox + ssmax"
+  compare+=(--compare "$label" "bam + ssmax" --compare "$label" "rope + YaRN auto")
+done
+python -m eval.report "$RESULTS"/*/ --out docs/repro/report5.md --no_run_plots "${compare[@]}" \
+    --title "Passkey retrieval at 5-digit keys past a 128-token training context (CPU), seeds aggregated"
 echo "report: docs/repro/report5.md (from $RESULTS)"
+exit $status
