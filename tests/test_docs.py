@@ -34,11 +34,7 @@ TOP_DIRS = (".ci", "bench", "configs", "docs", "eval", "tests")
 
 # Known broken links, each naming the issue that will fix it; an entry no longer needed fails the test, so
 # the list only shrinks. (doc, target prefix): reason.
-ALLOWED_BROKEN = {
-    # eval.report links every run's own plots where they lie, under runs/, which is not in git; the report
-    # committed as docs/repro/report5.md keeps those links (issue 22: reports that travel with their plots).
-    ("docs/repro/report5.md", "runs/repro5/"): "issue 22",
-}
+ALLOWED_BROKEN = {}  # (doc, link prefix): issue, for links that are broken on purpose until an issue lands
 
 PLACEHOLDER_PART = re.compile(r"^(?:RUN|OUT|OUT_DIR|NAME|PATH|DIR|FILE|PREFIX|SPLIT|N|X+)(?:[._].*)?$")
 LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)"  # [text](target "title")
