@@ -282,10 +282,14 @@ def comparison(name, a, b, variants, lengths, runs):
         rows.append([length_label(n, runs), f"{100 * np.mean(sa):.0f} ({len(sa)})", f"{100 * np.mean(sb):.0f} ({len(sb)})",
                      f"{100 * (np.mean(sa) - np.mean(sb)):+.0f} ({100 * low:+.0f} to {100 * high:+.0f})",
                      f"{permutation_test(sa, sb):.3g}"])
-    return [f"**{a}** against **{b}** ({name}): mean accuracy (%) with its number of seeds, the difference with its "
-            "95% two-level bootstrap interval, and the two-sided p-value of a permutation test over the seeds' "
-            "accuracies (exact over every relabelling; with n and m seeds it cannot go below 1 / C(n + m, n), or 2 / C(2n, n) for n against n).", ""] + \
-        table(["length", a, b, "difference", "p"], rows) + [""]
+    return [f"**{a}** against **{b}** ({name}):", ""] + table(["length", a, b, "difference", "p"], rows) + [""]
+
+
+COMPARISONS = ("Comparisons (`--compare A B`): per length, each variant's mean accuracy (%) with its number of "
+               "seeds, the difference with its 95% two-level bootstrap interval, and the two-sided p-value of a "
+               "permutation test over the seeds' accuracies (exact over every relabelling; with n and m seeds it "
+               "cannot go below 1 / C(n + m, n), or 2 / C(2n, n) for n against n). Many comparisons are made at "
+               "once, so a single p near its floor is weak evidence on its own.")
 
 
 def section(runs, report_options):
@@ -309,9 +313,10 @@ def section(runs, report_options):
             rows = [[variant, len(members)] + [variant_cell(seed_counts(members, name, n)) for n in lengths]
                     for variant, members in variants.items()]
             lines += table(["variant", "seeds"] + [length_label(n, runs) for n in lengths], rows) + [""]
-        for a, b in report_options.get("compare") or []:
-            if a in variants and b in variants:
-                lines += comparison(name, a, b, variants, lengths, runs)
+        pairs = [(a, b) for a, b in report_options.get("compare") or [] if a in variants and b in variants]
+        lines += [COMPARISONS, ""] if pairs else []
+        for a, b in pairs:
+            lines += comparison(name, a, b, variants, lengths, runs)
         # One row per run and one column per length, as the paper's tables: many runs stay readable.
         rows = []
         for r in present:

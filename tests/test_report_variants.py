@@ -78,6 +78,7 @@ def test_report_aggregates_seeds_compares_variants_and_links_only_what_exists(gr
     assert "37 [50 20 40] (" in row, row
     single = next(line for line in text.splitlines() if line.startswith("| bam + ssmax, prior lr x10 | 1 |"))
     assert "85 (64-95, n=20)" in single  # one seed: its Wilson interval
+    assert text.count("Comparisons (`--compare A B`)") == 1  # explained once, above the comparisons
     compare = text[text.index("**bam + ssmax, init uniform** against **bam + ssmax**"):]
     line512 = next(line for line in compare.splitlines() if line.startswith("| 512"))
     assert "| 95 (2) | 37 (3) | +58 (" in line512
