@@ -123,7 +123,9 @@ def assign_variants(runs):
         return run.config or (run.model or {}).get("config") or {}
 
     groups = variants.group(runs, config_of, lambda r: r.overrides)
-    labels = [overrides_label(((g[0].model or {}).get("config") or {}), g[0].overrides) for g in groups]
+    # the model config its results recorded, or its config.toml's (a run kept without results: one that diverged)
+    labels = [overrides_label((g[0].model or {}).get("config") or (g[0].config or {}).get("model") or {},
+                              g[0].overrides) for g in groups]
     defaults = variants.flatten(to_dict(load_config()))  # what a config file that sets nothing gets
     for group, name in zip(groups, variants.names(labels, [config_of(g[0]) for g in groups], defaults)):
         for run in group:

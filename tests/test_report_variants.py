@@ -156,19 +156,34 @@ def test_report_training_section_means_the_last_tenth_over_seeds_and_draws_the_c
     assert "![](report_training.png)" in text and (tmp_path / "report_training.png").stat().st_size > 10_000
 
 
+def diverge(run, step):
+    """RUN as configs/repro/grid5.sh keeps a run the guard stopped: metrics.jsonl ending in recovery.diverged's
+    row, no checkpoints and no evaluation results."""
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+        f.write("\n" + json.dumps({"step": step, "diverged": "loss 9 is more than 6 robust standard deviations"}) + "\n")
+    for file in os.listdir(os.path.join(run, "eval")):
+        os.remove(os.path.join(run, "eval", file))
+
+
 def test_report_training_section_shows_where_a_seed_diverged_and_averages_the_others(grid, tmp_path):
     for run, offset in zip(grid[:2], [0.0, 0.3]):
         write_metrics(run, [3.0] * 18 + [1.0 + offset] * 2, [(100, 2.0 + offset), (200, 0.5 + offset)])
-    # seed 3 stopped by the guard at step 90 (recovery.diverged's row), its passkey never run
-    write_metrics(grid[2], [3.0] * 8, [(50, 2.9)])
-    with open(os.path.join(grid[2], "metrics.jsonl"), "a") as f:
-        f.write("\n" + json.dumps({"step": 90, "diverged": "loss 9 is more than 6 robust standard deviations"}) + "\n")
-    for file in os.listdir(os.path.join(grid[2], "eval")):
-        os.remove(os.path.join(grid[2], "eval", file))
+    write_metrics(grid[2], [3.0] * 8, [(50, 2.9)])  # seed 3 stopped by the guard at step 90
+    diverge(grid[2], 90)
+    # and a variant none of whose seeds trained: no passkey anywhere, only its curve
+    fox = fake_run(tmp_path / "runs", "fox_ssmax_seed1", 1, [0, 0, 0], ["--model.pe=fox"], checkpoints=False)
+    write_metrics(fox, [3.0] * 5, [])
+    diverge(fox, 60)
     out = tmp_path / "report.md"
-    assert report.main([*dict.fromkeys(grid), "--out", str(out), "--no_run_plots"]) == 0
+    assert report.main([*dict.fromkeys(grid), fox, "--out", str(out), "--no_run_plots",
+                        "--compare", "bam + ssmax", "bam + ssmax, init uniform"]) == 0
     text = out.read_text()
     # the two seeds that trained to step 200 are averaged; the third is named with its step
     assert "| bam + ssmax | 3 | 200; seed 3 diverged at 90 | 1.150 [1.000 1.300] | 0.650 [0.500 0.800] |" in text
     assert "- bam_ssmax_seed3 (bam + ssmax) diverged at step 90: loss 9 is more than 6 robust" in text
+    assert "| fox + ssmax | 1 | seed 1 diverged at 60 | 3.000 |" in text
+    passkey = text[text.index("## Passkey"):]
+    # the diverged seed has no passkey: the two others make the variant's row and its comparison
+    assert "| bam + ssmax | 2 | 98 [100 95] (" in passkey and "| 512 (4x) | 35 (2) | 95 (2) |" in passkey
+    assert "fox" not in passkey.split("## Plots")[0]
     assert (tmp_path / "report_training.png").stat().st_size > 10_000
