@@ -1016,10 +1016,13 @@ def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes):
     return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
 
 
-def _make_flex_kernel(bias_fn, use_ssmax):
+def _make_flex_kernel(bias_fn, use_ssmax, static_shapes):
     """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
     captured from a module, so every layer (and every model of that variant) reuses one compiled kernel
-    instead of recompiling per layer; each variant also gets its own recompile budget."""
+    instead of recompiling per layer; each variant also gets its own recompile budget. `static_shapes` (the
+    CPU, for a score_mod that gathers per-query tensors): torch 2.13's C++ flex template fails to compile
+    FoX + SSMax's (the gates and log n by query) once dynamo has made the batch and length dynamic (an
+    undeclared `cur_qSplitSize2`, as the table kernel's `cur_kvSplitSize`), so each shape gets its own."""
 
     def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features):
         prior = None if bias_fn is None else (bias_fn, prior_tensors)
@@ -1038,7 +1041,7 @@ def _make_flex_kernel(bias_fn, use_ssmax):
     # of the kernel above shares one: an evaluation sweep over lengths, or a test comparing encodings, would
     # exhaust it and fail under fullgraph. Raise it at the first flex compile (never lower a user's setting).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(kernel, fullgraph=True)
+    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
 
 
 _FLEX_KERNELS = {}
@@ -1058,7 +1061,8 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
     if tabulated:
         variant = ("table", bias_fn is not None, ssmax_scale is not None, q.device.type == "cpu")
     else:
-        variant = (bias_fn, ssmax_scale is not None)
+        gathers = ssmax_scale is not None or features is not None  # per-query tensors in score_mod
+        variant = (bias_fn, ssmax_scale is not None, q.device.type == "cpu" and gathers)
     if variant not in _FLEX_KERNELS:
         _FLEX_KERNELS[variant] = _make_flex_table_kernel(*variant[1:]) if tabulated else _make_flex_kernel(*variant)
     T, padded = q.shape[2], ctx.mask.seq_lengths[0]

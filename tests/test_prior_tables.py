@@ -210,7 +210,8 @@ def flex_forward(model, flex_prior="table"):
 def test_a_prior_that_is_not_distance_only_is_not_routed_to_a_table(recorded_kernels, ssmax):
     built, tables = recorded_kernels
     flex_forward(make_model("not_distance_only", ssmax))
-    assert built == [("formula", (NotDistanceOnlyPrior.bias_fn, ssmax))] and tables == []
+    # True: its token features are gathered by query, so on a CPU its kernel has static shapes too
+    assert built == [("formula", (NotDistanceOnlyPrior.bias_fn, ssmax, True))] and tables == []
     built.clear()
     flex_forward(make_model("alibi", ssmax))  # the control: the same formula, distance-only, is tabulated
     assert built == [("table", (True, ssmax, True))] and len(tables) == 1  # True: static shapes on a CPU
