@@ -586,18 +586,36 @@ def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2):
     """FIRE (Li et al., ICLR 2024): f_theta(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), with i the
     query's position in its document (query[0]) and f_theta an MLP 1 -> W -> heads with a ReLU. The distance
     is clamped at 0: masked pairs (j > i) then stay finite, so their zero gradient through the mask is not
-    0 x NaN."""
+    0 x NaN.
+
+    On a grid (the dense paths) the bias is a function of the pair (i - j, i) alone, and the rows of a batch
+    repeat the same pairs: the MLP runs once per distinct pair and is spread back over the grid by indexing
+    (its backward a scatter-add). The values are the whole grid's, at a fraction of its cost: on the CPU
+    training path FIRE's MLP took most of a step (docs/benchmarks.md)."""
     c, threshold = torch.exp(log_c), torch.exp(log_threshold)
-    x = torch.log1p(c * dist.clamp(min=0)) / torch.log1p(c * torch.maximum(query[0], threshold))
-    return fire_mlp(x, head, w1, b1, w2)
+    dist = dist.clamp(min=0)
+    if dist.dim() == 0:  # FlexAttention's score_mod: one score at a time
+        return fire_mlp(fire_input(dist, query[0], c, threshold), head, w1, b1, w2)
+    d, i = torch.broadcast_tensors(dist, query[0])
+    # One number per pair, exact in float64 for whole positions below 2^21 and distances below 2^31
+    shift = 2.0 ** 31
+    pairs, where = torch.unique(i.double() * shift + d.double(), return_inverse=True)
+    i_pair = torch.div(pairs, shift, rounding_mode="floor")
+    every_head = fire_mlp(fire_input((pairs - i_pair * shift).to(d.dtype), i_pair.to(i.dtype), c, threshold),
+                          None, w1, b1, w2)  # (pairs, H)
+    return every_head[where, head]
+
+
+def fire_input(dist, i, c, threshold):
+    """FIRE's progressive interpolation psi(i - j) / psi(max(L, i)), the MLP's one input."""
+    return torch.log1p(c * dist) / torch.log1p(c * torch.maximum(i, threshold))
 
 
 def fire_mlp(x, head, w1, b1, w2):
     """FIRE's MLP, output `head`: sum_u w2_hu relu(w1_u x + b1_u). On FlexAttention's scalars it is a
-    sum over the W hidden units, so that score_mod stays elementwise; on a grid the same sum is a matmul of
-    the (head-independent) hidden layer with w2 and a gather of each grid point's head, a few times cheaper
-    than W elementwise passes over every head (docs/benchmarks.md); test_model's flex == eager holds the two
-    to each other."""
+    sum over the W hidden units, so that score_mod stays elementwise; on a vector of inputs (head None) the
+    same sum is a matmul of the (head-independent) hidden layer with w2, every head at once (x's shape +
+    (H,)); test_model's flex == eager holds the two to each other."""
     if x.dim() == 0:
         bias = torch.zeros_like(x)
         for unit in range(w1.shape[0]):
@@ -605,14 +623,7 @@ def fire_mlp(x, head, w1, b1, w2):
         return bias
     with torch.autocast(x.device.type, enabled=False):  # a prior is computed in fp32, also under bf16 autocast
         hidden = torch.relu(x[..., None] * w1 + b1)
-        every_head = hidden @ w2.to(hidden.dtype).T  # x's shape + (H,)
-    # Each grid point picks its head by indexing, not by gathering from an expanded view: the backward then
-    # accumulates into a tensor of every_head's size instead of H times the grid.
-    rank = len(torch.broadcast_shapes(x.shape, head.shape))
-    every_head = every_head.reshape((1,) * (rank - x.dim()) + every_head.shape)
-    points = [torch.arange(n, device=x.device).view((n,) + (1,) * (rank - 1 - k)) if n > 1
-              else torch.zeros((), dtype=torch.long, device=x.device) for k, n in enumerate(every_head.shape[:-1])]
-    return every_head[(*points, head)]
+        return hidden @ w2.to(hidden.dtype).T
 
 
 class FIREPrior(AdditivePrior):
