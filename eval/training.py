@@ -38,11 +38,12 @@ def divergence(path):
 
 
 def trained(runs):
-    """{variant: [(run, curves)]} of the runs as trained (no overrides) whose metrics.jsonl has a loss."""
+    """{variant: [(run, curves, divergence)]} of the runs as trained (no overrides) whose metrics.jsonl has a
+    loss; divergence is None for a run that did not diverge."""
     found = {}
     for variant, members in by_variant([r for r in runs if not r.overrides and r.metrics]).items():
-        kept = [(r, curves(r.metrics)) for r in members]
-        kept = [(r, c) for r, c in kept if c[0][0]]
+        kept = [(r, curves(r.metrics), divergence(r.metrics)) for r in members]
+        kept = [(r, c, stop) for r, c, stop in kept if c[0][0]]
         if kept:
             found[variant] = kept
     return found
@@ -68,18 +69,17 @@ def section(runs):
         return []
     rows, notes = [], []
     for variant, members in variants.items():
-        stopped = {r.name: divergence(r.metrics) for r, _ in members}
         # The losses of the seeds that trained to the end; a seed that diverged early is not averaged with
         # them (its loss is that of a shorter run), unless no seed got further.
-        counted = [(r, c) for r, c in members if not stopped[r.name]] or members
-        steps = [f"{s:,}" for s in sorted({c[0][0][-1] for r, c in members if not stopped[r.name]})]
-        for r, _ in members:
-            if stopped[r.name]:
-                steps.append(f"seed {r.seed} diverged at {stopped[r.name][0]:,}")
-                notes.append(f"- {r.name} ({variant}) diverged at step {stopped[r.name][0]:,}: {stopped[r.name][1]}")
+        counted = [c for _, c, stop in members if not stop] or [c for _, c, _ in members]
+        steps = [f"{s:,}" for s in sorted({c[0][0][-1] for _, c, stop in members if not stop})]
+        for r, _, stop in members:
+            if stop:
+                steps.append(f"seed {r.seed} diverged at {stop[0]:,}")
+                notes.append(f"- {r.name} ({variant}) diverged at step {stop[0]:,}: {stop[1]}")
         rows.append([variant, len(members), "; ".join(steps),
-                     seeds_cell([final_train_loss(c[0]) for _, c in counted]),
-                     seeds_cell([c[1][1][-1] for _, c in counted if c[1][1]])])
+                     seeds_cell([final_train_loss(c[0]) for c in counted]),
+                     seeds_cell([c[1][1][-1] for c in counted if c[1][1]])])
     return (["## Training", "",
              "From each run's metrics.jsonl: the training loss (nats per token) averaged over the last tenth of "
              "the logged steps, and the last validation loss; the mean over the variant's seeds, each seed's in "
@@ -97,14 +97,13 @@ def plot(runs, path):
     variants = trained(runs)
     if not variants:
         return False
-    families = by_family({v: [r for r, _ in members] for v, members in variants.items()})
+    families = by_family({v: [r for r, _, _ in members] for v, members in variants.items()})
     fig, axes, panels = family_panels(families, height=4.0)
     for ax, family, names in panels:
         for i, variant in enumerate(names):
             color, style = plt.get_cmap("tab10")(i % 10), ("-", "--", ":")[i // 10 % 3]
             members = []
-            for r, c in variants[variant]:  # a diverged seed: its own thin line to an x where it stopped
-                stop = divergence(r.metrics)
+            for r, c, stop in variants[variant]:  # a diverged seed: its own thin line to an x where it stopped
                 if not stop:
                     members.append((r, c))
                     continue

@@ -31,12 +31,15 @@ if [[ -z ${RUNS:-} ]]; then  # seed by seed, so that a grid stopped early is bal
 fi
 # A run already kept in $RESULTS is done: leave it out (its checkpoints may be on another machine)
 source configs/repro/passkey.sh
+diverged() {  # RUN: train.py's divergence guard stopped it (the last row of its metrics.jsonl says so)
+  [[ $(tail -n 1 "$1/metrics.jsonl" 2>/dev/null) == *'"diverged"'* ]]
+}
 todo=""
 for run in $RUNS; do
   name=${run%@*}; seed=1; [[ $run == *@* ]] && seed=${run#*@}
   LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 passkey_done "$RESULTS/${name}_seed$seed/eval/passkey.json" \
     && { echo "== $run: kept in $RESULTS"; continue; }
-  grep -qs '"diverged"' "$RESULTS/${name}_seed$seed/metrics.jsonl" \
+  diverged "$RESULTS/${name}_seed$seed" \
     && { echo "== $run: diverged, kept in $RESULTS (its metrics.jsonl says where)"; continue; }
   todo+=" $run"
 done
@@ -49,8 +52,7 @@ collect() {  # copy every finished run's small files to $RESULTS: a run is finis
   local dir name file
   for dir in "$OUT"/*_seed*/; do
     dir=${dir%/}; name=${dir##*/}
-    passkey_done "$dir/eval/passkey.json" || [[ $(tail -n 1 "$dir/metrics.jsonl" 2>/dev/null) == *'"diverged"'* ]] \
-      || continue
+    passkey_done "$dir/eval/passkey.json" || diverged "$dir" || continue
     mkdir -p "$RESULTS/$name/eval"
     cp "$dir/config.toml" "$dir/metrics.jsonl" "$RESULTS/$name/"
     for file in "$dir"/eval/*.json; do
