@@ -79,7 +79,12 @@ def load_runs(path):
             run.name = f"{name}: {overrides_label((run.model or {}).get('config') or {}, run.overrides)}"
         add_training_state(run, path)
     if not any(r.results for r in runs):
-        print(f"report: no evaluation results in {folder} (run python -m eval.passkey {path} first)", file=sys.stderr)
+        stop = training.divergence(runs[0].metrics) if runs[0].metrics else None
+        if stop:  # nothing to evaluate: the report's training section shows where it stopped
+            print(f"report: {path} diverged at step {stop[0]}; it is in the training section only", file=sys.stderr)
+        else:
+            print(f"report: no evaluation results in {folder} (run python -m eval.passkey {path} first)",
+                  file=sys.stderr)
     return runs
 
 

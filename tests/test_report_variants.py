@@ -165,7 +165,7 @@ def diverge(run, step):
         os.remove(os.path.join(run, "eval", file))
 
 
-def test_report_training_section_shows_where_a_seed_diverged_and_averages_the_others(grid, tmp_path):
+def test_report_training_section_shows_where_a_seed_diverged_and_averages_the_others(grid, tmp_path, capsys):
     for run, offset in zip(grid[:2], [0.0, 0.3]):
         write_metrics(run, [3.0] * 18 + [1.0 + offset] * 2, [(100, 2.0 + offset), (200, 0.5 + offset)])
     write_metrics(grid[2], [3.0] * 8, [(50, 2.9)])  # seed 3 stopped by the guard at step 90
@@ -178,6 +178,10 @@ def test_report_training_section_shows_where_a_seed_diverged_and_averages_the_ot
     assert report.main([*dict.fromkeys(grid), fox, "--out", str(out), "--no_run_plots",
                         "--compare", "bam + ssmax", "bam + ssmax, init uniform"]) == 0
     text = out.read_text()
+    # a diverged run has nothing to evaluate: the warning says why, not "run eval.passkey first"
+    warnings = capsys.readouterr().err
+    assert f"report: {grid[2]} diverged at step 90; it is in the training section only" in warnings
+    assert "eval.passkey" not in warnings
     # the two seeds that trained to step 200 are averaged; the third is named with its step
     assert "| bam + ssmax | 3 | 200; seed 3 diverged at 90 | 1.150 [1.000 1.300] | 0.650 [0.500 0.800] |" in text
     assert "- bam_ssmax_seed3 (bam + ssmax) diverged at step 90: loss 9 is more than 6 robust" in text
