@@ -77,7 +77,10 @@ LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 collect
 compare=(--compare "bam + ssmax, prior lr x10" "rope" --compare "bam + ssmax, prior lr x10" "alibi"
          --compare "bam + ssmax, prior lr x10" "bam + ssmax" --compare "bam + ssmax" "alibi"
          --compare "bam + ssmax, prior lr x10" "rope + YaRN auto" --compare "bam + ssmax, prior lr x10" "nope"
-         --compare "alibi" "nope")
+         --compare "alibi" "nope"
+         # the other variants, each against the variant it changes by one setting (2 seeds each)
+         --compare "bam + ssmax, init uniform" "bam + ssmax" --compare "bam, init uniform" "bam"
+         --compare "bam" "bam + ssmax" --compare "alibi + ssmax" "alibi" --compare "sinusoidal" "nope")
 for name in $RIVALS; do  # each rival with a passkey result against the BAM + SSMax that extrapolates, and YaRN
   passkeys=("$RESULTS/${name}"_seed*/eval/passkey.json)
   (( ${#passkeys[@]} )) || continue
