@@ -3,6 +3,7 @@ few steps, evaluate them and write the comparison report. Checks the pipeline, n
 
 import json
 import os
+import shutil
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,3 +84,37 @@ def test_rope_extensions_skip_unfinished_runs_and_check_methods(tmp_path):
     proc = subprocess.run(["bash", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip() == "error: METHODS has pi; allowed: window linear ntk yarn dynamic_ntk"
+
+
+def test_grid5_keeps_finished_runs_and_skips_kept_ones(tmp_path):
+    # configs/repro/grid5.sh without training anything: a run already kept in RESULTS is skipped, and the
+    # collect step copies what finished in OUT: a passkey complete at the grid's lengths (the YaRN fine-tune
+    # among them, whose context is 512 and whose lengths are the pretraining context's 1x..64x in tokens),
+    # a run the divergence guard stopped, and not a run whose passkey is still incomplete.
+    kept = os.path.join(ROOT, "docs", "repro", "runs5", "nope_seed1")
+    results, out = tmp_path / "results", tmp_path / "runs"
+    shutil.copytree(kept, results / "nope_seed1")
+    passkey = json.loads(open(os.path.join(kept, "eval", "passkey.json")).read())
+
+    def finished(name, passkey=None, last_row=None):
+        run = out / name
+        shutil.copytree(kept, run, ignore=shutil.ignore_patterns("*.json"))
+        if passkey is not None:
+            (run / "eval" / "passkey.json").write_text(json.dumps(passkey))
+        if last_row is not None:
+            with open(run / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(last_row) + "\n")
+
+    finished("rope_yarn_ft_seed1", dict(passkey, settings=dict(passkey["settings"], block_size=512)))
+    finished("bam_seed3", last_row={"step": 254, "diverged": "loss 5.9 is more than 6 robust standard deviations"})
+    finished("alibi_seed2", dict(passkey, complete=False))
+    env = dict(os.environ, RESULTS=str(results), OUT=str(out), REPORT=str(tmp_path / "report.md"),
+               RUNS="nope@1")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "grid5.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert f"== nope@1: kept in {results}" in proc.stdout, proc.stdout + proc.stderr
+    assert "started" not in proc.stdout  # nothing trained
+    assert json.loads((results / "rope_yarn_ft_seed1" / "eval" / "passkey.json").read_text())["complete"]
+    assert "diverged" in (results / "bam_seed3" / "metrics.jsonl").read_text().splitlines()[-1]
+    assert not (results / "alibi_seed2").exists()
+    assert sorted(p.name for p in results.iterdir()) == ["bam_seed3", "nope_seed1", "rope_yarn_ft_seed1"]

@@ -16,6 +16,11 @@ cd "$(dirname "$0")/../.."
 
 export DIGITS=5 STEPS=2000 TOKENS=8388608 DATA=${DATA:-data/repro5} OUT=${OUT:-runs/repro5}
 RESULTS=${RESULTS:-docs/repro/runs5}
+REPORT=${REPORT:-docs/repro/report5.md}   # aggregated over $RESULTS, its images beside it
+# 1x ... 64x of the 128-token pretraining context, in tokens: the YaRN fine-tune's own context is 512, so
+# "1x" would mean other lengths for it; 20 prompts per length. Exported: run.sh and rope_extensions.sh
+# evaluate at them, and a run is kept (or skipped) when its passkey is complete at them.
+export LENGTHS=128,256,512,1024,2048,4096,8192 SAMPLES=20
 CORE="nope rope alibi bam_ssmax bam_ssmax_prior_lr"   # four seeds each
 OTHERS="sinusoidal alibi_ssmax bam bam_uniform bam_ssmax_uniform"   # two seeds each
 RIVALS=""                                              # the learnable-bias rivals, two seeds each
@@ -37,7 +42,7 @@ diverged() {  # RUN: train.py's divergence guard stopped it (the last row of its
 todo=""
 for run in $RUNS; do
   name=${run%@*}; seed=1; [[ $run == *@* ]] && seed=${run#*@}
-  LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 passkey_done "$RESULTS/${name}_seed$seed/eval/passkey.json" \
+  passkey_done "$RESULTS/${name}_seed$seed/eval/passkey.json" \
     && { echo "== $run: kept in $RESULTS"; continue; }
   diverged "$RESULTS/${name}_seed$seed" \
     && { echo "== $run: diverged, kept in $RESULTS (its metrics.jsonl says where)"; continue; }
@@ -65,7 +70,7 @@ collect() {  # copy every finished run's small files to $RESULTS: a run is finis
 # (run.sh with an empty RUNS would run its own default list.) A failed or diverged run does not stop the
 # others being kept: the status is returned at the end.
 status=0
-if [[ -n $RUNS ]]; then LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 bash configs/repro/run.sh || status=$?; fi
+if [[ -n $RUNS ]]; then bash configs/repro/run.sh || status=$?; fi
 shopt -s nullglob
 trained=("$OUT"/rope_seed*/checkpoints)
 if (( ${#trained[@]} )); then  # RoPE runs trained here: PI and YaRN on each, the fine-tune from seed 1's
@@ -73,7 +78,7 @@ if (( ${#trained[@]} )); then  # RoPE runs trained here: PI and YaRN on each, th
   FINE_TUNE=${FINE_TUNE:-$([[ -d $OUT/rope_seed1/checkpoints ]] && echo 1 || echo 0)} METHODS="linear yarn" \
       bash configs/repro/rope_extensions.sh
 fi
-LENGTHS=1x,2x,4x,8x,16x,32x,64x SAMPLES=20 collect
+collect
 compare=(--compare "bam + ssmax, prior lr x10" "rope" --compare "bam + ssmax, prior lr x10" "alibi"
          --compare "bam + ssmax, prior lr x10" "bam + ssmax" --compare "bam + ssmax" "alibi"
          --compare "bam + ssmax, prior lr x10" "rope + YaRN auto" --compare "bam + ssmax, prior lr x10" "nope"
@@ -87,7 +92,7 @@ for name in $RIVALS; do  # each rival with a passkey result against the BAM + SS
   label=${name/_ssmax/ + ssmax}  # the report's variant name: fox_ssmax -> "fox + ssmax"
   compare+=(--compare "$label" "bam + ssmax, prior lr x10" --compare "$label" "rope + YaRN auto")
 done
-python -m eval.report "$RESULTS"/*/ --out docs/repro/report5.md --no_run_plots "${compare[@]}" \
+python -m eval.report "$RESULTS"/*/ --out "$REPORT" --no_run_plots "${compare[@]}" \
     --title "Passkey retrieval at 5-digit keys past a 128-token training context (CPU), seeds aggregated"
-echo "report: docs/repro/report5.md (from $RESULTS)"
+echo "report: $REPORT (from $RESULTS)"
 exit $status
