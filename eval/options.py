@@ -166,11 +166,14 @@ SCALING_NAMES = {"yarn": "YaRN", "ntk": "NTK", "dynamic_ntk": "dynamic NTK", "li
 def overrides_label(config, overrides):
     """How a report names an evaluation of a model (its `config` dict) with model overrides: "rope + YaRN x16",
     "rope + YaRN auto", "rope-local (W=512)"; other overridden keys follow in the brackets as key=value. A factor
-    given alone scales by the model's own method (a run fine-tuned with YaRN), so it is named after it."""
+    given alone scales by the model's own method (a run fine-tuned with YaRN), so it is named after it, and
+    without overrides such a model is named by the method it was trained with ("rope + YaRN x4")."""
     rest = dict(overrides or {})
     window, scaling, factor = rest.pop("attn_window", 0), rest.pop("rope_scaling", None), rest.pop("rope_factor", None)
     if factor is not None and scaling is None:
         scaling = config.get("rope_scaling")
+    if scaling is None and factor is None and config.get("rope_scaling") not in (None, "none"):
+        scaling, factor = config["rope_scaling"], config.get("rope_factor")  # as trained: "rope + YaRN x4"
     label = f"{config.get('pe', '?')}{'-local' if window else ''}{' + ssmax' if config.get('ssmax') else ''}"
     if scaling and scaling != "none":
         label += f" + {SCALING_NAMES.get(scaling, scaling)}"

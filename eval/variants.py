@@ -8,7 +8,8 @@ Evaluator overrides (`--window`, `--rope_scaling yarn --rope_factor auto`, ...) 
 A variant is named by what tells its config apart from the others in the same report: the encoding's label
 (eval's `overrides_label`: "bam + ssmax", "rope + YaRN auto"), then the settings in which it differs from
 the variants that share that label, skipping a setting at its default value: "bam + ssmax" (the paper's
-ALiBi init), "bam + ssmax, init uniform", "bam + ssmax, prior lr x10". Folder names never enter a name.
+ALiBi init), "bam + ssmax, init uniform", "bam + ssmax, prior lr x10"; a run trained on from another's
+weights (train.init_from) is "fine-tuned": "rope + YaRN x4, fine-tuned". Folder names never enter a name.
 """
 
 import json
@@ -16,8 +17,10 @@ import json
 # Settings that do not change what a run learns: the seed (what a variant averages over), where its files
 # go and how it logs, and implementation choices that are proven equal (attention paths, compilation) or
 # only decide how often something is saved or measured.
-NOT_THE_EXPERIMENT = ("train.seed", "data.data_dir", "log.", "model.attn_impl", "model.flex_prior", "train.compile",
-                      "train.ckpt_every", "train.keep_last", "train.val_every", "train.val_tokens")
+# train.init_from is in the list as the seed is: fine-tunes of two seeds' weights are two seeds of one
+# variant, which its name calls "fine-tuned".
+NOT_THE_EXPERIMENT = ("train.seed", "train.init_from", "data.data_dir", "log.", "model.attn_impl", "model.flex_prior",
+                      "train.compile", "train.ckpt_every", "train.keep_last", "train.val_every", "train.val_tokens")
 
 
 def flatten(config):
@@ -66,9 +69,11 @@ def names(labels, configs, defaults):
     except those at their default value (`defaults`: flattened settings of the schema's defaults)."""
     settings = [experiment(c) for c in configs]
     out = []
-    for label, mine in zip(labels, settings):
+    for label, mine, config in zip(labels, settings, configs):
         peers = [s for l, s in zip(labels, settings) if l == label]
         differing = sorted({k for s in peers for k in s if any(p.get(k) != s.get(k) for p in peers)})
         parts = [describe_setting(k, mine[k], mine) for k in differing if k in mine and mine[k] != defaults.get(k)]
+        if flatten(config).get("train.init_from"):  # trained on from another run's weights
+            parts.append("fine-tuned")
         out.append(", ".join([label] + parts))
     return out

@@ -505,6 +505,9 @@ def test_override_names_and_labels():
     # a factor alone scales by the run's own method, and is named after it
     assert overrides_label({"pe": "rope", "rope_scaling": "yarn"}, {"rope_factor": "auto"}) == "rope + YaRN auto"
     assert overrides_label({"pe": "bam", "ssmax": True}, {}) == "bam + ssmax"
+    # no overrides: a model trained with a scaling is named by it; plain RoPE's factor 1 is not a scaling
+    assert overrides_label({"pe": "rope", "rope_scaling": "yarn", "rope_factor": 4.0}, {}) == "rope + YaRN x4"
+    assert overrides_label({"pe": "rope", "rope_scaling": "none", "rope_factor": 1.0}, {}) == "rope"
 
 
 def test_overrides_reach_the_model_are_recorded_and_named(workspace, tmp_path, capsys, monkeypatch):

@@ -68,6 +68,24 @@ def test_seeds_are_one_variant_named_by_what_sets_it_apart(grid, tmp_path):
     assert {r.name: r.seed for r in runs}["bam_ssmax_seed2"] == 2  # the legacy config.toml was read too
 
 
+def test_a_fine_tune_is_its_own_variant_whichever_seed_it_started_from(tmp_path):
+    # configs/repro/rope_extensions.sh's YaRN fine-tune: trained on at 512 tokens from a RoPE run's weights.
+    # Two fine-tunes from two seeds' weights are two seeds of one variant, named by the method they were
+    # trained with and "fine-tuned", not by the many settings in which they differ from plain RoPE.
+    root = tmp_path / "runs"
+    rope = ["--model.pe=rope", "--model.ssmax=false"]
+    yarn = [*rope, "--model.block_size=512", "--model.rope_scaling=yarn", "--model.rope_factor=4",
+            "--model.rope_original_context=128", "--train.lr=3e-4", "--train.max_steps=400", "--data.batch_size=8"]
+    paths = [fake_run(root, "rope_seed1", 1, [20, 10, 0], rope), fake_run(root, "rope_seed2", 2, [19, 9, 0], rope),
+             fake_run(root, "ft_seed1", 7, [20, 20, 18], [*yarn, f"--train.init_from={root / 'rope_seed1'}"]),
+             fake_run(root, "ft_seed2", 7, [20, 19, 17], [*yarn, f"--train.init_from={root / 'rope_seed2'}"])]
+    runs = [r for path in paths for r in report.load_runs(path)]
+    report.assign_variants(runs)
+    assert {r.name: r.variant for r in runs} == {"rope_seed1": "rope", "rope_seed2": "rope",
+                                                 "ft_seed1": "rope + YaRN x4, fine-tuned",
+                                                 "ft_seed2": "rope + YaRN x4, fine-tuned"}
+
+
 def test_report_aggregates_seeds_compares_variants_and_links_only_what_exists(grid, tmp_path):
     out = tmp_path / "docs" / "report.md"
     assert report.main([*dict.fromkeys(grid), "--out", str(out),
