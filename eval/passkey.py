@@ -351,7 +351,7 @@ def plot_variants(runs, path):
             if len(members) > 1:
                 ax.fill_between(lengths, [100 * min(a) for a in per_seed], [100 * max(a) for a in per_seed],
                                 color=color, alpha=0.15, linewidth=0)
-        context = {r.block_size for v in variants.values() for r in v if r.block_size}
+        context = {r.pretraining_context for v in variants.values() for r in v if r.pretraining_context}
         for c in context:
             ax.axvline(c, color="grey", linestyle=":", linewidth=1)
         log2_length_axis(ax)

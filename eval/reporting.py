@@ -38,6 +38,13 @@ class Run:
     def block_size(self):
         return ((self.model or {}).get("config") or {}).get("block_size")
 
+    @property
+    def pretraining_context(self):
+        """The context a length is a multiple of: for a model extended with a RoPE scaling, the one it was
+        pretrained at (rope_original_context; a YaRN fine-tune from 128 to 512 tokens asked at 1,024 is at 8x),
+        else its block_size."""
+        return ((self.model or {}).get("config") or {}).get("rope_original_context") or self.block_size
+
     def plot_path(self, schema, suffix=""):
         """<results file stem><suffix>.png of the main results of `schema`, or None."""
         results = self.get(schema)
@@ -103,5 +110,5 @@ def human(n):
 
 def length_label(n, runs):
     """A length as a column heading: with its multiple of the training context when the runs share one."""
-    sizes = {r.block_size for r in runs if r.block_size}
+    sizes = {r.pretraining_context for r in runs if r.pretraining_context}
     return f"{n:,}" + (f" ({n / sizes.pop():.3g}x)" if len(sizes) == 1 else "")

@@ -84,6 +84,10 @@ def test_a_fine_tune_is_its_own_variant_whichever_seed_it_started_from(tmp_path)
     assert {r.name: r.variant for r in runs} == {"rope_seed1": "rope", "rope_seed2": "rope",
                                                  "ft_seed1": "rope + YaRN x4, fine-tuned",
                                                  "ft_seed2": "rope + YaRN x4, fine-tuned"}
+    # lengths stay multiples of the 128-token pretraining context, the fine-tune's 512 notwithstanding
+    out = tmp_path / "report.md"
+    assert report.main([*paths, "--out", str(out), "--no_run_plots"]) == 0
+    assert "| variant | seeds | 128 (1x) | 256 (2x) | 512 (4x) |" in out.read_text()
 
 
 def test_report_aggregates_seeds_compares_variants_and_links_only_what_exists(grid, tmp_path):

@@ -85,7 +85,8 @@ compare=(--compare "bam + ssmax, prior lr x10" "rope" --compare "bam + ssmax, pr
          --compare "alibi" "nope"
          # the other variants, each against the variant it changes by one setting (2 seeds each)
          --compare "bam + ssmax, init uniform" "bam + ssmax" --compare "bam, init uniform" "bam"
-         --compare "bam" "bam + ssmax" --compare "alibi + ssmax" "alibi" --compare "sinusoidal" "nope")
+         --compare "bam" "bam + ssmax" --compare "bam + ssmax, init uniform" "bam, init uniform"
+         --compare "alibi + ssmax" "alibi" --compare "sinusoidal" "nope")
 for name in $RIVALS; do  # each rival with a passkey result against the BAM + SSMax that extrapolates, and YaRN
   passkeys=("$RESULTS/${name}"_seed*/eval/passkey.json)
   (( ${#passkeys[@]} )) || continue
