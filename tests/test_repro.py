@@ -87,10 +87,10 @@ def test_rope_extensions_skip_unfinished_runs_and_check_methods(tmp_path):
 
 
 def test_grid5_keeps_finished_runs_and_skips_kept_ones(tmp_path):
-    # configs/repro/grid5.sh without training anything: a run already kept in RESULTS is skipped, and the
-    # collect step copies what finished in OUT: a passkey complete at the grid's lengths (the YaRN fine-tune
-    # among them, whose context is 512 and whose lengths are the pretraining context's 1x..64x in tokens),
-    # a run the divergence guard stopped, and not a run whose passkey is still incomplete.
+    # configs/repro/grid5.sh without training anything: a run already kept in RESULTS is skipped (the YaRN
+    # fine-tune too), and the collect step copies what finished in OUT: a passkey complete at the grid's
+    # lengths (the fine-tune's among them, whose context is 512 and whose lengths are the pretraining
+    # context's 1x..64x in tokens), a run the divergence guard stopped, and not a run still training.
     kept = os.path.join(ROOT, "docs", "repro", "runs5", "nope_seed1")
     results, out = tmp_path / "results", tmp_path / "runs"
     shutil.copytree(kept, results / "nope_seed1")
@@ -105,7 +105,12 @@ def test_grid5_keeps_finished_runs_and_skips_kept_ones(tmp_path):
             with open(run / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(last_row) + "\n")
 
-    finished("rope_yarn_ft_seed1", dict(passkey, settings=dict(passkey["settings"], block_size=512)))
+    ft_passkey = dict(passkey, settings=dict(passkey["settings"], block_size=512))
+    finished("rope_yarn_ft_seed1", dict(ft_passkey, written_in="OUT"))
+    # the fine-tune is kept in RESULTS already, so RoPE seed 1's checkpoints here do not start it again
+    shutil.copytree(out / "rope_yarn_ft_seed1", results / "rope_yarn_ft_seed1")
+    (results / "rope_yarn_ft_seed1" / "eval" / "passkey.json").write_text(json.dumps(ft_passkey))
+    (out / "rope_seed1" / "checkpoints").mkdir(parents=True)  # still training: no passkey yet
     finished("bam_seed3", last_row={"step": 254, "diverged": "loss 5.9 is more than 6 robust standard deviations"})
     finished("alibi_seed2", dict(passkey, complete=False))
     env = dict(os.environ, RESULTS=str(results), OUT=str(out), REPORT=str(tmp_path / "report.md"),
@@ -114,7 +119,8 @@ def test_grid5_keeps_finished_runs_and_skips_kept_ones(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert f"== nope@1: kept in {results}" in proc.stdout, proc.stdout + proc.stderr
     assert "started" not in proc.stdout  # nothing trained
-    assert json.loads((results / "rope_yarn_ft_seed1" / "eval" / "passkey.json").read_text())["complete"]
+    assert "rope_seed1: not finished by the grid" in proc.stdout and "== fine-tune" not in proc.stdout
+    assert json.loads((results / "rope_yarn_ft_seed1" / "eval" / "passkey.json").read_text())["written_in"] == "OUT"
     assert "diverged" in (results / "bam_seed3" / "metrics.jsonl").read_text().splitlines()[-1]
     assert not (results / "alibi_seed2").exists()
     assert sorted(p.name for p in results.iterdir()) == ["bam_seed3", "nope_seed1", "rope_yarn_ft_seed1"]

@@ -74,8 +74,13 @@ if [[ -n $RUNS ]]; then bash configs/repro/run.sh || status=$?; fi
 shopt -s nullglob
 trained=("$OUT"/rope_seed*/checkpoints)
 if (( ${#trained[@]} )); then  # RoPE runs trained here: PI and YaRN on each, the fine-tune from seed 1's
-  # FINE_TUNE=0 defers the fine-tune (a later call does it); by default it runs where seed 1's checkpoints are
-  FINE_TUNE=${FINE_TUNE:-$([[ -d $OUT/rope_seed1/checkpoints ]] && echo 1 || echo 0)} METHODS="linear yarn" \
+  # FINE_TUNE=0 defers the fine-tune (a later call does it); by default it runs where seed 1's checkpoints
+  # are, unless $RESULTS keeps it already
+  fine_tune=0
+  if [[ -d $OUT/rope_seed1/checkpoints ]] && ! passkey_done "$RESULTS/rope_yarn_ft_seed1/eval/passkey.json"; then
+    fine_tune=1
+  fi
+  FINE_TUNE=${FINE_TUNE:-$fine_tune} METHODS="linear yarn" \
       bash configs/repro/rope_extensions.sh
 fi
 collect
