@@ -6,6 +6,7 @@
 #   bash configs/repro/grid5.sh                 # everything; about 15 minutes of the 2-core machine per run
 #   RUNS="nope rope@3" bash configs/repro/grid5.sh   # some runs only (configs/repro/<name>.toml @seed)
 #   RUNS="rope@3" FINE_TUNE=0 bash configs/repro/grid5.sh   # and leave RoPE's YaRN fine-tune for later
+#   RESULTS=/tmp/kept REPORT=/tmp/kept/report.md bash configs/repro/grid5.sh   # keep and report elsewhere
 #
 # Everything resumes (run.sh, rope_extensions.sh), so the same command carries the grid across sessions;
 # a run already kept in $RESULTS is not trained again, even on a machine that never had its checkpoints.
