@@ -170,10 +170,10 @@ def overrides_label(config, overrides):
     without overrides such a model is named by the method it was trained with ("rope + YaRN x4")."""
     rest = dict(overrides or {})
     window, scaling, factor = rest.pop("attn_window", 0), rest.pop("rope_scaling", None), rest.pop("rope_factor", None)
-    if factor is not None and scaling is None:
+    if scaling is None:  # not overridden: the model's own method, at its own factor unless one is given
         scaling = config.get("rope_scaling")
-    if scaling is None and factor is None and config.get("rope_scaling") not in (None, "none"):
-        scaling, factor = config["rope_scaling"], config.get("rope_factor")  # as trained: "rope + YaRN x4"
+        if factor is None and scaling not in (None, "none"):
+            factor = config.get("rope_factor")  # as trained: "rope + YaRN x4"
     label = f"{config.get('pe', '?')}{'-local' if window else ''}{' + ssmax' if config.get('ssmax') else ''}"
     if scaling and scaling != "none":
         label += f" + {SCALING_NAMES.get(scaling, scaling)}"
