@@ -15,7 +15,7 @@ config field behave exactly as in training and evaluation here; nothing is re-im
     model = AutoModelForCausalLM.from_pretrained("hf/bam_ssmax_512", trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained("hf/bam_ssmax_512")
 
-OUT_DIR is written in a temporary folder next to it and swapped in at the end (folders.swap_in), so after
+OUT_DIR is written in a temporary folder next to it and swapped in at the end (outputs.swap_in), so after
 a kill at any moment OUT_DIR is the old complete export or the new one, never half of one; the next export
 to OUT_DIR finishes or undoes a swap that a kill interrupted and removes what a killed export left
 (.OUT_DIR.tmp-*, .OUT_DIR.new, .OUT_DIR.old). An existing OUT_DIR is replaced only with --overwrite. While
@@ -31,10 +31,12 @@ import shutil
 import sys
 from dataclasses import asdict
 
-import torch
 
-import folders
-from cli import Parser, UserError, run_cli
+from bam import outputs
+from bam.checkpoint import CheckpointError, checkpoint_tokenizer, load_checkpoint
+from bam.cli import Parser, UserError, run_cli
+from bam.tokenizer import GPT2Tokenizer, load_run_tokenizer
+from model import ModelConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_SOURCE = os.path.join(HERE, "model.py")
@@ -65,26 +67,24 @@ def check_self_contained(path):
                           f"torch and the standard library at module level")
 
 
-def load_checkpoint(source):
-    """(ModelConfig, state dict, checkpoint path, the run's data.tokenizer) of a run directory or checkpoint
-    file (GPT-2 for checkpoints from before the setting)."""
-    from checkpoint import CheckpointError, load_checkpoint as load
-    from model import ModelConfig
-
+def read_checkpoint(source):
+    """(ModelConfig, state dict, checkpoint path, the run's Tokenizer) of a run directory or checkpoint file.
+    The config is read strictly: a setting this model.py does not know would be dropped from the export. The
+    tokenizer is the run's, checked as every evaluator checks it (tokenizer.load_run_tokenizer): an export
+    never ships a tokenizer whose files changed since training."""
     try:
-        path, ckpt = load(source)
+        path, ckpt = load_checkpoint(source)
     except CheckpointError as e:
         raise ExportError(str(e)) from None
-    saved, state = ckpt["model_config"], ckpt["model"]
-    known = {f for f in ModelConfig.__dataclass_fields__}
-    unknown = sorted(set(saved) - known)
-    if unknown:  # a checkpoint from a newer model.py: exporting would silently drop these settings
-        raise ExportError(f"{path} has model settings this model.py does not know: {', '.join(unknown)}")
     try:
-        cfg = ModelConfig(**saved)
+        cfg = ModelConfig.from_dict(ckpt["model_config"], strict=True)
+    except KeyError as e:  # a checkpoint from a newer model.py: exporting would silently drop these settings
+        raise ExportError(f"{path} has {e.args[0]}") from None
     except (TypeError, ValueError) as e:
         raise ExportError(f"{path}: {e}") from None
-    return cfg, state, path, ((ckpt.get("config") or {}).get("data") or {}).get("tokenizer", "gpt2")
+    name, recorded = checkpoint_tokenizer(ckpt)
+    enc = load_run_tokenizer(name, recorded.sha256 if recorded else None, cfg.vocab_size, path)
+    return cfg, ckpt["model"], path, enc
 
 
 @functools.lru_cache(maxsize=None)  # converting the 50K ranks takes seconds; one conversion per process
@@ -121,13 +121,13 @@ def check_target(out_dir, overwrite):
 
 
 def lock_target(out_dir):
-    """Hold .OUT_DIR.lock, then finish or undo what a killed export to OUT_DIR left (folders.recover)."""
+    """Hold .OUT_DIR.lock, then finish or undo what a killed export to OUT_DIR left (outputs.recover)."""
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     try:
-        folders.lock(folders.sibling(out_dir, "lock"), out_dir, "export_hf.py", remove=True)
-    except folders.InUse as e:
+        outputs.lock(outputs.sibling(out_dir, "lock"), out_dir, "export_hf.py", remove=True)
+    except outputs.InUse as e:
         raise ExportError(e) from None
-    done = folders.recover(out_dir)
+    done = outputs.recover(out_dir)
     if done:
         print(f"export_hf.py: {out_dir}: a killed export was cleaned up: {done}", file=sys.stderr)
 
@@ -137,29 +137,20 @@ def export(source, out_dir, overwrite=False):
     out_dir = os.path.abspath(out_dir)
     check_target(out_dir, overwrite)
     check_self_contained(MODEL_SOURCE)
-    cfg, state, path, tokenizer_name = load_checkpoint(source)
+    cfg, state, path, enc = read_checkpoint(source)
     try:  # only now: a wrong argument is answered without the seconds this import takes
         from transformers import GenerationConfig
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
     except ImportError:
         raise ExportError("export_hf.py needs transformers: pip install -r requirements.txt") from None
 
-    from tokenizer import GPT2Tokenizer, TokenizerError, check_vocab, load_tokenizer
-
-    try:
-        enc = load_tokenizer(tokenizer_name)
-    except TokenizerError as e:
-        raise ExportError(f"the run's tokenizer: {e}") from None
-    too_small = check_vocab(cfg.vocab_size, enc.identity, "the model's vocab_size")
-    if too_small:
-        raise ExportError(too_small)
     # Generation stops at the token that ends a document: GPT-2's EOT (which also opens one), or the EOS.
     bos = enc.doc_open
     eos = enc.doc_close if enc.doc_close is not None else enc.doc_open
 
     lock_target(out_dir)
     check_target(out_dir, overwrite)  # again: the recovery may have put an earlier export back
-    tmp = folders.new_folder(out_dir)
+    tmp = outputs.new_folder(out_dir)
     try:
         shutil.copy(MODEL_SOURCE, os.path.join(tmp, "model.py"))
         shutil.copy(WRAPPER_SOURCE, os.path.join(tmp, "modeling_bam.py"))
@@ -180,12 +171,12 @@ def export(source, out_dir, overwrite=False):
         else:  # a fresh copy from its folder: the run's own instance reads special-token text as text
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(enc.folder, use_fast=True).save_pretrained(tmp)
-        folders.follow_umask(tmp)  # safetensors' file is 0600 otherwise
-        folders.swap_in(tmp, out_dir)  # in one step where the file system allows it (folders.py)
+        outputs.follow_umask(tmp)  # safetensors' file is 0600 otherwise
+        outputs.swap_in(tmp, out_dir)  # in one step where the file system allows it (outputs.py)
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
-    folders.unlock(folders.sibling(out_dir, "lock"))  # a failed export's lock goes when the process ends
+    outputs.unlock(outputs.sibling(out_dir, "lock"))  # a failed export's lock goes when the process ends
     return path
 
 

@@ -4,7 +4,7 @@ A Llama-style decoder with pluggable positional encodings, read top to bottom:
     config -> positional encodings (NoPE, RoPE, sinusoidal; the priors ALiBi, BAM, KERPLE, T5, FIRE, FoX) and their
     registry ENCODINGS -> attention: its scores and its mask, then flex / sdpa / eager -> blocks
     -> Transformer.forward (in-document positions, embeddings, attention context, blocks, logits)
-    -> conveniences (optimizer groups, generation, checkpoint loading)
+    -> conveniences (optimizer groups, generation) -> the flex runtime (masks, compiled kernels, caches)
 
 Every additive positional encoding is a *log-prior over position* (docs/paper.md §1): a bias added to the
 attention logit of head h, query position i and key position j; for most, g_h(i - j), a function of the
@@ -152,6 +152,18 @@ class ModelConfig:
     @property
     def hidden_dim(self):
         return self.mlp_hidden or 2 * self.n_embd
+
+    @classmethod
+    def from_dict(cls, values, strict=False, **overrides):
+        """The config a saved dict describes (a checkpoint's model_config, an export's bam_model), validated.
+        A key this model.py does not know is dropped (lenient: the fields a newer model.py added) or, with
+        `strict`, refused: a KeyError naming the keys, where dropping them would change the model silently.
+        `overrides` replace saved fields that do not touch the weights (e.g. attn_impl)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values or {}) - known)
+        if strict and unknown:
+            raise KeyError(f"model settings this model.py does not know: {', '.join(unknown)}")
+        return cls(**{**{k: v for k, v in (values or {}).items() if k in known}, **overrides})
 
     @classmethod
     def preset(cls, name, **overrides):
@@ -791,88 +803,6 @@ def flex_mask_mod(window=0, doc_ids=None):
     return lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window, doc_ids[b, q_idx], doc_ids[b, kv_idx])
 
 
-# FlexAttention's BlockMask says which 128 x 128 blocks of the score grid to visit at all (in full, or
-# through the mask_mod); the causal and the windowed one are written down directly, because
-# create_block_mask would first evaluate the mask on all T x T pairs (10 bytes each: 640 MiB at 8K
-# tokens, 2.5 TB at 500K).
-
-
-def causal_block_mask(T, device, block=128):
-    """The causal BlockMask: query block i sees key blocks 0..i-1 in full and block i through the mask.
-    O((T / block)^2) small ints."""
-    n = -(-T // block)
-    rows = torch.arange(n, device=device, dtype=torch.int32)
-    diagonal_count = torch.ones(1, 1, n, device=device, dtype=torch.int32)
-    diagonal_index = torch.zeros(1, 1, n, n, device=device, dtype=torch.int32)  # only column 0 is read
-    diagonal_index[..., 0] = rows
-    full_count = rows.view(1, 1, n)  # block i has i full blocks before it
-    full_index = rows.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()  # entries past the count unused
-    return BlockMask.from_kv_blocks(diagonal_count, diagonal_index, full_count, full_index, BLOCK_SIZE=block,
-                                    mask_mod=flex_mask_mod(), seq_lengths=(T, T))
-
-
-# Causal masks kept by (length, device): evaluation calls the model again and again at one length, and a
-# long mask is (T / 128)^2 indices plus their transpose, rebuilt for nothing each time. A few entries only,
-# so a sweep over lengths does not keep every mask; inference-mode tensors are kept apart (the third key)
-# because autograd refuses to save them for a later backward.
-CAUSAL_MASKS_KEPT = 4
-
-
-@functools.lru_cache(maxsize=CAUSAL_MASKS_KEPT)
-def _kept_causal_block_mask(T, device, inference_mode):
-    return causal_block_mask(T, device)
-
-
-def cached_causal_block_mask(T, device):
-    if torch.compiler.is_compiling():  # inside a compiled graph the mask is part of the graph: no cache, no guards
-        return causal_block_mask(T, device)
-    return _kept_causal_block_mask(T, torch.device(device), torch.is_inference_mode_enabled())
-
-
-def window_block_mask(T, window, device, block=128):
-    """The causal sliding-window BlockMask, block-banded: query block i sees the key blocks whose every
-    pair has 0 <= q - k < window in full, and through the mask the diagonal block and the blocks the
-    band's lower edge cuts; the rest is skipped, so the cost grows as T x window. For blocks of B rows,
-    every pair of query block i and key block c < i is inside the window iff (i - c + 1) B <= window,
-    and some pair is iff (i - c - 1) B + 1 < window."""
-    n = -(-T // block)
-    rows = torch.arange(n, device=device, dtype=torch.int64)[:, None]
-    cols = torch.arange(n, device=device, dtype=torch.int64)[None, :]
-    full = (cols < rows) & ((rows - cols + 1) * block <= window)
-    partial = (cols <= rows) & ((rows - cols - 1) * block + 1 < window) & ~full
-    # The index tensors are n x n like causal_block_mask's (BlockMask's transpose for the backward pass
-    # reads their width as the number of key blocks); only the first `count` entries of a row are used.
-    def ordered(blocks):
-        count = blocks.sum(dim=1).to(torch.int32)
-        index = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)  # hits first
-        return count.view(1, 1, n), index.view(1, 1, n, n)
-
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block,
-                                    mask_mod=flex_mask_mod(window), seq_lengths=(T, T))
-
-
-def flex_mask_length(T, device):
-    """The length FlexAttention runs at. torch 2.13's compiled CPU kernel returns wrong values, and not
-    the same ones twice, when the sequence ends inside one of its blocks on an AVX2 CPU (measured on this
-    project's CI machine: T = 8, 24, 40 and 120 wrong, multiples of 16 right). On CPU the sequence is
-    therefore padded to whole 128-token blocks; on GPU it runs as it is."""
-    return T if torch.device(device).type != "cpu" else -(-T // 128) * 128
-
-
-def make_block_mask(doc_ids, T, device, window=0):
-    """The BlockMask of one forward pass over T tokens (causal, within documents, within the window if
-    any), built once per forward and shared by every layer, at flex_mask_length(T): padded positions
-    are a document of their own after the last one."""
-    T_mask = flex_mask_length(T, device)
-    if doc_ids is None:
-        return window_block_mask(T_mask, window, device) if window else cached_causal_block_mask(T_mask, device)
-    if T_mask > T:
-        doc_ids = torch.cat([doc_ids, (doc_ids[:, -1:] + 1).expand(-1, T_mask - T)], dim=1)
-    # Documents are a training-time feature, where T is the training context: the dense evaluation
-    # inside create_block_mask is affordable there.
-    return create_block_mask(flex_mask_mod(window, doc_ids), doc_ids.shape[0], None, T_mask, T_mask, device=device)
-
-
 @dataclass
 class AttnContext:
     """What every layer's attention needs to know about the positions of one forward pass."""
@@ -1008,93 +938,11 @@ def tabled_scores(scores, b, head, q_pos, k_pos, bias_table, factor_table):
     return scores
 
 
-def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes):
-    """One compiled FlexAttention for every distance-only prior (with or without SSMax): its score_mod only
-    gathers from the tables, which are arguments, so gradients flow to them as to q, k and v. `static_shapes`
-    (the CPU): torch 2.13's C++ code for this gather under a document-and-window mask fails to compile once
-    dynamo has made the length dynamic (an undeclared `cur_kvSplitSize` in inductor's flex template; the
-    formula kernel is not affected), so on a CPU each length gets a kernel of its own."""
-
-    def kernel(q, k, v, block_mask, bias_table, factor_table):
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return tabled_scores(score, b, h, q_idx, kv_idx, bias_table if use_prior else None,
-                                 factor_table if use_ssmax else None)
-
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                              enable_gqa=k.shape[1] != q.shape[1])
-
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # as _make_flex_kernel
-    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
 
 
-def _make_flex_kernel(bias_fn, use_ssmax, static_shapes):
-    """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
-    captured from a module, so every layer (and every model of that variant) reuses one compiled kernel
-    instead of recompiling per layer; each variant also gets its own recompile budget. `static_shapes` (the
-    CPU, for a score_mod that gathers per-query tensors): torch 2.13's C++ flex template fails to compile
-    FoX + SSMax's (the gates and log n by query) once dynamo has made the batch and length dynamic (an
-    undeclared `cur_qSplitSize2`, as the table kernel's `cur_kvSplitSize`), so each shape gets its own."""
 
-    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features):
-        prior = None if bias_fn is None else (bias_fn, prior_tensors)
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            row_log_n = log_n[b, q_idx] if use_ssmax else None
-            query = key = None
-            if features is not None:  # queries and keys are the same tokens: one (B, H, T) tensor each
-                query, key = tuple(t[b, h, q_idx] for t in features), tuple(t[b, h, kv_idx] for t in features)
-            return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale, query, key)
-
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                              enable_gqa=k.shape[1] != q.shape[1])
-
-    # dynamo's recompile budget (8) is per code object, and every variant, sequence length and mask shape
-    # of the kernel above shares one: an evaluation sweep over lengths, or a test comparing encodings, would
-    # exhaust it and fail under fullgraph. Raise it at the first flex compile (never lower a user's setting).
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
-
-
-_FLEX_KERNELS = {}
-
-
-def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
-    """FlexAttention: the prior as score_mod, the mask as a sparse BlockMask; never materialises Tq x Tk.
-    Queries and keys are the same positions 0..T-1 (no KV cache), so the token features at the queries
-    are those at the keys (layer_prior). With prior tables (ctx.prior_tables) a tabulated prior,
-    (table_bias, (table,)), and SSMax are gathered from tables; any other prior (one with token features
-    included), and everything with flex_prior = "formula", is evaluated by its formula per score."""
-    log_n = None
-    if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
-        log_n = ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1 else ctx.log_n
-    bias_fn, tensors = (None, ()) if prior is None else prior
-    tabulated = ctx.prior_tables is not None and bias_fn in (None, table_bias)
-    if tabulated:
-        variant = ("table", bias_fn is not None, ssmax_scale is not None, q.device.type == "cpu")
-    else:
-        gathers = ssmax_scale is not None or features is not None  # per-query tensors in score_mod
-        variant = (bias_fn, ssmax_scale is not None, q.device.type == "cpu" and gathers)
-    if variant not in _FLEX_KERNELS:
-        _FLEX_KERNELS[variant] = _make_flex_table_kernel(*variant[1:]) if tabulated else _make_flex_kernel(*variant)
-    T, padded = q.shape[2], ctx.mask.seq_lengths[0]
-    if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
-        features = tuple(t.expand(q.shape[0], q.shape[1], T).contiguous() for t in features[0])
-    if padded > T:  # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
-        q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
-        log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
-        features = None if features is None else tuple(F.pad(t, (0, padded - T)) for t in features)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one compiled kernel
-    if tabulated:
-        bias_table = tensors[0] if tensors else None
-        if bias_table is not None and bias_table.shape[-1] < padded:  # a shape, no device sync
-            raise ValueError(f"a prior table covers distances 0..{bias_table.shape[-1] - 1}, the kernel runs "
-                             f"{padded} tokens: build it at ctx.mask.seq_lengths[0]")
-        factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, q.shape[0])
-        return _FLEX_KERNELS[variant](q, k, v, ctx.mask, bias_table, factor_table)[:, :, :T]
-    return _FLEX_KERNELS[variant](q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)[:, :, :T]
-
-
-ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_fused}
+# flex_attention_fused, the third path, and the BlockMasks it takes are in "Flex runtime" at the end of the
+# file, with the caches, compiled kernels and torch 2.13 CPU workarounds they need.
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1122,7 +970,7 @@ def ssmax_log_n(pos_in_doc, window=0):
     return torch.log(n_keys.clamp(max=window).float() if window else n_keys.float())
 
 
-def _broadcast_leading(a, b):
+def broadcast_leading(a, b):
     """a and b expanded to the same leading dimensions, their last ones kept (to join along it)."""
     lead = torch.broadcast_shapes(a.shape[:-1], b.shape[:-1])
     return a.expand(*lead, a.shape[-1]), b.expand(*lead, b.shape[-1])
@@ -1174,7 +1022,7 @@ class KVCache:
         """As `update`, for the prior's token features, (B or 1, H or 1, T) each: those of the keys the
         current queries attend over."""
         past = self.past_features(layer, start) or tuple(t[..., :0] for t in features)
-        joined = tuple(torch.cat(_broadcast_leading(p, t), dim=-1) for p, t in zip(past, features))
+        joined = tuple(torch.cat(broadcast_leading(p, t), dim=-1) for p, t in zip(past, features))
         keep = (start + features[0].shape[-1]) - self.first_key(start + features[0].shape[-1])
         self.features[layer] = tuple(t[..., t.shape[-1] - keep:] for t in joined) if self.window else joined
         return joined
@@ -1460,31 +1308,179 @@ class Transformer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checkpoints. checkpoint.py owns their layout, discovery and atomic writing; these are the model's
-# side of it. It is imported where it is used, so that model.py alone (torch and the standard library)
-# is the whole architecture, e.g. inside an exported Hugging Face folder (export_hf.py).
+# Flex runtime: what FlexAttention needs around the math above. The BlockMasks (written down directly,
+# and the causal ones kept in a small cache), one compiled kernel per variant (kept in _FLEX_KERNELS, with
+# dynamo's recompile budget raised at the first compile), and torch 2.13's CPU workarounds (static shapes
+# for the kernels that gather per-query tensors, sequences padded to whole blocks).
 
 
-def model_from_checkpoint(ckpt, device="cpu", **overrides):
-    """Build the model described by a loaded checkpoint dict; `overrides` change config fields that do
-    not touch the weights (e.g. attn_impl)."""
-    known = {f.name for f in fields(ModelConfig)}
-    saved = {k: v for k, v in ckpt["model_config"].items() if k in known}
-    cfg = ModelConfig(**{**saved, **overrides})
-    model = Transformer(cfg)
-    model.load_state_dict(ckpt["model"])
-    return model.to(device)
+# FlexAttention's BlockMask says which 128 x 128 blocks of the score grid to visit at all (in full, or
+# through the mask_mod); the causal and the windowed one are written down directly, because
+# create_block_mask would first evaluate the mask on all T x T pairs (10 bytes each: 640 MiB at 8K
+# tokens, 2.5 TB at 500K).
 
 
-def load_model(path, device="cpu", **overrides):
-    """The model of a checkpoint file, or of a run directory's newest checkpoint."""
-    from checkpoint import load_checkpoint
+def causal_block_mask(T, device, block=128):
+    """The causal BlockMask: query block i sees key blocks 0..i-1 in full and block i through the mask.
+    O((T / block)^2) small ints."""
+    n = -(-T // block)
+    rows = torch.arange(n, device=device, dtype=torch.int32)
+    diagonal_count = torch.ones(1, 1, n, device=device, dtype=torch.int32)
+    diagonal_index = torch.zeros(1, 1, n, n, device=device, dtype=torch.int32)  # only column 0 is read
+    diagonal_index[..., 0] = rows
+    full_count = rows.view(1, 1, n)  # block i has i full blocks before it
+    full_index = rows.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()  # entries past the count unused
+    return BlockMask.from_kv_blocks(diagonal_count, diagonal_index, full_count, full_index, BLOCK_SIZE=block,
+                                    mask_mod=flex_mask_mod(), seq_lengths=(T, T))
 
-    return model_from_checkpoint(load_checkpoint(path)[1], device, **overrides)
+
+# Causal masks kept by (length, device): evaluation calls the model again and again at one length, and a
+# long mask is (T / 128)^2 indices plus their transpose, rebuilt for nothing each time. A few entries only,
+# so a sweep over lengths does not keep every mask; inference-mode tensors are kept apart (the third key)
+# because autograd refuses to save them for a later backward.
+CAUSAL_MASKS_KEPT = 4
 
 
-def save_model(model, path):
-    """A minimal checkpoint (config + weights), e.g. for tests and exported models."""
-    from checkpoint import checkpoint_dict, save_atomic
+@functools.lru_cache(maxsize=CAUSAL_MASKS_KEPT)
+def _kept_causal_block_mask(T, device, inference_mode):
+    return causal_block_mask(T, device)
 
-    save_atomic(checkpoint_dict(model), path)
+
+def cached_causal_block_mask(T, device):
+    if torch.compiler.is_compiling():  # inside a compiled graph the mask is part of the graph: no cache, no guards
+        return causal_block_mask(T, device)
+    return _kept_causal_block_mask(T, torch.device(device), torch.is_inference_mode_enabled())
+
+
+def window_block_mask(T, window, device, block=128):
+    """The causal sliding-window BlockMask, block-banded: query block i sees the key blocks whose every
+    pair has 0 <= q - k < window in full, and through the mask the diagonal block and the blocks the
+    band's lower edge cuts; the rest is skipped, so the cost grows as T x window. For blocks of B rows,
+    every pair of query block i and key block c < i is inside the window iff (i - c + 1) B <= window,
+    and some pair is iff (i - c - 1) B + 1 < window."""
+    n = -(-T // block)
+    rows = torch.arange(n, device=device, dtype=torch.int64)[:, None]
+    cols = torch.arange(n, device=device, dtype=torch.int64)[None, :]
+    full = (cols < rows) & ((rows - cols + 1) * block <= window)
+    partial = (cols <= rows) & ((rows - cols - 1) * block + 1 < window) & ~full
+    # The index tensors are n x n like causal_block_mask's (BlockMask's transpose for the backward pass
+    # reads their width as the number of key blocks); only the first `count` entries of a row are used.
+    def ordered(blocks):
+        count = blocks.sum(dim=1).to(torch.int32)
+        index = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)  # hits first
+        return count.view(1, 1, n), index.view(1, 1, n, n)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block,
+                                    mask_mod=flex_mask_mod(window), seq_lengths=(T, T))
+
+
+def flex_mask_length(T, device):
+    """The length FlexAttention runs at. torch 2.13's compiled CPU kernel returns wrong values, and not
+    the same ones twice, when the sequence ends inside one of its blocks on an AVX2 CPU (measured on this
+    project's CI machine: T = 8, 24, 40 and 120 wrong, multiples of 16 right). On CPU the sequence is
+    therefore padded to whole 128-token blocks; on GPU it runs as it is."""
+    return T if torch.device(device).type != "cpu" else -(-T // 128) * 128
+
+
+def make_block_mask(doc_ids, T, device, window=0):
+    """The BlockMask of one forward pass over T tokens (causal, within documents, within the window if
+    any), built once per forward and shared by every layer, at flex_mask_length(T): padded positions
+    are a document of their own after the last one."""
+    T_mask = flex_mask_length(T, device)
+    if doc_ids is None:
+        return window_block_mask(T_mask, window, device) if window else cached_causal_block_mask(T_mask, device)
+    if T_mask > T:
+        doc_ids = torch.cat([doc_ids, (doc_ids[:, -1:] + 1).expand(-1, T_mask - T)], dim=1)
+    # Documents are a training-time feature, where T is the training context: the dense evaluation
+    # inside create_block_mask is affordable there.
+    return create_block_mask(flex_mask_mod(window, doc_ids), doc_ids.shape[0], None, T_mask, T_mask, device=device)
+
+
+def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes):
+    """One compiled FlexAttention for every distance-only prior (with or without SSMax): its score_mod only
+    gathers from the tables, which are arguments, so gradients flow to them as to q, k and v. `static_shapes`
+    (the CPU): torch 2.13's C++ code for this gather under a document-and-window mask fails to compile once
+    dynamo has made the length dynamic (an undeclared `cur_kvSplitSize` in inductor's flex template; the
+    formula kernel is not affected), so on a CPU each length gets a kernel of its own."""
+
+    def kernel(q, k, v, block_mask, bias_table, factor_table):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return tabled_scores(score, b, h, q_idx, kv_idx, bias_table if use_prior else None,
+                                 factor_table if use_ssmax else None)
+
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                              enable_gqa=k.shape[1] != q.shape[1])
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # as _make_flex_kernel
+    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
+
+
+def _make_flex_kernel(bias_fn, use_ssmax, static_shapes):
+    """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
+    captured from a module, so every layer (and every model of that variant) reuses one compiled kernel
+    instead of recompiling per layer; each variant also gets its own recompile budget. `static_shapes` (the
+    CPU, for a score_mod that gathers per-query tensors): torch 2.13's C++ flex template fails to compile
+    FoX + SSMax's (the gates and log n by query) once dynamo has made the batch and length dynamic (an
+    undeclared `cur_qSplitSize2`, as the table kernel's `cur_kvSplitSize`), so each shape gets its own."""
+
+    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features):
+        prior = None if bias_fn is None else (bias_fn, prior_tensors)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            row_log_n = log_n[b, q_idx] if use_ssmax else None
+            query = key = None
+            if features is not None:  # queries and keys are the same tokens: one (B, H, T) tensor each
+                query, key = tuple(t[b, h, q_idx] for t in features), tuple(t[b, h, kv_idx] for t in features)
+            return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale, query, key)
+
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                              enable_gqa=k.shape[1] != q.shape[1])
+
+    # dynamo's recompile budget (8) is per code object, and every variant, sequence length and mask shape
+    # of the kernel above shares one: an evaluation sweep over lengths, or a test comparing encodings, would
+    # exhaust it and fail under fullgraph. Raise it at the first flex compile (never lower a user's setting).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
+
+
+_FLEX_KERNELS = {}
+
+
+def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
+    """FlexAttention: the prior as score_mod, the mask as a sparse BlockMask; never materialises Tq x Tk.
+    Queries and keys are the same positions 0..T-1 (no KV cache), so the token features at the queries
+    are those at the keys (layer_prior). With prior tables (ctx.prior_tables) a tabulated prior,
+    (table_bias, (table,)), and SSMax are gathered from tables; any other prior (one with token features
+    included), and everything with flex_prior = "formula", is evaluated by its formula per score."""
+    log_n = None
+    if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
+        log_n = ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1 else ctx.log_n
+    bias_fn, tensors = (None, ()) if prior is None else prior
+    tabulated = ctx.prior_tables is not None and bias_fn in (None, table_bias)
+    if tabulated:
+        variant = ("table", bias_fn is not None, ssmax_scale is not None, q.device.type == "cpu")
+    else:
+        gathers = ssmax_scale is not None or features is not None  # per-query tensors in score_mod
+        variant = (bias_fn, ssmax_scale is not None, q.device.type == "cpu" and gathers)
+    if variant not in _FLEX_KERNELS:
+        _FLEX_KERNELS[variant] = _make_flex_table_kernel(*variant[1:]) if tabulated else _make_flex_kernel(*variant)
+    T, padded = q.shape[2], ctx.mask.seq_lengths[0]
+    if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
+        features = tuple(t.expand(q.shape[0], q.shape[1], T).contiguous() for t in features[0])
+    if padded > T:  # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
+        q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
+        log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
+        features = None if features is None else tuple(F.pad(t, (0, padded - T)) for t in features)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one compiled kernel
+    if tabulated:
+        bias_table = tensors[0] if tensors else None
+        if bias_table is not None and bias_table.shape[-1] < padded:  # a shape, no device sync
+            raise ValueError(f"a prior table covers distances 0..{bias_table.shape[-1] - 1}, the kernel runs "
+                             f"{padded} tokens: build it at ctx.mask.seq_lengths[0]")
+        factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, q.shape[0])
+        return _FLEX_KERNELS[variant](q, k, v, ctx.mask, bias_table, factor_table)[:, :, :T]
+    return _FLEX_KERNELS[variant](q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)[:, :, :T]
+
+
+# The attention paths by name (ModelConfig.attn_impl after `auto`): Attention.forward looks its path up here.
+ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_fused}

@@ -15,7 +15,7 @@ model.AdditivePrior), for `past_features` / `update_features`, which `_CacheView
 beside the library's keys and values (greedy and sampled generation; beam reordering does not reach them).
 """
 
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -23,23 +23,17 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .model import ModelConfig, Transformer, _broadcast_leading
+from .model import ModelConfig, Transformer, broadcast_leading
 
 # newer transformers renamed `past_key_values` to `cache`; the output takes the name this version has
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def _model_config(values):
-    """ModelConfig from a dict, keeping only the fields this model.py knows (and validating them)."""
-    known = {f.name for f in fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in (values or {}).items() if k in known})
 
 
 class BAMConfig(PretrainedConfig):
     model_type = "bam_lm"
 
     def __init__(self, bam_model=None, **kwargs):
-        cfg = _model_config(bam_model)
+        cfg = ModelConfig.from_dict(bam_model)
         self.bam_model = asdict(cfg)
         # The library's standard names, for its utilities (cache sizing, pipelines); model.py itself reads
         # only bam_model. No max_position_embeddings: the training context (block_size) is no limit at
@@ -89,7 +83,7 @@ class _CacheView:
         if past is not None and past[0].shape[-1] != start:
             raise ValueError(f"the token features of layer {layer} hold {past[0].shape[-1]} positions, but the new "
                              f"tokens start at position {start}")
-        joined = features if past is None else tuple(torch.cat(_broadcast_leading(p, t), dim=-1)
+        joined = features if past is None else tuple(torch.cat(broadcast_leading(p, t), dim=-1)
                                                      for p, t in zip(past, features))
         self._features()[layer] = joined
         return joined
@@ -108,7 +102,7 @@ class _Wrapped(torch.nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.model = Transformer(_model_config(config.bam_model))
+        self.model = Transformer(ModelConfig.from_dict(config.bam_model))
 
 
 class BAMForCausalLM(PreTrainedModel, GenerationMixin):
@@ -119,7 +113,7 @@ class BAMForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config):
         super().__init__(config)
-        self.model = Transformer(_model_config(config.bam_model))
+        self.model = Transformer(ModelConfig.from_dict(config.bam_model))
         self.post_init()
 
     def _init_weights(self, module):

@@ -54,13 +54,13 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-import folders
-from checkpoint import check_writable, write_bytes
-from cli import Parser, UserError, describe_os_error, os_reason, user_errors
-from data import EOT, MANIFEST, ShardError, shard_num_tokens, write_shard  # noqa: F401 (EOT: GPT-2's, for callers)
-from tokenizer import GPT2, GPT2_IDENTITY, TokenizerError, TokenizerIdentity, load_tokenizer, shard_version
-from ranges import number
-from retrieval import MAX_DIGITS
+from bam import outputs
+from bam.cli import Parser, UserError, describe_os_error, os_reason, user_errors
+from bam.data import MANIFEST, SHARD_FORMATS, ShardError, shard_num_tokens, shard_version, write_shard
+from bam.outputs import check_writable, write_bytes
+from bam.ranges import number
+from bam.retrieval import MAX_DIGITS, RetrievalDocuments, mix, text_sentences
+from bam.tokenizer import GPT2, GPT2_IDENTITY, TokenizerError, TokenizerIdentity, load_tokenizer
 
 HUB_DATASETS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 FINEWEB_SAMPLES = ("sample-10BT", "sample-100BT", "sample-350BT")
@@ -304,7 +304,7 @@ def demo_documents(workers: int = 1) -> list:
 
 def token_dtype(identity) -> np.dtype:
     """uint16 while every id of the tokenizer fits (llm.c version-1 shards), else uint32 (version 7)."""
-    return np.dtype(np.uint16) if shard_version(identity.vocab_size) == 1 else np.dtype(np.uint32)
+    return np.dtype(SHARD_FORMATS[shard_version(identity.vocab_size)][1].name)
 
 
 def tokenize(text: str, tokenizer: str = None) -> np.ndarray:
@@ -544,29 +544,20 @@ def prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
     identity = load_tokenizer(tokenizer).identity
     _check_out_dir(out_dir, _read_manifest(out_dir), prefix=prefix, source=source, shard_size=shard_size,
                    max_tokens=max_tokens, tokenizer=identity)
-    created = not os.path.exists(out_dir)
-    key = lock_out_dir(out_dir)
-    try:
+    # refused before a shard was written: a folder it made is removed again
+    with outputs.locked_folder(out_dir, LOCK, out_dir, "prepare_fineweb.py", refused=PrepareError):
         return _prepare(documents, out_dir, source=source, prefix=prefix, shard_size=shard_size,
                         max_tokens=max_tokens, workers=workers, progress=progress, tokenizer=tokenizer,
                         identity=identity)
-    except BaseException:
-        if created and os.listdir(out_dir) == [LOCK]:  # refused before a shard was written: leave nothing
-            folders.unlock(key)
-            os.remove(os.path.join(out_dir, LOCK))
-            os.rmdir(out_dir)
-        raise
-    finally:
-        folders.unlock(key)
 
 
 def lock_out_dir(out_dir):
-    """OUT_DIR/.lock (folders.lock): a second run on the same folder is refused, as train.py's on a run dir;
-    only the holder may remove the temp files of killed runs."""
+    """OUT_DIR/.lock (outputs.lock) for the rest of the process: a second run on the same folder is refused,
+    as train.py's on a run dir; only the holder may remove the temp files of killed runs."""
     os.makedirs(out_dir, exist_ok=True)
     try:
-        return folders.lock(os.path.join(out_dir, LOCK), out_dir, "prepare_fineweb.py")
-    except folders.InUse as e:
+        return outputs.lock(os.path.join(out_dir, LOCK), out_dir, "prepare_fineweb.py")
+    except outputs.InUse as e:
         raise PrepareError(e) from None
 
 
@@ -593,10 +584,10 @@ def _prepare(documents, out_dir, *, source: dict, prefix: str, shard_size: int,
     total = sum(s["tokens"] for s in kept)
     num_docs = kept[-1]["documents"] if kept else 0
     # Temp files of a run that was killed mid-write: this run holds the lock, so no live run writes them.
-    folders.remove_stale(out_dir, f"{glob.escape(prefix)}_*.bin.tmp-*")
-    folders.remove_stale(out_dir, f"{MANIFEST}.tmp-*")
-    dtype, version = token_dtype(identity), shard_version(identity.vocab_size)
-    magic = 20240520 if version == 1 else 20240801
+    outputs.remove_stale(out_dir, f"{glob.escape(prefix)}_*.bin.tmp-*")
+    outputs.remove_stale(out_dir, f"{MANIFEST}.tmp-*")
+    version = shard_version(identity.vocab_size)
+    magic, dtype = SHARD_FORMATS[version][0], token_dtype(identity)
     manifest = {"format": f"llm.c shards: 256 x int32 header (magic {magic}, version {version}, count), {dtype.name}",
                 "tokenizer": identity.to_dict(), "eot": identity.doc_open, "source": source, "prefix": prefix,
                 "shard_size": shard_size, "max_tokens": max_tokens, "finished": False,
@@ -750,7 +741,6 @@ def parse_args(argv=None):
 
 
 def passkey_mixture(documents, args):
-    from retrieval import RetrievalDocuments, mix, text_sentences
     real = text_sentences(demo_documents(args.workers)) if args.retrieval_filler != "garbage" else ()
     try:
         synthetic = RetrievalDocuments(load_tokenizer(args.tokenizer), args.retrieval_length, args.retrieval_min_length,

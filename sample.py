@@ -17,11 +17,11 @@ import sys
 
 import torch
 
-from cli import Parser, UserError, describe_os_error, run_cli
+from bam.cli import Parser, UserError, describe_os_error, run_cli
 from eval.loading import load_for_eval
 from eval.memory import OutOfMemory, check_fits, generation_bytes
 from eval.options import add_model_arguments, overrides_label, parse_arguments
-from ranges import number
+from bam.ranges import number
 
 
 def read_prompt(path):

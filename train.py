@@ -42,21 +42,21 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (CheckpointError, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, config_path,
-                        keep_last, load_checkpoint, metrics_path, remove_temp_files, run_dir_lock, save_atomic,
-                        step_checkpoints, step_path, write_text)
-from cli import Parser, UserError, os_reason, user_errors
-from config import (SHAPE_FREE_MODEL_KEYS, ConfigError, check, checkpoint_differences, describe, load_config, to_dict,
+from bam.checkpoint import CheckpointError, checkpoint_tokenizer, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, config_path, keep_last, load_checkpoint, metrics_path, run_dir_lock, save_atomic, step_checkpoints, step_path
+from bam.outputs import remove_temp_files, write_text
+from bam.cli import Parser, UserError, os_reason, user_errors
+from bam.config import (SHAPE_FREE_MODEL_KEYS, ConfigError, check, checkpoint_differences, describe, load_config, to_dict,
                     to_toml)
-from data import ShardLoader, check_shard_tokens, check_token_ids
+from bam.data import ShardLoader, check_shard_tokens, check_token_ids
 from model import Transformer
-from parallel import (clip_grad_norm, init_distributed, load_fsdp_checkpoint, load_whole_optimizer, micro_step, prepare,
+from bam.parallel import (clip_grad_norm, init_distributed, load_fsdp_checkpoint, load_whole_optimizer, micro_step, prepare,
                       prior_summary, rank_rng_state, save_fsdp_checkpoint, wrap)
-from recovery import (Diverged, StopRequest, Stopped, check_step, follow_moved_run_dir, interrupted, load_resume_state,
+from bam.recovery import (Diverged, StopRequest, Stopped, check_step, follow_moved_run_dir, interrupted, load_resume_state,
                       metrics_rows_until, rng_state, set_rng_state)
-from retrieval import passkey_answer_targets
-from tokenizer import GPT2, GPT2_IDENTITY, TokenizerError, TokenizerIdentity, check_vocab, load_tokenizer
-from sizing import check_training_fits
+from bam.retrieval import passkey_answer_targets
+from bam.tokenizer import GPT2, GPT2_IDENTITY, check_vocab, load_tokenizer, tokenizer_identity
+from bam import sizing
+from bam.sizing import check_training_fits
 
 # Dense bf16 tensor-core peaks per GPU in TFLOPs, matched against the CUDA device name in this order.
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
@@ -273,23 +273,13 @@ def setup_processes():
                      world_size=int(os.environ.get("WORLD_SIZE", 1)), device=device)
 
 
-def run_tokenizer(name):
-    """The TokenizerIdentity of data.tokenizer; GPT-2's without loading tiktoken (only what reads text needs it)."""
-    if name == GPT2:
-        return GPT2_IDENTITY
-    try:
-        return load_tokenizer(name).identity
-    except TokenizerError as e:
-        raise UserError(f"data.tokenizer = {name!r}: {e}") from None
-
-
 def load_checked_config(path, overrides, world_size, master):
     try:
         cfg = load_config(path, overrides)
         check(cfg, world_size)
     except ConfigError as e:
         raise UserError(e) from None
-    identity = run_tokenizer(cfg.data.tokenizer)
+    identity = tokenizer_identity(cfg.data.tokenizer)
     if identity == GPT2_IDENTITY and cfg.model.vocab_size < identity.vocab_size:  # as GPT-2 runs always said
         raise UserError(f"model.vocab_size = {cfg.model.vocab_size} cannot hold the GPT-2 tokens of the shards "
                         f"(up to {identity.vocab_size - 1}); use {identity.vocab_size} or more")
@@ -303,7 +293,7 @@ def load_checked_config(path, overrides, world_size, master):
 def build_data(cfg, procs):
     """(train loader, validation loader or None, validation batches per evaluation)."""
     d, t = cfg.data, cfg.train
-    shape = (d.batch_size, cfg.model.block_size, procs.rank, procs.world_size, run_tokenizer(d.tokenizer))
+    shape = (d.batch_size, cfg.model.block_size, procs.rank, procs.world_size, tokenizer_identity(d.tokenizer))
     if not glob.glob(os.path.join(d.data_dir, "*_train_*.bin")):
         raise UserError(f"data.data_dir = {d.data_dir!r} holds no *_train_*.bin shards; make them with "
                         f"prepare_fineweb.py (e.g. `python prepare_fineweb.py --source demo "
@@ -332,13 +322,8 @@ def build_data(cfg, procs):
 def check_checkpoint_tokenizer(ckpt, cfg, what):
     """UserError when the checkpoint was trained with another tokenizer than data.tokenizer: the same name whose
     files changed (the recorded sha256 differs), or another name (older checkpoints: GPT-2's)."""
-    current = run_tokenizer(cfg.data.tokenizer)
-    recorded = ckpt.get("tokenizer")
-    if recorded:
-        recorded = TokenizerIdentity.from_dict(recorded)
-    else:
-        name = ((ckpt.get("config") or {}).get("data") or {}).get("tokenizer", GPT2)
-        recorded = GPT2_IDENTITY if name == GPT2 else None
+    current = tokenizer_identity(cfg.data.tokenizer)
+    recorded = checkpoint_tokenizer(ckpt)[1]
     if recorded is not None and recorded.sha256 != current.sha256:
         raise UserError(f"{what} was trained with the tokenizer {recorded.describe()}, not data.tokenizer = "
                         f"{current.describe()}: its token ids mean other text")
@@ -658,8 +643,6 @@ def finish(run, exit_code=0, together=True):
 
 def dry_run(args, overrides):
     """train.py CONFIG --dry_run: the memory plan (sizing.py), without data, processes or a run directory."""
-    from sizing import dry_run as plan
-
     with user_errors():
         try:
             worlds = [int(n) for n in args.world_size.split(",")]
@@ -671,7 +654,7 @@ def dry_run(args, overrides):
         except ConfigError as e:
             raise UserError(e) from None
         print(f"{args.config}:")
-        print(plan(cfg, worlds))
+        print(sizing.dry_run(cfg, worlds))
 
 
 def main(argv=None):

@@ -28,13 +28,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.peak_memory import PeakMemory, fixed_mmap_threshold  # noqa: E402
-from model import (ATTENTION, ENCODINGS, PRIORS, AttnContext, ModelConfig, apply_rope, dense_mask,  # noqa: E402
+from bench.peak_memory import PeakMemory, fixed_mmap_threshold
+from model import (ATTENTION, ENCODINGS, PRIORS, AttnContext, ModelConfig, apply_rope, dense_mask,
                    distance_table, layer_prior, make_block_mask, positions_in_documents, ssmax_log_n,
                    table_bias)
-from cli import Parser  # noqa: E402
-from ranges import number  # noqa: E402
+from bam.cli import Parser
+from bam.ranges import number
 
 H, HD = 16, 48  # the paper's 12-layer model: 768 wide, 16 heads
 # Every registered encoding that changes attention (NoPE as the baseline, those that rotate q and k, every

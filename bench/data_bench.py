@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import prepare_fineweb  # noqa: E402
-from checkpoint import write_bytes  # noqa: E402
-from data import ShardLoader, get_tokenizer, write_shard  # noqa: E402
-from cli import Parser  # noqa: E402
-from ranges import number  # noqa: E402
+import prepare_fineweb
+from bam.outputs import write_bytes
+from bam.data import ShardLoader, write_shard
+from bam.cli import Parser
+from bam.ranges import number
+from bam.tokenizer import load_tokenizer
 
 
 def bench_prepare(corpus_path, workers, repeats, tmp):
@@ -87,7 +87,7 @@ def main():
     parser.add_argument("--copies", type=number(int, ">= 1, <= 1000"), default=8,
                         help="the demo corpus repeated this many times, so the pool has enough work")
     args = parser.parse_args()
-    get_tokenizer()
+    load_tokenizer("gpt2")
     print(f"machine: {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores "
           f"usable, python {platform.python_version()}")
     with tempfile.TemporaryDirectory() as tmp:

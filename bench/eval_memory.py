@@ -23,9 +23,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.peak_memory import PeakMemory, fixed_mmap_threshold  # noqa: E402
-from cli import Parser  # noqa: E402
+from bench.peak_memory import PeakMemory, fixed_mmap_threshold
+from bam.cli import Parser
 
 SHAPES = {  # configs/tiny.toml's model and the paper's 12-layer model, both BAM + SSMax
     "tiny": dict(n_layer=4, n_embd=128, n_head=4, block_size=128),

@@ -56,19 +56,20 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import model as model_module  # noqa: E402
-from bench.attention import attention_call  # noqa: E402
-from bench.attention import measure as measure_attention  # noqa: E402
-from bench.peak_memory import PeakMemory  # noqa: E402
-from checkpoint import write_text  # noqa: E402
-from config import load_config  # noqa: E402
-from data import EOT, document_ids  # noqa: E402
-from eval.scoring import Sample, predict_spans  # noqa: E402
-from model import PE_CHOICES, Transformer  # noqa: E402
-from train import PEAK_BF16_TFLOPS  # noqa: E402
-from cli import Parser  # noqa: E402
-from ranges import number  # noqa: E402
+import model as model_module
+from bench.attention import attention_call
+from bench.attention import measure as measure_attention
+from bench.peak_memory import PeakMemory
+from bam.outputs import write_text
+from bam.config import load_config
+from bam.data import EOT, document_ids
+from eval.scoring import Sample, predict_spans
+from model import PE_CHOICES, Transformer
+from train import PEAK_BF16_TFLOPS
+from bam.cli import Parser
+from bam.ranges import number
+from bam import parallel
+from bam.checkpoint import load_checkpoint, step_path
 
 # (section, budget in seconds on one H200). The budgets add up to 550 s; with ~20 s of start-up (imports,
 # CUDA context) and one case overrunning its section by its own expected time at most, the run stays
@@ -702,9 +703,6 @@ def check_fsdp(s, report):
     (the DDP path), and a torch.distributed.checkpoint save and load of its shards. The process group has one
     rank (NCCL on CUDA, gloo on CPU) and is taken down at the end."""
     import torch.distributed as dist
-
-    import parallel
-    from checkpoint import load_checkpoint, step_path
 
     procs = argparse.Namespace(device=s.device, distributed=False)
     parallel.init_distributed(procs, "fsdp")

@@ -28,12 +28,11 @@ from contextlib import nullcontext
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from config import load_config  # noqa: E402
-from data import EOT, document_ids  # noqa: E402
-from model import ENCODINGS, Transformer  # noqa: E402
-from cli import Parser  # noqa: E402
-from ranges import number  # noqa: E402
+from bam.config import load_config
+from bam.data import EOT, document_ids
+from model import ENCODINGS, Transformer
+from bam.cli import Parser
+from bam.ranges import number
 
 
 def synthetic_batch(batch_size, seq_len, vocab_size, device):

@@ -19,12 +19,11 @@ import sys
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model import ModelConfig, Transformer  # noqa: E402
-from parallel import checkpoint_blocks  # noqa: E402
-from sizing import Sizes, activation_bytes, static_bytes  # noqa: E402
-from cli import Parser  # noqa: E402
+from model import ModelConfig, Transformer
+from bam.parallel import checkpoint_blocks
+from bam.sizing import Sizes, activation_bytes, static_bytes
+from bam.cli import Parser
 
 SHAPES = {  # (model, batch): the first is dominated by its output layer, the second by its Blocks
     "4 x 128, GPT-2 vocab, 8 x 128 tokens": (dict(n_layer=4, n_embd=128, n_head=4, block_size=128), 8),

@@ -17,7 +17,7 @@ and one line below: eval.report finds its results, section, tables and plots thr
 
 import importlib
 
-from cli import UserError
+from bam.cli import UserError
 
 # The evaluator modules, in the order of the report's sections.
 EVALUATORS = [

@@ -42,7 +42,7 @@ import time
 import numpy as np
 import torch
 
-from data import EOT
+from bam.data import EOT
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval
@@ -54,7 +54,8 @@ from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
                         sweep_lengths)
 from model import dense_mask, grid_features, layer_prior, positional_scores
-from ranges import number
+from bam.ranges import number
+from eval.passkey import PasskeyPrompts
 
 PROMPTS = ("text", "passkey")
 METRICS = {"entropy": "entropy (nats)", "mean_distance": "mean distance attended (tokens)",
@@ -150,8 +151,6 @@ def prompt_maker(kind, data_dir, lengths, samples, seed, explicit_lengths, enc=N
             if kind == "text":
                 raise
             print(f"attention: passkey prompts instead of validation text: {e}", file=sys.stderr)
-    from eval.passkey import PasskeyPrompts
-
     passkey = PasskeyPrompts(enc=enc)
     too_short = [n for n in lengths if n < passkey.min_length()]
     if too_short and explicit_lengths:

@@ -18,7 +18,7 @@ plots (`run_plots`) and draws `summary_plot` next to the report.
 from dataclasses import dataclass
 from typing import Callable
 
-from cli import Parser, run_cli
+from bam.cli import Parser, run_cli
 from eval.options import parse_arguments
 
 

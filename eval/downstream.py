@@ -30,8 +30,7 @@ from eval.options import EvalOptions, add_model_arguments, add_output_arguments
 from eval.reporting import DASH, table
 from eval.results import Output, new_results
 from eval.sweep import progress_bar
-from tokenizer import as_tokenizer
-from ranges import number
+from bam.ranges import number
 
 PAPER_TASKS = "hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai"
 # The metric a task's row shows first (lm-eval reports several; all are kept in the JSON).
@@ -79,7 +78,6 @@ def make_project_lm(model, enc, max_length, batch_size, amp):
     GPT-2 Encoding). Where lm-eval's HF model would use the end-of-text token (an empty context, the start of
     rolling windows, padding), this uses the token every training document opens with: GPT-2's EOT, the BOS."""
     _, LM = lm_eval_api()
-    enc = as_tokenizer(enc)
     doc_open = enc.doc_open
     # A BOS/EOS tokenizer's documents all start with BOS in training, so every context does here too (as
     # lm-eval's HF model adds BOS for such tokenizers); GPT-2's contexts stay bare, as they always were.

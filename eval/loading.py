@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from checkpoint import CheckpointError, is_sharded, load_checkpoint
+from bam.checkpoint import CheckpointError, checkpoint_tokenizer, is_sharded, load_checkpoint, model_from_checkpoint
+from bam.tokenizer import GPT2, GPT2_IDENTITY, load_run_tokenizer
 from eval import EvalError
 from eval.options import EvalOptions
-from model import model_from_checkpoint
 
 
 @dataclass
@@ -35,7 +35,10 @@ class EvalModel:
     def tokenizer(self):
         """The run's tokenizer (tokenizer.Tokenizer), as its checkpoint records it (data.tokenizer; GPT-2 for
         a model object and for checkpoints from before the setting), checked against the recorded hash."""
-        return run_tokenizer(self.info, getattr(self.model, "config", None))
+        config = getattr(self.model, "config", None)
+        return load_run_tokenizer(self.info.get("tokenizer") or GPT2, self.info.get("tokenizer_sha256"),
+                                  config.vocab_size if config else None,
+                                  self.info.get("checkpoint") or self.info.get("name"))
 
     @property
     def block_size(self):
@@ -97,37 +100,12 @@ def read_model(source, device):
 def check_vocab_holds_tokenizer(model, path, ckpt):
     """EvalError when the model's vocabulary cannot hold the ids of its run's tokenizer (as the checkpoint records
     it; GPT-2's without a record), which every evaluator and sample.py feed it. No tokenizer is loaded."""
-    from tokenizer import GPT2_IDENTITY, TokenizerIdentity
-
-    recorded = ckpt.get("tokenizer")
-    identity = TokenizerIdentity.from_dict(recorded) if recorded else None
-    name = ((ckpt.get("config") or {}).get("data") or {}).get("tokenizer", "gpt2")
-    if identity is None and name == "gpt2":
-        identity = GPT2_IDENTITY
+    identity = checkpoint_tokenizer(ckpt)[1]
     if identity is None or model.config.vocab_size >= identity.vocab_size:
         return
     what = "GPT-2 tokens" if identity.sha256 == GPT2_IDENTITY.sha256 else f"the tokens of its tokenizer {identity.name!r}"
     raise EvalError(f"{path}: the model's vocab_size {model.config.vocab_size} cannot read {what} (ids up to "
                     f"{identity.vocab_size - 1}), which every evaluator and sample.py feed it")
-
-
-def run_tokenizer(info, config=None):
-    """The Tokenizer of the "model" block `info` (describe_model's), every failure one EvalError line: one
-    that cannot be loaded, one whose files changed since training, one with ids past the model's vocabulary."""
-    from tokenizer import TokenizerError, check_vocab, load_tokenizer
-
-    name, recorded = info.get("tokenizer") or "gpt2", info.get("tokenizer_sha256")
-    try:
-        enc = load_tokenizer(name)
-    except TokenizerError as e:
-        raise EvalError(f"the run's tokenizer: {e}") from None
-    if recorded and recorded != enc.identity.sha256:
-        raise EvalError(f"the run was trained with the tokenizer {name!r} of sha256 {recorded[:12]}, but {name!r} "
-                        f"now loads one of sha256 {enc.identity.sha256[:12]}: its files changed; restore them")
-    too_small = check_vocab(config.vocab_size, enc.identity, "the model's vocab_size") if config else None
-    if too_small:
-        raise EvalError(f"{info.get('checkpoint') or info.get('name')}: {too_small}")
-    return enc
 
 
 def overridden(model, attn_impl, overrides):
@@ -178,7 +156,7 @@ def describe_model(model, checkpoint=None, ckpt=None):
         info["step"], info["tokens_seen"] = ckpt.get("step"), ckpt.get("tokens_seen")
         info["data_dir"] = (ckpt.get("config") or {}).get("data", {}).get("data_dir")  # train.py's checkpoints
         # The run's tokenizer: data.tokenizer (GPT-2 before the setting existed) and the hash train.py recorded
-        info["tokenizer"] = (ckpt.get("config") or {}).get("data", {}).get("tokenizer", "gpt2")
+        info["tokenizer"] = checkpoint_tokenizer(ckpt)[0]
         info["tokenizer_sha256"] = (ckpt.get("tokenizer") or {}).get("sha256")
     return info
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from sizing import available_bytes  # noqa: F401  (the evaluators' and training's one measure)
+from bam.sizing import available_bytes  # noqa: F401  (the evaluators' and training's one measure)
 
 # Peak bytes of one no-grad forward per token and per unit of n_embd (fp32 activations, FlexAttention),
 # measured with bench/eval_memory.py (docs/benchmarks.md) and rounded up: a handful of (T, n_embd)-sized

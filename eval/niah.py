@@ -32,19 +32,19 @@ import uuid
 
 import numpy as np
 
+from bam.tokenizer import GPT2, load_tokenizer
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
-from eval.prompts import Haystack, encode_template, repeat_haystack, tokenizer, validation_tokens
-from tokenizer import as_tokenizer
+from eval.prompts import Haystack, encode_template, repeat_haystack, validation_tokens
 from eval.reporting import length_label, rate, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
                         sweep_lengths)
-from ranges import number
-from retrieval import GARBAGE
+from bam.ranges import number
+from bam.retrieval import GARBAGE
 
 # (value kind, needles, of which distractors, keys asked for)
 TASKS = {
@@ -87,7 +87,7 @@ def sentence_end_tokens(enc):
 
 class NeedlePrompts:
     def __init__(self, text_stream=None, enc=None):
-        self.enc = as_tokenizer(enc) if enc is not None else tokenizer()  # the run's; GPT-2 without one
+        self.enc = enc if enc is not None else load_tokenizer(GPT2)  # the run's; GPT-2 without one
         self.head = [self.enc.doc_open] + self.enc.encode_ordinary(INSTRUCTION.replace("{kind}", "number"))
         self.repeat = repeat_haystack(self.enc, GARBAGE, 0)
         self.text = None

@@ -8,9 +8,9 @@ model is decided once, by ModelConfig's own rules, when the evaluated model is b
 import re
 from dataclasses import dataclass, field
 
-from config import SHAPE_FREE_MODEL_KEYS, ConfigError, parse_model_override
+from bam.config import SHAPE_FREE_MODEL_KEYS, ConfigError, parse_model_override
 from eval import EvalError
-from ranges import number
+from bam.ranges import number
 
 
 @dataclass

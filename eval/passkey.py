@@ -25,21 +25,21 @@ import time
 
 import numpy as np
 
-import ranges
+from bam import ranges
+from bam.tokenizer import GPT2, load_tokenizer
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
-from eval.prompts import encode_template, repeat_haystack, tokenizer
+from eval.prompts import encode_template, repeat_haystack
 from eval.reporting import DASH, binomial_interval, by_family, by_variant, length_label, rate, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
 from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
                         sweep_lengths)
-from ranges import number
-from retrieval import GARBAGE, INFO, MAX_DIGITS, QUESTION, TASK
-from tokenizer import as_tokenizer
+from bam.ranges import number
+from bam.retrieval import GARBAGE, INFO, MAX_DIGITS, QUESTION, TASK
 
 DEPTH_MODES = ("equidistant", "beginning", "end", "random")
 
@@ -48,7 +48,7 @@ class PasskeyPrompts:
     """Builds passkey prompts of an exact token length with the key at a chosen depth."""
 
     def __init__(self, digits=5, given_tokens=0, enc=None):
-        self.enc = as_tokenizer(enc) if enc is not None else tokenizer()  # the run's; GPT-2 without one
+        self.enc = enc if enc is not None else load_tokenizer(GPT2)  # the run's; GPT-2 without one
         self.digits, self.given = digits, given_tokens
         self.head = [self.enc.doc_open] + self.enc.encode_ordinary(TASK)
         self.question = self.enc.encode_continuation(" " + QUESTION)

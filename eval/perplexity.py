@@ -36,7 +36,7 @@ from eval.prompts import SOURCES, validation_sequences
 from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, writable_folder
 from eval.sweep import check_lengths, format_length, parse_length, progress_bar
-from ranges import number
+from bam.ranges import number
 
 HEAD_CHUNK = 1024  # positions per LM-head call: B x 1024 x vocab fp32 logits at a time
 

@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # files only; no display on clusters
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from checkpoint import atomic_file  # noqa: E402
+from bam.outputs import atomic_file
 from eval.sweep import format_length  # noqa: E402
 
 

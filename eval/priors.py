@@ -31,8 +31,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-import folders
-from checkpoint import is_sharded
+from bam import outputs
+from bam.checkpoint import is_sharded
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval, output_dir
@@ -183,7 +183,7 @@ def evaluate_priors(source, *, options=None, max_distance=None, metrics=None, da
     if folder:
         writable_folder(folder)
         lock_results(folder, "priors", "priors")  # also removes a killed run's priors.json.tmp-PID
-        folders.remove_stale(folder, "priors_*.png.tmp-*")
+        outputs.remove_stale(folder, "priors_*.png.tmp-*")
     if max_distance is None:
         max_distance = (folder and longest_evaluated(folder)) or 500 * cfg.block_size
     rows = head_table(model)
@@ -219,7 +219,7 @@ def evaluate_priors(source, *, options=None, max_distance=None, metrics=None, da
     if verbose and folder:
         print(f"wrote {', '.join(written)} in {folder}")
     if folder:
-        folders.unlock(os.path.join(folder, ".priors.lock"))
+        outputs.unlock(os.path.join(folder, ".priors.lock"))
     return results
 
 

@@ -2,27 +2,14 @@
 answer must be reproduced, filler haystacks, and held-out validation text. Every prompt is built from
 text with the run's tokenizer (EvalModel.tokenizer), so lengths are exact token counts of that tokenizer."""
 
-import functools
 import os
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from data import EOT
+from bam.data import EOT, ShardError, check_shards_tokenizer, read_shard, shard_paths
 from eval import EvalError
-from tokenizer import as_tokenizer
-
-
-@functools.lru_cache(maxsize=None)
-def tokenizer(name="gpt2"):
-    """tokenizer.load_tokenizer(name) with its failure as one EvalError line."""
-    from tokenizer import TokenizerError, load_tokenizer
-
-    try:
-        return load_tokenizer(name)
-    except TokenizerError as e:
-        raise EvalError(str(e)) from None
 
 
 def encode_template(enc, template, values):
@@ -30,7 +17,6 @@ def encode_template(enc, template, values):
     before it, so a value's tokens inside the haystack are exactly the tokens the answer must reproduce.
     Returns (tokens, {slot: [(start, end), ...]}). Every piece is encoded as it reads inside the prompt
     (Tokenizer.encode_continuation)."""
-    enc = as_tokenizer(enc)
     parts = re.split(r"(\{\w+\})", template)  # text, slot, text, slot, ..., text
     tokens, spans = [], {}
     for i, part in enumerate(parts):
@@ -61,7 +47,6 @@ class Haystack:
 
 def repeat_haystack(enc, text, n):
     """`text`'s sentences, each tokenised with a leading space, repeated to at least n tokens."""
-    enc = as_tokenizer(enc)
     sentences = [enc.encode_continuation(" " + s.strip() + ".") for s in text.split(".") if s.strip()]
     unit = np.array([t for s in sentences for t in s], dtype=np.int64)
     reps = n // len(unit) + 1
@@ -73,8 +58,6 @@ def repeat_haystack(enc, text, n):
 def validation_tokens(data_dir, max_tokens=None, tokenizer=None):
     """The validation split (the first shard(s), `*_val_*.bin`) as int64, at most max_tokens of it. With
     `tokenizer` (a TokenizerIdentity), shards whose manifest names another tokenizer are refused."""
-    from data import ShardError, check_shards_tokenizer, read_shard, shard_paths
-
     paths = shard_paths(data_dir, "val") if data_dir and os.path.isdir(data_dir) else []
     if not paths:
         raise EvalError(f"no validation shards (*_val_*.bin) in {data_dir!r}; pass --data_dir with the folder "
@@ -108,8 +91,6 @@ def validation_sequences(data_dir, length, num_seqs, source="concat", separators
     `concat` (the official code's protocol): the validation stream with its document separators (GPT-2's
     <|endoftext|>; BOS and EOS) removed, cut into consecutive sequences; `documents`: only documents at
     least length + 1 tokens long, each from its opening separator (`separators[0]`)."""
-    from data import read_shard, shard_paths
-
     need = num_seqs * (length + 1)
     if source == "concat":
         # EOTs are about 1 in 700 tokens of FineWeb: read a little more than needed, then drop them

@@ -4,6 +4,7 @@ cells and tables of markdown they become. eval.report finds the runs and calls e
 import math
 import os
 from dataclasses import dataclass, field
+from model import ENCODINGS
 
 DASH = "—"  # an evaluation a run does not have
 
@@ -55,8 +56,6 @@ def by_family(variants):
     """{family: [variant names]} of {variant: [its runs]}, by the encoding's family (model.ENCODINGS), for
     small multiples: RoPE and its extensions in one panel, additive priors in another, ..., the families in
     the registry's order."""
-    from model import ENCODINGS
-
     families = {}
     for variant, members in variants.items():
         pe = ((members[0].model or {}).get("config") or {}).get("pe") or ((members[0].config or {}).get("model") or {}).get("pe")

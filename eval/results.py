@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 
-import folders
-from checkpoint import check_writable, write_text
-from cli import WriteError, describe_os_error, os_reason
+from bam import outputs
+from bam.outputs import check_writable, write_text
+from bam.cli import WriteError, describe_os_error, os_reason
 from eval import EvalError
 from eval.loading import output_dir
 from eval.options import overrides_label, results_name
@@ -43,7 +43,7 @@ class Output:
     def release(self):
         """Let another evaluation write these results (the lock goes with the process otherwise)."""
         if self.lock:
-            folders.unlock(self.lock)
+            outputs.unlock(self.lock)
             self.lock = None
 
     @classmethod
@@ -89,16 +89,16 @@ class Output:
 
 
 def lock_results(folder, name, command):
-    """FOLDER/.NAME.lock while an evaluation writes NAME.json and NAME.png (folders.lock): the same results
+    """FOLDER/.NAME.lock while an evaluation writes NAME.json and NAME.png (outputs.lock): the same results
     written by two evaluations at once are refused (other evaluators of the run go on), and the temp files
     that a killed evaluation left (NAME.json.tmp-PID) are removed, which only the holder may do."""
     try:
-        key = folders.lock(os.path.join(folder, f".{name}.lock"), os.path.join(folder, f"{name}.json"),
+        key = outputs.lock(os.path.join(folder, f".{name}.lock"), os.path.join(folder, f"{name}.json"),
                            f"eval.{command}", remove=True)
-    except folders.InUse as e:
+    except outputs.InUse as e:
         raise EvalError(f"{e}; wait for it, or choose another --out or --name") from None
     for suffix in (".json", ".png"):
-        folders.remove_stale(folder, f"{glob.escape(name)}{suffix}.tmp-*")
+        outputs.remove_stale(folder, f"{glob.escape(name)}{suffix}.tmp-*")
     return key
 
 
@@ -128,7 +128,7 @@ def stopped_note(results):
 
 
 def write_json(path, obj):
-    """Atomically (checkpoint.write_text): an interrupted run leaves the previous complete file."""
+    """Atomically (outputs.write_text): an interrupted run leaves the previous complete file."""
     write_text(path, json.dumps(obj, indent=1, allow_nan=False, default=_jsonable) + "\n")
 
 

@@ -11,9 +11,10 @@ import os
 import pytest
 import torch
 
-import checkpoint
-from checkpoint import (atomic_file, best_path, checkpoint_dict, find_checkpoint, keep_last, remove_temp_files,
-                        save_atomic, step_checkpoints, step_path, write_bytes, write_text)
+from bam import checkpoint
+from bam import outputs
+from bam.checkpoint import best_path, checkpoint_dict, find_checkpoint, keep_last, save_atomic, step_checkpoints, step_path
+from bam.outputs import atomic_file, remove_temp_files, write_bytes, write_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,10 +100,10 @@ def test_checkpoint_dict_holds_the_config_the_weights_and_the_state():
 
 
 def test_checkpoint_is_the_only_module_that_renames_files_into_place():
-    """Every other writer goes through checkpoint.atomic_file (one place that fsyncs the directory), or, for a
-    folder, folders.swap_in."""
+    """Every other writer goes through outputs.atomic_file (one place that fsyncs the directory), or, for a
+    folder, outputs.swap_in."""
     sources = [p for p in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)
-               if "/tests/" not in p and os.path.basename(p) not in ("checkpoint.py", "folders.py")]
+               if "/tests/" not in p and os.path.basename(p) not in ("checkpoint.py", "outputs.py")]
     assert len(sources) > 10
     for path in sources:
         calls = [node for node in ast.walk(ast.parse(open(path).read())) if isinstance(node, ast.Call)

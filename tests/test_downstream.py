@@ -12,12 +12,14 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
-from cli import run_cli
-from data import EOT, get_tokenizer
+from bam.cli import run_cli
+from bam.data import EOT
 from eval import downstream, report
 from eval.loading import autocast
 from eval.options import EvalOptions
-from model import ModelConfig, Transformer, save_model
+from model import ModelConfig, Transformer
+from bam.checkpoint import save_model
+from bam.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("river stone lamp orange quietly seven market winter glass thunder copper violin meadow "
@@ -74,7 +76,7 @@ def task(tmp_path_factory):
 
 def test_loglikelihoods_equal_the_models_own(task):
     _, docs, model = task
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     lm = downstream.make_project_lm(model, enc, max_length=24, batch_size=3, amp=autocast(torch.device("cpu"),
                                                                                           torch.float32))
     pairs = [(d["question"], " " + c) for d in docs[:6] for c in d["choices"]] + [("", "Hello world")]
@@ -100,7 +102,7 @@ def test_loglikelihoods_equal_the_models_own(task):
 
 def test_task_accuracy_equals_the_one_computed_from_the_models_loglikelihoods(task, tmp_path):
     root, docs, model = task
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     correct = correct_norm = 0
     for d in docs:
         ctx = enc.encode_ordinary(d["question"])

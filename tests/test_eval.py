@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import data
-from cli import run_cli
+from bam import data
+from bam.cli import run_cli
 from eval import EvalError, attention, downstream, memory, niah, passkey, perplexity, priors, report
 from eval.contract import Evaluator
 from eval.loading import autocast
@@ -24,7 +24,9 @@ from eval.prompts import encode_template, validation_tokens
 from eval.reporting import binomial_interval
 from eval.results import SCHEMA_VERSION, Output, new_results
 from eval.sweep import parse_lengths, sweep
-from model import ModelConfig, Transformer, ggd_bias, save_model
+from model import ModelConfig, Transformer, ggd_bias
+from bam.checkpoint import save_model
+from bam.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50257  # prompts are GPT-2 text
@@ -87,7 +89,7 @@ def workspace(tmp_path_factory):
     """Two run dirs with checkpoints written by save_model (BAM + SSMax and RoPE), a metrics.jsonl with prior
     rows, and a validation shard of real English text."""
     root = tmp_path_factory.mktemp("eval")
-    enc = data.get_tokenizer()
+    enc = load_tokenizer("gpt2")
     with open(os.path.join(ROOT, "eval", "niah.py")) as f:  # any English prose will do
         prose = f.read()
     docs = [enc.encode_ordinary(prose[i:i + 6000]) for i in range(0, len(prose) - 6000, 1500)]

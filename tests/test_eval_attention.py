@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-import data
+from bam import data
 from eval import attention, report
 from eval.options import EvalOptions
-from model import ENCODINGS, ModelConfig, Transformer, save_model
+from model import ENCODINGS, ModelConfig, Transformer
+from bam.checkpoint import save_model
+from bam.tokenizer import load_tokenizer
 
 CONTEXT = 16  # the training context of the test models: distances from 16 on count as far
 
@@ -183,7 +185,7 @@ def test_the_command_on_a_checkpoint_and_its_report_section(tmp_path, capsys):
     run = tmp_path / "bam"
     model = model_of("bam", ssmax=True, vocab_size=50257)
     save_model(model, str(run / "checkpoints" / "step_00000001.pt"))
-    enc = data.get_tokenizer()
+    enc = load_tokenizer("gpt2")
     text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     data.write_shard(str(tmp_path / "data" / "x_val_000000.bin"), [data.EOT] + enc.encode_ordinary(text))
     assert attention.main([str(run), "--lengths", "32,4x,128", "--samples", "2", "--queries", "4", "--data_dir",

@@ -12,8 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import export_hf
-from data import EOT, get_tokenizer
-from model import PE_CHOICES, ModelConfig, Transformer, save_model
+from bam.data import EOT
+from model import PE_CHOICES, ModelConfig, Transformer
+from bam.checkpoint import save_model
+from bam.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16)
@@ -122,14 +124,14 @@ def test_lm_eval_hf_model_on_the_folder_scores_as_eval_downstream(exported):
              ("Question: what is 2 + 2?\nAnswer:", " 4")]
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
     hf_lm = HFLM(pretrained=str(out), trust_remote_code=True, batch_size=2, device="cpu")
-    ours = downstream.make_project_lm(model, get_tokenizer(), 64, 2, autocast(torch.device("cpu"), torch.float32))
+    ours = downstream.make_project_lm(model, load_tokenizer("gpt2"), 64, 2, autocast(torch.device("cpu"), torch.float32))
     for (a, greedy_a), (b, greedy_b) in zip(hf_lm.loglikelihood(requests), ours.loglikelihood(requests)):
         assert a == pytest.approx(b, rel=1e-5) and greedy_a == greedy_b
 
 
 def test_tokenizer_gives_the_project_ids(exported):
     _, out = exported["bam"]
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     want = enc.encode(TEXT, allowed_special={"<|endoftext|>"})
     assert EOT in want and len(want) > 80
     tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
@@ -222,7 +224,7 @@ class Killed(BaseException):
 @pytest.mark.parametrize("point", ["complete", "journal", "exchanged"])
 def test_an_overwrite_killed_mid_swap_is_finished_by_the_next_export(tmp_path, monkeypatch, capsys, point):
     """After a kill the folder is a whole export; the next export cleans up and leaves only its own folder."""
-    import folders
+    from bam import outputs
 
     first, out = export_case(tmp_path, "swap", pe="rope")
     save_model(tiny_model(seed=5, pe="alibi"), str(tmp_path / "second.pt"))
@@ -231,10 +233,10 @@ def test_an_overwrite_killed_mid_swap_is_finished_by_the_next_export(tmp_path, m
         if where == point:
             raise Killed(where)
 
-    monkeypatch.setattr(folders, "_fault", kill)
+    monkeypatch.setattr(outputs, "_fault", kill)
     with pytest.raises(Killed):
         export_hf.export(str(tmp_path / "second.pt"), str(out), overwrite=True)
-    monkeypatch.setattr(folders, "_fault", lambda where: None)
+    monkeypatch.setattr(outputs, "_fault", lambda where: None)
     pe = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).config.bam_model["pe"]
     assert pe in ("rope", "alibi")  # one whole export at every moment
     leftovers = [p for p in os.listdir(tmp_path) if p.startswith(".swap.")]

@@ -20,11 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import parallel
+from bam import checkpoint
+from bam import outputs
+from bam import parallel
 import train
-from config import TrainConfig, load_config
-from model import ModelConfig, Transformer, load_model
+from bam.config import TrainConfig, load_config
+from model import ModelConfig, Transformer
+from bam.checkpoint import load_model
 from test_train import ROOT, relative_difference, rows, small_config, synthetic  # noqa: F401 (synthetic: a fixture)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -122,9 +124,10 @@ def test_fsdp_equals_ddp_on_the_same_micro_batches_and_one_process_with_accumula
 
 SCRIPT = """
 import os, signal, sys, time
-import checkpoint, train
+from bam import checkpoint, outputs
+import train
 SIGNALS, STOP_RANK, KILL_AT = {signals}, {rank}, {kill_at}
-log_step, write_text = train.log_step, checkpoint.write_text
+log_step, write_text = train.log_step, outputs.write_text
 
 def log_step_then_signal(run, *args, **kwargs):
     row = log_step(run, *args, **kwargs)
@@ -146,7 +149,7 @@ def dying_write_text(path, text):
         kill_job()
     return write_text(path, text)
 
-train.log_step, checkpoint.write_text = log_step_then_signal, dying_write_text
+train.log_step, outputs.write_text = log_step_then_signal, dying_write_text
 train.main(sys.argv[1:])
 """
 
@@ -366,10 +369,9 @@ def test_dry_run_prints_the_memory_plan(capsys):
 def test_the_activation_estimate_matches_measured_memory():
     """sizing.activation_bytes against torch's MemTracker on one step of a model whose Blocks dominate (the
     bench script checks two shapes, docs/benchmarks.md), with and without activation checkpointing."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from train_memory import measure
+    from bench.train_memory import measure
 
-    from sizing import activation_bytes
+    from bam.sizing import activation_bytes
 
     cfg = ModelConfig(n_layer=4, n_embd=128, n_head=4, block_size=256, vocab_size=1024, pe="rope", attn_impl="sdpa")
     for ac in ("none", "full"):

@@ -20,14 +20,16 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import data
-from cli import WriteError, describe_os_error, run_cli, user_errors
-from model import ModelConfig, Transformer, save_model
+from bam import checkpoint
+from bam import outputs
+from bam import data, tokenizer
+from bam.cli import WriteError, describe_os_error, run_cli, user_errors
+from model import ModelConfig, Transformer
+from bam.checkpoint import save_model
 from test_train import small_config
+from bam.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 BINARY = bytes(range(256)) * 4  # NUL bytes and invalid UTF-8
 LATIN1 = "Zürich café, crème brûlée: a text saved as Latin-1.\n".encode("latin-1")
@@ -111,8 +113,8 @@ def test_a_bug_is_still_a_traceback():
 def test_disk_full_names_the_file_and_keeps_the_previous_one(writer, tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoints" / "step_00000002.pt")
     write = {"save_atomic": lambda value, path: checkpoint.save_atomic({"v": value}, path),
-             "write_text": lambda value, path: checkpoint.write_text(path, str(value)),
-             "write_bytes": lambda value, path: checkpoint.write_bytes(path, [str(value).encode()])}[writer]
+             "write_text": lambda value, path: outputs.write_text(path, str(value)),
+             "write_bytes": lambda value, path: outputs.write_bytes(path, [str(value).encode()])}[writer]
     write(1, path)
     before = open(path, "rb").read()
     disk_full_after(monkeypatch, 0)
@@ -130,7 +132,7 @@ def test_disk_full_names_the_file_and_keeps_the_previous_one(writer, tmp_path, m
 
 def test_an_error_reading_another_file_inside_a_write_is_not_blamed_on_the_write(tmp_path):
     with pytest.raises(FileNotFoundError):
-        checkpoint.write_bytes(str(tmp_path / "out.bin"), (open(tmp_path / "missing", "rb").read() for _ in [0]))
+        outputs.write_bytes(str(tmp_path / "out.bin"), (open(tmp_path / "missing", "rb").read() for _ in [0]))
     assert not os.path.exists(tmp_path / "out.bin")
 
 
@@ -351,7 +353,7 @@ def run_dir(tmp_path_factory):
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16, block_size=64, pe="bam"))
     save_model(model, str(root / "run" / "checkpoints" / "step_00000001.pt"))
-    enc = data.get_tokenizer()
+    enc = load_tokenizer("gpt2")
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     data.write_shard(str(root / "data" / "x_val_000000.bin"), [data.EOT] + enc.encode_ordinary(text))
     return {"run": str(root / "run"), "data": str(root / "data")}
@@ -535,13 +537,13 @@ def test_priors_metrics_that_is_not_a_file(run_dir, tmp_path):
 
 def test_tokenizer_file_that_is_a_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("BAM_GPT2_TIKTOKEN", str(tmp_path))
-    data.get_tokenizer.cache_clear()
+    tokenizer.gpt2_encoding.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=f"cannot read the GPT-2 ranks file {tmp_path}"):
-            data.get_tokenizer()
+            tokenizer.gpt2_encoding()
     finally:
         monkeypatch.delenv("BAM_GPT2_TIKTOKEN")
-        data.get_tokenizer.cache_clear()
+        tokenizer.gpt2_encoding.cache_clear()
 
 
 def test_broken_pipe_is_quiet(capsys, monkeypatch):

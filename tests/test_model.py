@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from model import (ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, ggd_bias, load_model,
-                   apply_rope, save_model)
+from model import ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, ggd_bias, apply_rope
+from bam.checkpoint import load_model, save_model
 
 VOCAB = 97
 

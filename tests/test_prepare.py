@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import prepare_fineweb  # noqa: E402
-from data import EOT, ShardLoader, get_tokenizer, read_shard  # noqa: E402
-from prepare_fineweb import main  # noqa: E402
+import prepare_fineweb
+from bam.data import EOT, ShardLoader, read_shard
+from bam.tokenizer import load_tokenizer
+from prepare_fineweb import main
 
 # Real sentences of varied length and script; one is empty, which the corpus drops.
 SENTENCES = [
@@ -42,7 +42,7 @@ def datasets_cache_in_tmp(tmp_path, monkeypatch):
 
 
 def expected_stream(docs):
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     return np.array([t for d in docs if d.strip() for t in [EOT] + enc.encode_ordinary(d)], dtype=np.uint16)
 
 
@@ -379,13 +379,14 @@ PARALLEL_MAP_CASES = """
 import contextlib, json, multiprocessing, sys
 import numpy as np
 import prepare_fineweb as p
-from data import get_tokenizer, read_shard
+from bam.data import read_shard
+from bam.tokenizer import EOT, load_tokenizer
 
 docs = json.load(open(sys.argv[1]))
 out = sys.argv[2]
 p.CHUNK_CHARS = 100_000  # 3 documents a chunk, 8 chunks in flight on 2 workers: more than they can take
-enc = get_tokenizer()
-reference = np.array([t for d in docs for t in [p.EOT] + enc.encode_ordinary(d)], dtype=np.uint16)
+enc = load_tokenizer("gpt2")
+reference = np.array([t for d in docs for t in [EOT] + enc.encode_ordinary(d)], dtype=np.uint16)
 
 def no_workers_left(case):
     assert not multiprocessing.active_children(), (case, multiprocessing.active_children())

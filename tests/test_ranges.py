@@ -11,17 +11,17 @@ import typing
 
 import pytest
 
-import checkpoint
-import cli
-import config
+from bam import checkpoint
+from bam import cli
+from bam import config
 import eval as eval_package
 import export_hf
 import model
 import prepare_fineweb
-import ranges
+from bam import ranges
 import sample
 import train
-from config import ConfigError, load_config
+from bam.config import ConfigError, load_config
 from eval import report
 
 TINY = "configs/tiny.toml"

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from cli import run_cli
-from config import load_config, to_toml
+from bam.cli import run_cli
+from bam.config import load_config, to_toml
 from eval import report
 from eval.results import SCHEMA_VERSION
 

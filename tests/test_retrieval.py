@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from data import EOT, ShardLoader, get_tokenizer, read_shard, shard_paths
+from bam.data import EOT, ShardLoader, read_shard, shard_paths
 from prepare_fineweb import main as prepare_main
-from retrieval import INFO, QUESTION, TASK, RetrievalDocuments, mix, passkey_answer_targets
+from bam.retrieval import INFO, QUESTION, TASK, RetrievalDocuments, mix, passkey_answer_targets
+from bam.tokenizer import load_tokenizer
 
 REAL = ["Python is a programming language that lets you work quickly.",
         "The standard library contains built-in modules written in C.",
@@ -20,7 +21,7 @@ REAL = ["Python is a programming language that lets you work quickly.",
 
 @pytest.mark.parametrize("filler", ["garbage", "text", "mixed"])
 def test_documents_hold_one_key_answered_at_the_end(filler):
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     docs = RetrievalDocuments(enc, 128, key_digits=5, filler=filler, real_sentences=REAL, seed=3)
     depths = set()
     for _ in range(200):
@@ -39,7 +40,7 @@ def test_documents_hold_one_key_answered_at_the_end(filler):
 @pytest.mark.parametrize("filler", ["garbage", "text", "mixed"])
 @pytest.mark.parametrize("length", [80, 128, 200])
 def test_exact_length_documents(filler, length):
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     docs = RetrievalDocuments(enc, length, min_tokens=length, filler=filler, real_sentences=REAL, seed=5)
     for _ in range(100):
         text = docs.document()
@@ -52,7 +53,7 @@ def test_exact_length_documents(filler, length):
 def test_the_answer_of_exact_documents_moves_within_the_row(filler):
     """Documents of exactly the context length fill one row each; if the answer always ended the row,
     its distance from the row's start would be a shortcut a RoPE model can learn (docs/repro.md)."""
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     docs = RetrievalDocuments(enc, 128, min_tokens=128, filler=filler, real_sentences=REAL, seed=7)
     ends = []
     for _ in range(60):
@@ -68,14 +69,14 @@ def test_the_answer_of_exact_documents_moves_within_the_row(filler):
 @pytest.mark.parametrize("digits", [8, 16])
 def test_long_keys_still_fit_exact_documents(digits):
     """A random key can take more tokens than the all-zero one the overhead is measured with."""
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     docs = RetrievalDocuments(enc, 128, min_tokens=128, key_digits=digits, filler="garbage", seed=1)
     for _ in range(50):
         assert len(enc.encode_ordinary(docs.document())) + 1 == 128
 
 
 def test_impossible_documents_fail_instead_of_looping():
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     overhead = RetrievalDocuments(enc, 200, key_digits=16, filler="garbage").overhead
     # Room for the all-zero key (2 tokens) but not for any random 16-digit key (5 or more).
     docs = RetrievalDocuments(enc, overhead + 1, min_tokens=overhead + 1, key_digits=16, filler="garbage")
@@ -88,7 +89,7 @@ def _row(enc, *texts):
 
 
 def test_answer_targets_keep_only_answers_of_whole_documents():
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     doc = f"{TASK} The sky is blue. {INFO.format(key='31415')} The sun is yellow. {QUESTION} 31415."
     tail = enc.encode_ordinary(doc)[-20:]  # the end of a document whose start is in an earlier row
     row = tail + _row(enc, doc) + _row(enc, "Some plain text.")
@@ -113,7 +114,7 @@ def test_exact_documents_fill_one_row_each(tmp_path, capsys):
                   "--retrieval_filler", "garbage", "--out_dir", str(out)])
     assert "will not line up" not in capsys.readouterr().err
     loader = ShardLoader(str(out), "train", 4, 80)
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     for _ in range(5):  # across shard boundaries too
         x, y, _ = loader.next_batch()
         assert (x[:, 0] == EOT).all() and ((x == EOT).sum(1) == 1).all()
@@ -127,7 +128,7 @@ def test_exact_documents_fill_one_row_each(tmp_path, capsys):
 
 
 def test_same_seed_same_documents():
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     a = RetrievalDocuments(enc, 96, filler="mixed", real_sentences=REAL, seed=7)
     b = RetrievalDocuments(enc, 96, filler="mixed", real_sentences=REAL, seed=7)
     assert [a.document() for _ in range(20)] == [b.document() for _ in range(20)]
@@ -135,9 +136,9 @@ def test_same_seed_same_documents():
 
 def test_too_short_documents_are_refused():
     with pytest.raises(ValueError, match="no room for filler"):
-        RetrievalDocuments(get_tokenizer(), 40, filler="garbage")
+        RetrievalDocuments(load_tokenizer("gpt2"), 40, filler="garbage")
     with pytest.raises(ValueError, match="allowed: garbage, text, mixed"):
-        RetrievalDocuments(get_tokenizer(), 128, filler="lorem")
+        RetrievalDocuments(load_tokenizer("gpt2"), 128, filler="lorem")
 
 
 def test_mix_reaches_the_requested_fraction():
@@ -156,7 +157,7 @@ def test_prepare_writes_a_passkey_corpus(tmp_path):
                   "--out_dir", str(out)])
     tokens = np.concatenate([read_shard(p) for p in shard_paths(str(out), "val") + shard_paths(str(out), "train")])
     assert len(tokens) == 20000
-    enc = get_tokenizer()
+    enc = load_tokenizer("gpt2")
     docs = enc.decode(tokens.tolist()).split("<|endoftext|>")[1:-1]
     assert docs and all(d.startswith(TASK) for d in docs)
     assert int(np.sum(tokens == EOT)) == len(docs) + 1

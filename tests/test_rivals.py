@@ -165,7 +165,7 @@ def test_eval_priors_shows_each_rivals_curves_and_foxs_gates(tmp_path):
     quantiles of every head's gates and its memory on validation text, and their plot."""
     import numpy as np
 
-    from data import write_shard
+    from bam.data import write_shard
     from eval import priors
     from eval.options import EvalOptions
 

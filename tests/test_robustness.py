@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import data
-import recovery
+from bam import checkpoint
+from bam import data
+from bam import recovery
 import train
 from test_train import ROOT, newest, rows, small_config, synthetic  # noqa: F401 (synthetic is a fixture)
 
@@ -138,7 +138,7 @@ def test_torchrun_shows_one_error_line_first(tmp_path, synthetic):
 
 HOLDER = """
 import sys, time
-from checkpoint import run_dir_lock
+from bam.checkpoint import run_dir_lock
 with run_dir_lock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(300)

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-import data
+from bam import data
 import prepare_fineweb
 import train
-from cli import UserError
-from config import load_config
+from bam.cli import UserError
+from bam.config import load_config
 from local_tokenizers import bpe_folder
-from tokenizer import GPT2_IDENTITY, TokenizerError, load_tokenizer
+from bam.tokenizer import GPT2_IDENTITY, TokenizerError, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["The pass key is 48213. Remember it.", "Naïve café in Zürich; 東京 🙂 <|endoftext|> </s> <s> done.",
@@ -88,7 +88,7 @@ def test_loader_reads_uint32_shards_and_refuses_a_split_of_two_widths(tmp_path):
     ids[::50] = 99_999  # the document token of a made-up large tokenizer
     data.write_shard(str(tmp_path / "d_val_000000.bin"), ids[:1000], version=7)
     data.write_shard(str(tmp_path / "d_train_000001.bin"), ids[1000:], version=7)
-    from tokenizer import TokenizerIdentity
+    from bam.tokenizer import TokenizerIdentity
     identity = TokenizerIdentity("made-up", 2**17, "0" * 64, 99_999, None)
     loader = data.ShardLoader(str(tmp_path), "train", 2, 16, tokenizer=identity)
     x, y, doc_ids = loader.next_batch()
@@ -108,11 +108,11 @@ def test_gpt2s_own_tokenizer_json_gives_tiktokens_ids_and_shards(tmp_path):
     from export_hf import hf_tokenizer
 
     folder = str(tmp_path / "gpt2_hf")
-    hf_tokenizer(data.get_tokenizer()).save_pretrained(folder)
+    hf_tokenizer(load_tokenizer("gpt2")).save_pretrained(folder)
     hf, tiktoken_gpt2 = load_tokenizer(folder), load_tokenizer("gpt2")
     assert (hf.n_vocab, hf.doc_open, hf.doc_close) == (50257, data.EOT, None)
     for text in TEXTS:
-        assert hf.encode_ordinary(text) == data.get_tokenizer().encode_ordinary(text)
+        assert hf.encode_ordinary(text) == load_tokenizer("gpt2").encode_ordinary(text)
         assert hf.document(text) == tiktoken_gpt2.document(text) == [data.EOT] + hf.encode_ordinary(text)
         assert hf.decode(hf.encode_ordinary(text)) == text
     source, _ = corpus(tmp_path / "docs.jsonl", n=20)
@@ -167,7 +167,7 @@ def test_prompts_are_exactly_the_tokens_of_their_text(kind, small, sentencepiece
     length asked for; and the passkey training targets are found in documents that tokenizer encoded whole."""
     from eval.niah import NeedlePrompts
     from eval.passkey import PasskeyPrompts
-    from retrieval import RetrievalDocuments, passkey_answer_targets
+    from bam.retrieval import RetrievalDocuments, passkey_answer_targets
 
     enc = load_tokenizer({"gpt2": "gpt2", "byte-level BPE": small, "sentencepiece-style BPE": sentencepiece}[kind])
     sample = PasskeyPrompts(enc=enc).build(300, 0.4, 48213)

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import data
-import recovery
+from bam import checkpoint
+from bam import data
+from bam import recovery
 import train
-from config import load_config, to_dict
-from model import Transformer, load_model
+from bam.config import load_config, to_dict
+from model import Transformer
+from bam.checkpoint import load_model
+from bam.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCUM = 2  # micro-batches per step in one process (tokens_per_step = 2 x batch 2 x 32)
@@ -384,9 +386,9 @@ def passkey_corpus(tmp_path_factory):
 def test_passkey_answer_loss_counts_every_target_once(tmp_path, passkey_corpus):
     """Two micro-batches with different numbers of answers make the update of one batch of both:
     the loss is the mean over all the step's targets, not the mean of the micro-batches' means."""
-    from retrieval import passkey_answer_targets
+    from bam.retrieval import passkey_answer_targets
     loader = data.ShardLoader(passkey_corpus, "train", 2, 128)
-    counts = [int((passkey_answer_targets(*loader.next_batch()[:2], data.get_tokenizer()) != -1).sum())
+    counts = [int((passkey_answer_targets(*loader.next_batch()[:2], load_tokenizer("gpt2")) != -1).sum())
               for _ in range(2)]
     assert counts[0] != counts[1], counts  # otherwise this test could not tell the two apart
     common = [f"--data.data_dir={passkey_corpus}", "--data.loss_on=passkey_answers", "--model.block_size=128",

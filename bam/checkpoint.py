@@ -1,5 +1,6 @@
 """
-The run directory and its checkpoints, and the repository's one atomic file writer.
+The run directory and its checkpoints: their layout, discovery, reading and writing, and the model's side
+of them (model_from_checkpoint, load_model, save_model).
 
     RUN/config.toml                        the resolved config (train.py)
     RUN/metrics.jsonl                      one JSON object per logged step
@@ -22,12 +23,10 @@ A folder is written as NAME.tmp-PID and renamed once DONE is in it, so a reader 
 none, and one whose files do not match DONE (a copy cut short) is refused as damaged. load_checkpoint reads
 both kinds into the same dict (a folder's shards joined into whole tensors, in one process): every reader of
 checkpoints (the evaluators, sample.py, export_hf.py, train.init_from) takes an FSDP run as it takes a DDP
-run. `python checkpoint.py SOURCE OUT.pt` writes any checkpoint as one .pt file.
+run. `python -m bam.checkpoint SOURCE OUT.pt` writes any checkpoint as one .pt file.
 
-Every file the repository writes for keeps (checkpoints, shards, manifests, metrics, eval results) goes
-through atomic_file: a temp file next to the target, fsync, rename, fsync of the directory. A crash at
-any moment leaves the previous file or the complete new one, never a torn one; the temp file of a killed
-writer never matches a checkpoint name and is removed by the next run.
+Checkpoints are written atomically (outputs.atomic_file, outputs.swap_in): a reader sees a whole one or none;
+the temp file of a killed writer never matches a checkpoint name and is removed by the next run.
 """
 
 import dataclasses
@@ -36,16 +35,17 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import warnings
 import zipfile
 from contextlib import contextmanager
 
 import torch
 
-import folders
-from cli import Parser, UserError, WriteError, run_cli
-from config import upgrade
+from bam import outputs
+from model import ModelConfig, Transformer
+from bam.cli import Parser, UserError, WriteError, run_cli
+from bam.config import upgrade
+from bam.tokenizer import GPT2, GPT2_IDENTITY, TokenizerIdentity
 
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
@@ -80,89 +80,13 @@ def best_path(run_dir, sharded=False):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Atomic writes
-
-
-@contextmanager
-def atomic_file(path, mode="wb"):
-    """A file object to write `path`'s new content into; it replaces `path` only once the block ends
-    without an exception (an exception leaves the old file and no temp file). An OSError of the write
-    itself (a full disk, a read-only folder, a file where the folder should be) comes out as cli.WriteError:
-    one line that names `path`, not the temp file, and says that the previous `path` is unchanged."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    # The pid keeps two processes that write the same file (e.g. every torchrun rank fetching the
-    # tokenizer) from writing into one temp file.
-    tmp = f"{path}.tmp-{os.getpid()}"
-    renamed = False
-    try:
-        os.makedirs(directory, exist_ok=True)
-        try:
-            with open(tmp, mode) as f:
-                yield f
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            renamed = True
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        folders.fsync_dir(directory)  # the rename itself is only durable once the directory entry is on disk
-    except WriteError:
-        raise  # a nested atomic write already said which file
-    except OSError as e:
-        if not _is_about(e, path, tmp, directory):
-            raise  # the block failed reading some other file: that file is what the error is about
-        if renamed:  # only the folder's fsync failed: the new file is in place, perhaps not yet durable
-            raise WriteError(e, path, "the new file is in place but may not survive a power loss") from e
-        kept = "its previous version is unchanged" if os.path.isfile(path) else "nothing was written"
-        raise WriteError(e, path, kept) from e
-
-
-def _is_about(error, path, tmp, directory):
-    """Whether an OSError is about writing `path`: it names no file, or the file, its temp file, or a folder on
-    the way to it (which makedirs could not create)."""
-    if error.filename is None:
-        return True
-    name = os.path.abspath(os.fsdecode(error.filename))
-    return name in (os.path.abspath(path), os.path.abspath(tmp)) or (directory + os.sep).startswith(name + os.sep)
-
-
-def check_writable(directory):
-    """Create `directory` if needed and write and delete a probe file in it: the OSError a later write would
-    meet (read-only, a file in the way, no permission) comes now, before any work whose results it would
-    take. (Root ignores permission bits, so only trying tells.) Folders it had to create are removed again,
-    so a command refused later leaves nothing behind; the real write creates them."""
-    missing = os.path.abspath(directory)
-    while not os.path.exists(os.path.dirname(missing)) and os.path.dirname(missing) != missing:
-        missing = os.path.dirname(missing)  # the outermost folder that makedirs will create
-    created = not os.path.exists(missing)
-    os.makedirs(directory, exist_ok=True)
-    try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
-            pass
-    finally:
-        if created:
-            shutil.rmtree(missing, ignore_errors=True)
-    return directory
-
-
-def write_bytes(path, chunks):
-    """Write an iterable of bytes objects to `path` atomically."""
-    with atomic_file(path, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-
-
-def write_text(path, text):
-    with atomic_file(path, "w") as f:
-        f.write(text)
+# Checkpoints
 
 
 def save_atomic(obj, path):
     """torch.save(obj) to `path` atomically. A failed write (a full disk) raises its OSError, which
     torch's zip writer would otherwise hide behind an "unexpected pos" RuntimeError."""
-    with atomic_file(path, "wb") as f:
+    with outputs.atomic_file(path, "wb") as f:
         try:
             torch.save(obj, f)
         except RuntimeError as e:
@@ -171,28 +95,41 @@ def save_atomic(obj, path):
             raise
 
 
-def remove_temp_files(directory):
-    """Temp files (and sharded checkpoint folders) of writes that were killed before their rename, which
-    nothing else ever reads, and the swap of a folder (best/) that a kill interrupted, finished or undone
-    (folders.recover). The caller holds the lock of the folder."""
-    for stale in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
-        if os.path.isdir(stale):
-            shutil.rmtree(stale)
-        else:
-            os.remove(stale)
-    for kind in ("new", "old", "swap"):
-        for left in glob.glob(os.path.join(glob.escape(directory), f".*.{kind}")):
-            folders.recover(os.path.join(directory, os.path.basename(left)[1:-len(kind) - 1]))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Checkpoints
-
-
 def checkpoint_dict(model, **state):
     """The one checkpoint layout: the model's config and weights, plus whatever `state` the writer keeps
     (train.py: optimizer, step, loader, RNG, ...; best.pt: step and val_loss)."""
     return {"model_config": dataclasses.asdict(model.config), "model": model.state_dict(), **state}
+
+
+def model_from_checkpoint(ckpt, device="cpu", **overrides):
+    """Build the model described by a loaded checkpoint dict; `overrides` change config fields that do
+    not touch the weights (e.g. attn_impl). Model settings a newer model.py added are dropped
+    (ModelConfig.from_dict, lenient)."""
+    model = Transformer(ModelConfig.from_dict(ckpt["model_config"], **overrides))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device)
+
+
+def load_model(path, device="cpu", **overrides):
+    """The model of a checkpoint file, or of a run directory's newest checkpoint."""
+    return model_from_checkpoint(load_checkpoint(path)[1], device, **overrides)
+
+
+def save_model(model, path):
+    """A minimal checkpoint (config + weights), e.g. for tests and exported models."""
+    save_atomic(checkpoint_dict(model), path)
+
+
+def checkpoint_tokenizer(ckpt):
+    """(name, TokenizerIdentity or None) of the tokenizer a checkpoint's run was trained with: the one reader of
+    it. The name is data.tokenizer of the run's config (GPT-2 for a checkpoint without one: a bare model, or one
+    from before the setting); the identity is the one train.py recorded, GPT-2's for an older GPT-2 run, else
+    None (not recorded)."""
+    name = ((ckpt.get("config") or {}).get("data") or {}).get("tokenizer") or GPT2
+    recorded = ckpt.get("tokenizer")
+    if recorded:
+        return name, TokenizerIdentity.from_dict(recorded)
+    return name, GPT2_IDENTITY if name == GPT2 else None
 
 
 def step_checkpoints(run_dir):
@@ -309,10 +246,10 @@ def save_sharded(tensors, state, path):
     dist.barrier()  # every rank's shards are on disk
 
     def finish():
-        write_text(os.path.join(tmp, SHARDED_STATE), json.dumps(state, default=_as_list))
+        outputs.write_text(os.path.join(tmp, SHARDED_STATE), json.dumps(state, default=_as_list))
         sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
-        write_text(os.path.join(tmp, DONE), json.dumps(sizes, indent=0) + "\n")
-        folders.swap_in(tmp, path)  # best/ again: exchanged in one step, recover() finishes a killed swap
+        outputs.write_text(os.path.join(tmp, DONE), json.dumps(sizes, indent=0) + "\n")
+        outputs.swap_in(tmp, path)  # best/ again: exchanged in one step, recover() finishes a killed swap
     try:
         _on_rank0(finish)
     except OSError as e:
@@ -443,33 +380,18 @@ class RunDirInUse(RuntimeError):
 
 @contextmanager
 def run_dir_lock(run_dir):
-    """Hold RUN/.lock for the block (folders.lock): a second writer of the same run directory gets RunDirInUse
-    naming the holder; it touches nothing but opens the lock file. The kernel releases the lock when the
-    holder exits in any way (also SIGKILL), so a crashed run never leaves it stuck; it also holds across
-    machines on NFS (Linux emulates flock with POSIX locks). The directory is created first; OSError (not
-    creatable, read-only) reaches the caller."""
-    created = not os.path.exists(run_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    try:
-        key = folders.lock(os.path.join(run_dir, LOCK), run_dir, "train.py")
-    except folders.InUse as e:
-        raise RunDirInUse(str(e)) from None
-    try:
+    """Hold RUN/.lock for the block (outputs.locked_folder): a second writer of the same run directory gets
+    RunDirInUse naming the holder; it touches nothing but opens the lock file. The kernel releases the lock
+    when the holder exits in any way (also SIGKILL), so a crashed run never leaves it stuck; it also holds
+    across machines on NFS (Linux emulates flock with POSIX locks). A run refused before it wrote anything (a
+    bad init_from, changed settings) leaves no directory behind if it made it. OSError (not creatable,
+    read-only) reaches the caller."""
+    with outputs.locked_folder(run_dir, LOCK, run_dir, "train.py", refused=RunDirInUse):
         yield
-    except BaseException:
-        # A run refused before it wrote anything (a bad init_from, changed settings) leaves no directory
-        # behind if it made it: nothing but the lock is in it yet.
-        if created and os.listdir(run_dir) == [LOCK]:
-            folders.unlock(key)
-            os.remove(os.path.join(run_dir, LOCK))
-            os.rmdir(run_dir)
-        raise
-    finally:
-        folders.unlock(key)  # the file stays (removing it would race with a process about to lock it)
 
 
 def main(argv=None):
-    parser = Parser(prog="checkpoint.py", description=(
+    parser = Parser(prog="python -m bam.checkpoint", description=(
         "Write a checkpoint as one .pt file: a sharded step folder of an FSDP run (or a run directory, whose "
         "newest checkpoint is taken) in the layout of a DDP run's step_*.pt: model, optimizer and train state, "
         "read by torch.load(weights_only=True). Nothing needs it (every reader takes the folders as they are); "

@@ -1,6 +1,6 @@
 """The run's tokenizer: GPT-2 (tiktoken, the default) or any Hugging Face fast tokenizer, one interface.
 
-    load_tokenizer("gpt2")                        # tiktoken's GPT-2, 50,257 tokens (data.get_tokenizer)
+    load_tokenizer("gpt2")                        # tiktoken's GPT-2, 50,257 tokens (gpt2_encoding)
     load_tokenizer("mistralai/Mistral-7B-v0.3")   # the paper's, 32,768 tokens (docs/paper.md §4)
     load_tokenizer("path/to/folder")              # a folder with tokenizer.json (or what AutoTokenizer reads)
 
@@ -20,11 +20,20 @@ of another tokenizer are refused by content, whatever name or folder the tokeniz
 """
 
 import functools
+import glob
 import hashlib
 import os
 import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
 import urllib.parse
 from dataclasses import asdict, dataclass
+
+from bam.cli import UserError
+from bam.outputs import write_bytes
 
 GPT2 = "gpt2"
 # The files AutoTokenizer reads for a fast tokenizer; their bytes are the tokenizer's hash, and only these
@@ -34,13 +43,141 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # How long to wait for the Hub before deciding it cannot be reached: huggingface_hub itself retries with
 # back-off for a minute and more, printing each retry, before it looks for a cached copy.
 HUB_PROBE_TIMEOUT_S = 5
-UINT16_VOCAB = 2 ** 16
 # Text that ends a word in every tokenizer, encoded before a continuation (HFTokenizer.encode_continuation)
 CONTINUATION_ANCHOR = "\n"  # ids below this fit llm.c's version-1 (uint16) shards
 
 
-class TokenizerError(RuntimeError):
-    """A tokenizer that cannot be loaded or used; the message is one line that says what to do."""
+# ----------------------------------------------------------------------------------------------
+# GPT-2 through tiktoken: its ranks online, from a local file, or from the PyPI package that ships them
+
+# The GPT-2 ranks as OpenAI ship them in `gpt2.tiktoken`; byte-identical to tiktoken's r50k_base
+# file, so this is also the hash tiktoken itself checks that download against.
+EOT = 50256  # GPT-2's <|endoftext|>; llm.c writes it *before* every document
+GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# An sdist on PyPI that carries `whisper/assets/gpt2.tiktoken`: the offline route needs only the
+# package registry, which every machine that can `pip install -r requirements.txt` can reach.
+WHISPER_SDIST = "openai-whisper==20250625"
+# GPT-2's pre-tokenisation regex, identical to tiktoken_ext.openai_public.r50k_pat_str
+# (tests/test_data.py pins the equality, so a tiktoken change cannot silently alter our tokens).
+GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+HELLO_WORLD_IDS = [15496, 995]
+# tiktoken's own route downloads with `requests` and no timeout: on a network that drops packets
+# instead of refusing them that would hang for minutes, so we stop waiting after this long.
+TIKTOKEN_ONLINE_TIMEOUT_S = 30
+
+
+def gpt2_tiktoken_cache_path() -> str:
+    """Where the offline route keeps gpt2.tiktoken; $BAM_GPT2_TIKTOKEN overrides it."""
+    if os.environ.get("BAM_GPT2_TIKTOKEN"):
+        return os.environ["BAM_GPT2_TIKTOKEN"]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "bam", "gpt2.tiktoken")
+
+
+def _check_encoding(enc, origin: str):
+    ids = enc.encode_ordinary("Hello world")
+    if ids != HELLO_WORLD_IDS or enc.n_vocab != 50257 or enc.eot_token != EOT:
+        raise RuntimeError(f"the GPT-2 tokenizer from {origin} is wrong: 'Hello world' -> {ids}, "
+                           f"n_vocab {enc.n_vocab}, eot {enc.eot_token} (expected {HELLO_WORLD_IDS}, "
+                           f"50257, {EOT})")
+    return enc
+
+
+def load_gpt2_from_file(path: str):
+    """GPT-2 tiktoken Encoding from a local gpt2.tiktoken ranks file, checked before use."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:  # a directory, or a file this user cannot read
+        raise RuntimeError(f"cannot read the GPT-2 ranks file {path}: {e.strerror or e}") from None
+    if digest != GPT2_TIKTOKEN_SHA256:
+        raise RuntimeError(f"{path} is not OpenAI's gpt2.tiktoken (sha256 {digest}, expected "
+                           f"{GPT2_TIKTOKEN_SHA256}); delete it and run again")
+    enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=load_tiktoken_bpe(path),
+                            special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
+    return _check_encoding(enc, path)
+
+
+def download_gpt2_tiktoken(path: str) -> str:
+    """Fetch gpt2.tiktoken from the openai-whisper sdist on PyPI (via pip) into `path`."""
+    print(f"fetching GPT-2 ranks: pip download {WHISPER_SDIST} (sdist) -> {path}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+               WHISPER_SDIST, "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        sdists = glob.glob(os.path.join(tmp, "*.tar.gz"))
+        if proc.returncode != 0 or not sdists:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"`{' '.join(cmd[1:])}` failed: {last}")
+        with tarfile.open(sdists[0]) as tar:
+            member = next((m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken")),
+                          None)
+            if member is None:
+                raise RuntimeError(f"{os.path.basename(sdists[0])} has no whisper/assets/gpt2.tiktoken")
+            ranks = tar.extractfile(member).read()
+    if hashlib.sha256(ranks).hexdigest() != GPT2_TIKTOKEN_SHA256:
+        raise RuntimeError(f"gpt2.tiktoken in {WHISPER_SDIST} has an unexpected sha256")
+    write_bytes(path, [ranks])
+    return path
+
+
+def _tiktoken_online():
+    """tiktoken's usual route (its cache or the network), given up on after a timeout."""
+    import tiktoken
+
+    result = {}
+
+    def load():
+        try:
+            result["enc"] = tiktoken.get_encoding("gpt2")
+        except Exception as e:  # any failure just means "try the offline route"
+            result["error"] = e
+
+    # A daemon thread, because a hung download cannot be cancelled, only abandoned.
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(TIKTOKEN_ONLINE_TIMEOUT_S)
+    if "enc" in result:
+        return _check_encoding(result["enc"], "tiktoken")
+    raise RuntimeError(str(result.get("error", f"no answer within {TIKTOKEN_ONLINE_TIMEOUT_S}s")))
+
+
+@functools.lru_cache(maxsize=None)
+def gpt2_encoding():
+    """tiktoken's GPT-2 Encoding (50257 tokens, EOT = 50256), online or from local ranks: what
+    GPT2Tokenizer wraps. Everything else gets GPT-2 from load_tokenizer("gpt2").
+
+    Order: a local gpt2.tiktoken when one exists (the same ranks, checked by sha256, and no network
+    call that could hang); tiktoken's own download or cache; else fetch gpt2.tiktoken from PyPI
+    (the openai-whisper sdist) into the local cache, so every later call is offline.
+    """
+    path = gpt2_tiktoken_cache_path()
+    if os.environ.get("BAM_GPT2_TIKTOKEN") and not os.path.exists(path):
+        raise RuntimeError(f"$BAM_GPT2_TIKTOKEN points to {path}, which does not exist")
+    if os.path.exists(path):
+        return load_gpt2_from_file(path)
+    errors = []
+    for route in (_tiktoken_online, lambda: load_gpt2_from_file(download_gpt2_tiktoken(path))):
+        try:
+            return route()
+        except Exception as e:
+            errors.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    raise RuntimeError(
+        "cannot load the GPT-2 tokenizer: tiktoken's download failed (" + errors[0] + ") and so did the "
+        "offline route (" + errors[1] + "). Fix: on any machine run `pip download --no-deps --no-binary "
+        f":all: {WHISPER_SDIST}`, take whisper/assets/gpt2.tiktoken out of the tarball and put it "
+        f"at {path} (or point $BAM_GPT2_TIKTOKEN at it)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The Tokenizer interface
+
+class TokenizerError(UserError, RuntimeError):
+    """A tokenizer that cannot be loaded or used; the message is one line that says what to do (a UserError:
+    every command prints it as its one `error:` line)."""
 
 
 @dataclass(frozen=True)
@@ -62,13 +199,7 @@ class TokenizerIdentity:
         return f"{self.name!r} ({self.vocab_size:,} tokens, sha256 {self.sha256[:12]})"
 
 
-def _gpt2_identity():
-    from data import EOT, GPT2_TIKTOKEN_SHA256
-
-    return TokenizerIdentity(GPT2, 50257, GPT2_TIKTOKEN_SHA256, EOT, None)
-
-
-GPT2_IDENTITY = _gpt2_identity()
+GPT2_IDENTITY = TokenizerIdentity(GPT2, 50257, GPT2_TIKTOKEN_SHA256, EOT, None)
 
 
 class Tokenizer:
@@ -115,7 +246,7 @@ class Tokenizer:
 
 
 class GPT2Tokenizer(Tokenizer):
-    """tiktoken's GPT-2 Encoding (data.get_tokenizer: online or from local ranks), unchanged."""
+    """tiktoken's GPT-2 Encoding (gpt2_encoding: online or from local ranks), unchanged."""
 
     def __init__(self, enc):
         self.enc, self.identity = enc, GPT2_IDENTITY
@@ -248,22 +379,14 @@ def hub_folder(name):
 
 
 @functools.lru_cache(maxsize=None)
-def as_tokenizer(enc):
-    """`enc` as a Tokenizer: itself, or tiktoken's GPT-2 Encoding (what data.get_tokenizer returns) wrapped."""
-    return enc if isinstance(enc, Tokenizer) else GPT2Tokenizer(enc)
-
-
-@functools.lru_cache(maxsize=None)
 def load_tokenizer(name=GPT2):
     """The Tokenizer `name` names: "gpt2", a local folder, or a Hugging Face Hub name (fast tokenizers only).
     Raises TokenizerError with one line."""
     if not isinstance(name, str) or not name.strip():
         raise TokenizerError(f"a tokenizer is 'gpt2', a Hugging Face Hub name or a local folder, got {name!r}")
     if name == GPT2:
-        from data import get_tokenizer
-
         try:
-            return as_tokenizer(get_tokenizer())
+            return GPT2Tokenizer(gpt2_encoding())
         except RuntimeError as e:
             raise TokenizerError(str(e)) from None
     path = os.path.expanduser(name)
@@ -285,8 +408,26 @@ def check_vocab(vocab_size, identity, what="model.vocab_size"):
     return None
 
 
-def shard_version(vocab_size):
-    """The llm.c shard version whose token width holds ids below vocab_size: 1 (uint16) or 7 (uint32)."""
-    from data import SHARD_VERSION_UINT16, SHARD_VERSION_UINT32
+def tokenizer_identity(name):
+    """The TokenizerIdentity of the tokenizer `name` names; GPT-2's without loading tiktoken (only what reads
+    text needs it)."""
+    return GPT2_IDENTITY if name == GPT2 else load_tokenizer(name).identity
 
-    return SHARD_VERSION_UINT16 if vocab_size <= UINT16_VOCAB else SHARD_VERSION_UINT32
+
+def load_run_tokenizer(name, recorded_sha256=None, vocab_size=None, where="the run"):
+    """The Tokenizer a run was trained with, checked: the one place every consumer of a run's tokenizer
+    (the evaluators, sample.py, export_hf.py) loads it. TokenizerError, one line, for a tokenizer that
+    cannot be loaded, for one whose files changed since training (its sha256 is not the one recorded), and
+    for one with ids past the model's vocabulary (`vocab_size`)."""
+    try:
+        enc = load_tokenizer(name)
+    except TokenizerError as e:
+        raise TokenizerError(f"the run's tokenizer: {e}") from None
+    if recorded_sha256 and recorded_sha256 != enc.identity.sha256:
+        raise TokenizerError(f"the run was trained with the tokenizer {name!r} of sha256 {recorded_sha256[:12]}, but "
+                             f"{name!r} now loads one of sha256 {enc.identity.sha256[:12]}: its files changed; "
+                             f"restore them")
+    too_small = check_vocab(vocab_size, enc.identity, "the model's vocab_size") if vocab_size else None
+    if too_small:
+        raise TokenizerError(f"{where}: {too_small}")  # where: the checkpoint
+    return enc

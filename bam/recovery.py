@@ -23,9 +23,9 @@ import time
 import numpy as np
 import torch
 
-from checkpoint import CONFIG, checkpoint_dir, checkpoint_step, load_newest, reject_after, step_checkpoints
-from cli import UserError
-from config import CHANGEABLE_ON_RESUME, checkpoint_differences, to_dict
+from bam.checkpoint import CONFIG, checkpoint_dir, checkpoint_step, load_newest, reject_after, step_checkpoints
+from bam.cli import UserError
+from bam.config import CHANGEABLE_ON_RESUME, checkpoint_differences, to_dict
 
 # ---------------------------------------------------------------------------------------------------
 # Stopping on a signal

@@ -18,8 +18,7 @@ import re
 
 import torch
 
-from data import document_ids
-from tokenizer import as_tokenizer
+from bam.data import document_ids
 
 # The paper's passkey texts, verbatim (docs/paper.md §5)
 # The longest pass key: the evaluator draws keys as int64 (numpy), and 10**19 no longer is one.
@@ -66,7 +65,6 @@ class RetrievalDocuments:
             raise ValueError(f"unknown retrieval filler {filler!r}; allowed: {', '.join(FILLERS)}")
         if filler != "garbage" and not real_sentences:
             raise ValueError(f"retrieval filler {filler!r} needs real text sentences")
-        enc = as_tokenizer(enc)
         self.enc, self.key_digits, self.filler = enc, key_digits, filler
         self.text_tokens = max_tokens - len(enc.separators)  # of an exact document, without its separators
         self.max_tokens = max_tokens
@@ -192,7 +190,6 @@ def passkey_answer_targets(x, y, enc):
     A target counts only when its whole document is in the row (its opening token, GPT-2's EOT or the
     BOS, is there), so the model is never asked for a key whose information line fell into the previous row.
     """
-    enc = as_tokenizer(enc)
     question, remember, digits, spaces, full_stop = _patterns(enc)
     out = torch.full_like(y, -1)
     opened = document_ids(x, enc.doc_open) > 0  # a document opened at or before this position, in this row

@@ -34,7 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import CheckpointError, save_sharded
+from bam.checkpoint import CheckpointError, save_sharded
 
 
 def init_distributed(procs, parallel):

@@ -23,9 +23,10 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-import ranges
-from cli import os_reason
+from bam import ranges
+from bam.cli import os_reason
 from model import ModelConfig
+from bam.tokenizer import TokenizerError, load_tokenizer
 
 
 class ConfigError(ValueError):
@@ -283,7 +284,6 @@ def load_config(path=None, overrides=()):
     # model.vocab_size follows the tokenizer unless given (GPT-2's 50,257 is also ModelConfig's default).
     tokenizer = values["data"].get("tokenizer", DataConfig.tokenizer)
     if "vocab_size" not in values["model"] and isinstance(tokenizer, str) and tokenizer != DataConfig.tokenizer:
-        from tokenizer import TokenizerError, load_tokenizer
         try:
             values["model"]["vocab_size"] = load_tokenizer(tokenizer).n_vocab
         except TokenizerError as e:

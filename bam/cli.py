@@ -69,7 +69,7 @@ def describe_os_error(e, action=None):
 
 
 class WriteError(OSError):
-    """A file that could not be written (checkpoint.atomic_file raises it): the errno of the failure, the path
+    """A file that could not be written (outputs.atomic_file raises it): the errno of the failure, the path
     of the file meant (not of its temp file), and str() is the whole one-line message."""
 
     def __init__(self, cause, path, note=""):

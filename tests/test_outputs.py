@@ -2,7 +2,7 @@
 any two of its steps leaves the old or the new complete folder once the next run has recovered it, with
 nothing else left; the locks refuse a second writer in one line and die with their holder; the user's umask
 decides the modes. A kill is simulated in-process by an exception that nothing catches at the injection
-points (folders._fault); a real process is used only where the point is a process (a lock's holder)."""
+points (outputs._fault); a real process is used only where the point is a process (a lock's holder)."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-import folders
+from bam import outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXCHANGE_POINTS = ["complete", "journal", "exchanged", "old removed"]
@@ -46,22 +46,22 @@ def kill_at(monkeypatch, point):
         if where == point:
             raise Killed(where)
 
-    monkeypatch.setattr(folders, "_fault", fault)
+    monkeypatch.setattr(outputs, "_fault", fault)
 
 
 @pytest.mark.parametrize("exchange,point", [(True, p) for p in EXCHANGE_POINTS] + [(False, p) for p in RENAME_POINTS])
 def test_a_swap_killed_at_any_point_recovers_to_one_complete_version(tmp_path, monkeypatch, exchange, point):
     path = str(tmp_path / "export")
     write_version(path, "old")
-    tmp = folders.new_folder(path)
+    tmp = outputs.new_folder(path)
     write_version(tmp, "new")
     kill_at(monkeypatch, point)
     with pytest.raises(Killed):
-        folders.swap_in(tmp, path, exchange=exchange)
+        outputs.swap_in(tmp, path, exchange=exchange)
     if exchange:  # one step: at every moment the path holds a whole version
         assert version_of(path) in ("old", "new")
-    monkeypatch.setattr(folders, "_fault", lambda where: None)
-    done = folders.recover(path, exchange=exchange)
+    monkeypatch.setattr(outputs, "_fault", lambda where: None)
+    done = outputs.recover(path, exchange=exchange)
     # Once the new version was complete (.NAME.new) the swap is finished, never undone.
     assert version_of(path) == "new", done
     assert os.listdir(tmp_path) == ["export"]
@@ -70,10 +70,10 @@ def test_a_swap_killed_at_any_point_recovers_to_one_complete_version(tmp_path, m
 def test_a_write_killed_before_its_folder_was_complete_keeps_the_old_version(tmp_path):
     path = str(tmp_path / "export")
     write_version(path, "old")
-    tmp = folders.new_folder(path)
+    tmp = outputs.new_folder(path)
     write_version(tmp, "new")
     os.remove(os.path.join(tmp, "config.json"))  # killed while writing
-    assert "removed the unfinished" in folders.recover(path)
+    assert "removed the unfinished" in outputs.recover(path)
     assert version_of(path) == "old" and os.listdir(tmp_path) == ["export"]
 
 
@@ -83,19 +83,19 @@ def test_leftovers_of_the_old_two_rename_swap_are_restored_and_removed(tmp_path)
     path = str(tmp_path / "export")
     write_version(str(tmp_path / ".export.old-ab12" / "old"), "old")
     write_version(str(tmp_path / ".export.tmp-cd34"), "new")
-    folders.recover(path)
+    outputs.recover(path)
     assert version_of(path) == "old" and os.listdir(tmp_path) == ["export"]
 
 
 def test_swap_without_an_old_version_and_without_the_exchange(tmp_path):
     for exchange in (True, False):
         path = str(tmp_path / f"out{exchange}")
-        tmp = folders.new_folder(path)
+        tmp = outputs.new_folder(path)
         write_version(tmp, "new")
-        folders.swap_in(tmp, path, exchange=exchange)
+        outputs.swap_in(tmp, path, exchange=exchange)
         assert version_of(path) == "new"
-        write_version(tmp := folders.new_folder(path), "old")
-        folders.swap_in(tmp, path, exchange=exchange)
+        write_version(tmp := outputs.new_folder(path), "old")
+        outputs.swap_in(tmp, path, exchange=exchange)
         assert version_of(path) == "old"
     assert sorted(os.listdir(tmp_path)) == ["outFalse", "outTrue"]
 
@@ -104,11 +104,11 @@ def test_swap_without_an_old_version_and_without_the_exchange(tmp_path):
 def test_new_folders_and_their_files_follow_the_umask(tmp_path, mask):
     old = os.umask(mask)
     try:
-        tmp = folders.new_folder(str(tmp_path / "out"))
+        tmp = outputs.new_folder(str(tmp_path / "out"))
         path = os.path.join(tmp, "model.safetensors")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # as tempfile-based writers create theirs
         os.close(fd)
-        folders.follow_umask(tmp)
+        outputs.follow_umask(tmp)
         assert os.stat(tmp).st_mode & 0o777 == 0o777 & ~mask
         assert os.stat(path).st_mode & 0o777 == 0o666 & ~mask
     finally:
@@ -118,8 +118,8 @@ def test_new_folders_and_their_files_follow_the_umask(tmp_path, mask):
 HOLDER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[1])
-    import folders
-    folders.lock(sys.argv[2], "OUT", "prepare_fineweb.py")
+    from bam import outputs
+    outputs.lock(sys.argv[2], "OUT", "prepare_fineweb.py")
     print("locked", flush=True)
     time.sleep(60)
 """)
@@ -135,23 +135,23 @@ def test_a_lock_refuses_a_second_holder_naming_the_first_and_dies_with_it(tmp_pa
     lock_path = tmp_path / ".lock"
     proc = hold_lock(lock_path)
     try:
-        with pytest.raises(folders.InUse, match=rf"^OUT is in use by another prepare_fineweb.py \(pid {proc.pid}, host "):
-            folders.lock(str(lock_path), "OUT", "prepare_fineweb.py")
+        with pytest.raises(outputs.InUse, match=rf"^OUT is in use by another prepare_fineweb.py \(pid {proc.pid}, host "):
+            outputs.lock(str(lock_path), "OUT", "prepare_fineweb.py")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    key = folders.lock(str(lock_path), "OUT", "prepare_fineweb.py")  # the kernel released it
-    folders.unlock(key)
+    key = outputs.lock(str(lock_path), "OUT", "prepare_fineweb.py")  # the kernel released it
+    outputs.unlock(key)
 
 
 def test_a_forked_worker_does_not_keep_its_parents_lock(tmp_path):
-    key = folders.lock(str(tmp_path / ".lock"), "OUT", "x")
+    key = outputs.lock(str(tmp_path / ".lock"), "OUT", "x")
     pid = os.fork()
     if pid == 0:  # the child: a worker that outlives its parent's lock
         time.sleep(5)
         os._exit(0)
     try:
-        folders.unlock(key)
+        outputs.unlock(key)
         probe = subprocess.run([sys.executable, "-c", HOLDER.replace("time.sleep(60)", ""), ROOT, str(tmp_path / ".lock")],
                                capture_output=True, text=True, timeout=60)
         assert probe.stdout.strip() == "locked", probe.stderr
@@ -162,9 +162,9 @@ def test_a_forked_worker_does_not_keep_its_parents_lock(tmp_path):
 
 def test_a_removable_lock_is_gone_after_its_holder_unlocks(tmp_path):
     path = str(tmp_path / ".export.lock")
-    key = folders.lock(path, "export", "export_hf.py", remove=True)
+    key = outputs.lock(path, "export", "export_hf.py", remove=True)
     assert os.path.exists(path)
-    folders.unlock(key)
+    outputs.unlock(key)
     assert not os.path.exists(path)
 
 
@@ -182,7 +182,7 @@ def test_a_second_prepare_on_the_same_folder_is_refused_and_leaves_the_first_one
         second = subprocess.run([sys.executable, "prepare_fineweb.py", "--source", "demo", "--out_dir", str(out),
                                  "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     finally:
-        folders.unlock(key)
+        outputs.unlock(key)
     assert second.returncode == 1
     assert second.stderr.strip().splitlines() == [
         f"error: {out} is in use by another prepare_fineweb.py (pid {os.getpid()}, host {os.uname().nodename})"]
@@ -194,7 +194,8 @@ def test_an_evaluator_removes_what_a_killed_one_left_and_refuses_a_concurrent_on
     from eval.passkey import evaluate_passkey
     from eval.options import EvalOptions
     from eval import EvalError
-    from model import ModelConfig, Transformer, save_model
+    from model import ModelConfig, Transformer
+    from bam.checkpoint import save_model
 
     save_model(Transformer(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, pe="rope")), str(tmp_path / "m.pt"))
     out = tmp_path / "results"

@@ -1,5 +1,14 @@
 """
-The outputs commands write, made safe against a second command and against a kill at any moment:
+The outputs commands write, made safe against a second command and against a kill at any moment. The one
+module that puts files and folders into place: every file the repository writes for keeps (checkpoints,
+shards, manifests, metrics, eval results) goes through atomic_file, every folder through swap_in.
+
+    atomic_file(path)           a file object whose content replaces `path` only once the block ends: a temp
+                                file beside it, fsync, rename, fsync of the directory; a crash leaves the
+                                previous file or the complete new one, never a torn one (write_bytes,
+                                write_text); a failed write is one cli.WriteError line naming `path`
+    check_writable(folder)      the OSError a later write would meet, now, before the work
+    remove_temp_files(folder)   temp files and folder swaps of killed writers (call it holding the lock)
 
     lock(path, what, command)   an flock held while a command writes an output (train.py's run dir,
                                 prepare_fineweb.py's --out_dir, an export, an evaluator's results file); a
@@ -35,6 +44,10 @@ import secrets
 import shutil
 import socket
 import sys
+import tempfile
+from contextlib import contextmanager
+
+from bam.cli import WriteError
 
 
 class InUse(Exception):
@@ -90,6 +103,30 @@ def unlock(lock_path):
             except FileNotFoundError:
                 pass
         f.close()  # releases the flock
+
+
+@contextmanager
+def locked_folder(folder, lock_name, what, command, refused=InUse):
+    """Hold FOLDER/LOCK_NAME (lock) for the block, creating FOLDER if needed; `refused` (the caller's error
+    type, InUse by default) with lock's line if another process holds it. A command refused before it wrote anything (an exception out of the block while the lock is all the
+    folder holds) leaves no folder behind if it made it. The lock file stays otherwise: removing it would
+    race with a process about to lock it."""
+    created = not os.path.exists(folder)
+    os.makedirs(folder, exist_ok=True)
+    try:
+        key = lock(os.path.join(folder, lock_name), what, command)
+    except InUse as e:
+        raise refused(str(e)) from None
+    try:
+        yield key
+    except BaseException:
+        if created and os.listdir(folder) == [lock_name]:
+            unlock(key)
+            os.remove(os.path.join(folder, lock_name))
+            os.rmdir(folder)
+        raise
+    finally:
+        unlock(key)
 
 
 def _forget_in_child():
@@ -276,3 +313,97 @@ def fsync_dir(directory):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Atomic writes of files
+
+
+@contextmanager
+def atomic_file(path, mode="wb"):
+    """A file object to write `path`'s new content into; it replaces `path` only once the block ends
+    without an exception (an exception leaves the old file and no temp file). An OSError of the write
+    itself (a full disk, a read-only folder, a file where the folder should be) comes out as cli.WriteError:
+    one line that names `path`, not the temp file, and says that the previous `path` is unchanged."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    # The pid keeps two processes that write the same file (e.g. every torchrun rank fetching the
+    # tokenizer) from writing into one temp file.
+    tmp = f"{path}.tmp-{os.getpid()}"
+    renamed = False
+    try:
+        os.makedirs(directory, exist_ok=True)
+        try:
+            with open(tmp, mode) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            renamed = True
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        fsync_dir(directory)  # the rename itself is only durable once the directory entry is on disk
+    except WriteError:
+        raise  # a nested atomic write already said which file
+    except OSError as e:
+        if not _is_about(e, path, tmp, directory):
+            raise  # the block failed reading some other file: that file is what the error is about
+        if renamed:  # only the folder's fsync failed: the new file is in place, perhaps not yet durable
+            raise WriteError(e, path, "the new file is in place but may not survive a power loss") from e
+        kept = "its previous version is unchanged" if os.path.isfile(path) else "nothing was written"
+        raise WriteError(e, path, kept) from e
+
+
+def _is_about(error, path, tmp, directory):
+    """Whether an OSError is about writing `path`: it names no file, or the file, its temp file, or a folder on
+    the way to it (which makedirs could not create)."""
+    if error.filename is None:
+        return True
+    name = os.path.abspath(os.fsdecode(error.filename))
+    return name in (os.path.abspath(path), os.path.abspath(tmp)) or (directory + os.sep).startswith(name + os.sep)
+
+
+def check_writable(directory):
+    """Create `directory` if needed and write and delete a probe file in it: the OSError a later write would
+    meet (read-only, a file in the way, no permission) comes now, before any work whose results it would
+    take. (Root ignores permission bits, so only trying tells.) Folders it had to create are removed again,
+    so a command refused later leaves nothing behind; the real write creates them."""
+    missing = os.path.abspath(directory)
+    while not os.path.exists(os.path.dirname(missing)) and os.path.dirname(missing) != missing:
+        missing = os.path.dirname(missing)  # the outermost folder that makedirs will create
+    created = not os.path.exists(missing)
+    os.makedirs(directory, exist_ok=True)
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
+    finally:
+        if created:
+            shutil.rmtree(missing, ignore_errors=True)
+    return directory
+
+
+def write_bytes(path, chunks):
+    """Write an iterable of bytes objects to `path` atomically."""
+    with atomic_file(path, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+
+
+def write_text(path, text):
+    with atomic_file(path, "w") as f:
+        f.write(text)
+
+
+def remove_temp_files(directory):
+    """Temp files (and sharded checkpoint folders) of writes that were killed before their rename, which
+    nothing else ever reads, and the swap of a folder (best/) that a kill interrupted, finished or undone
+    (recover). The caller holds the lock of the folder."""
+    for stale in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
+        if os.path.isdir(stale):
+            shutil.rmtree(stale)
+        else:
+            os.remove(stale)
+    for kind in ("new", "old", "swap"):
+        for left in glob.glob(os.path.join(glob.escape(directory), f".*.{kind}")):
+            recover(os.path.join(directory, os.path.basename(left)[1:-len(kind) - 1]))

@@ -1,4 +1,4 @@
-"""Token shards, the GPT-2 tokenizer, and a resumable distributed loader.
+"""Token shards (their formats in one table) and a resumable distributed loader.
 
 Shard format (llm.c's, so the FineWeb shards that llm.c and modded-nanogpt publish,
 `fineweb_val_000000.bin`, `fineweb_train_000001.bin`, ..., load as they are), in two widths:
@@ -19,33 +19,24 @@ shards of another tokenizer than the run's.
 """
 
 import bisect
-import functools
 import glob
-import hashlib
 import json
 import os
-import subprocess
-import sys
-import tarfile
-import tempfile
-import threading
 
 import numpy as np
 import torch
 
-from checkpoint import write_bytes
+from bam.outputs import write_bytes
+from bam.tokenizer import EOT, GPT2, GPT2_IDENTITY, TokenizerIdentity
 
-EOT = 50256  # <|endoftext|>; llm.c writes it *before* every document
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1  # version 1 = GPT-2 tokens as uint16 (llm.c's llama-3 shards use 7 and uint32)
-SHARD_VERSION_UINT16 = SHARD_VERSION
-SHARD_VERSION_UINT32 = 7
-# version -> (magic, token dtype), as llm.c's dev/data/data_common.py writes them ("gpt-2", "llama-3")
-SHARD_FORMATS = {SHARD_VERSION_UINT16: (SHARD_MAGIC, np.dtype("<u2")),
+SHARD_VERSION_UINT16 = 1  # GPT-2's, and any vocabulary of at most 65,536 ids
+SHARD_VERSION_UINT32 = 7  # llm.c's Llama-3 shards, and any larger vocabulary
+# The one table of the shard formats: version -> (magic, token dtype), as llm.c's dev/data/data_common.py
+# writes them ("gpt-2", "llama-3"). Readers, writers and prepare_fineweb.py's manifest all read it.
+SHARD_FORMATS = {SHARD_VERSION_UINT16: (20240520, np.dtype("<u2")),
                  SHARD_VERSION_UINT32: (20240801, np.dtype("<u4"))}
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-TOKEN_DTYPE = np.dtype("<u2")
 MANIFEST = "manifest.json"  # written by prepare_fineweb.py next to its shards
 
 
@@ -54,130 +45,12 @@ class ShardError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Tokenizer
-
-# The GPT-2 ranks as OpenAI ship them in `gpt2.tiktoken`; byte-identical to tiktoken's r50k_base
-# file, so this is also the hash tiktoken itself checks that download against.
-GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-# An sdist on PyPI that carries `whisper/assets/gpt2.tiktoken`: the offline route needs only the
-# package registry, which every machine that can `pip install -r requirements.txt` can reach.
-WHISPER_SDIST = "openai-whisper==20250625"
-# GPT-2's pre-tokenisation regex, identical to tiktoken_ext.openai_public.r50k_pat_str
-# (tests/test_data.py pins the equality, so a tiktoken change cannot silently alter our tokens).
-GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-HELLO_WORLD_IDS = [15496, 995]
-# tiktoken's own route downloads with `requests` and no timeout: on a network that drops packets
-# instead of refusing them that would hang for minutes, so we stop waiting after this long.
-TIKTOKEN_ONLINE_TIMEOUT_S = 30
-
-
-def gpt2_tiktoken_cache_path() -> str:
-    """Where the offline route keeps gpt2.tiktoken; $BAM_GPT2_TIKTOKEN overrides it."""
-    if os.environ.get("BAM_GPT2_TIKTOKEN"):
-        return os.environ["BAM_GPT2_TIKTOKEN"]
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "bam", "gpt2.tiktoken")
-
-
-def _check_encoding(enc, origin: str):
-    ids = enc.encode_ordinary("Hello world")
-    if ids != HELLO_WORLD_IDS or enc.n_vocab != 50257 or enc.eot_token != EOT:
-        raise RuntimeError(f"the GPT-2 tokenizer from {origin} is wrong: 'Hello world' -> {ids}, "
-                           f"n_vocab {enc.n_vocab}, eot {enc.eot_token} (expected {HELLO_WORLD_IDS}, "
-                           f"50257, {EOT})")
-    return enc
-
-
-def load_gpt2_from_file(path: str):
-    """GPT-2 tiktoken Encoding from a local gpt2.tiktoken ranks file, checked before use."""
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
-
-    try:
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-    except OSError as e:  # a directory, or a file this user cannot read
-        raise RuntimeError(f"cannot read the GPT-2 ranks file {path}: {e.strerror or e}") from None
-    if digest != GPT2_TIKTOKEN_SHA256:
-        raise RuntimeError(f"{path} is not OpenAI's gpt2.tiktoken (sha256 {digest}, expected "
-                           f"{GPT2_TIKTOKEN_SHA256}); delete it and run again")
-    enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=load_tiktoken_bpe(path),
-                            special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
-    return _check_encoding(enc, path)
-
-
-def download_gpt2_tiktoken(path: str) -> str:
-    """Fetch gpt2.tiktoken from the openai-whisper sdist on PyPI (via pip) into `path`."""
-    print(f"fetching GPT-2 ranks: pip download {WHISPER_SDIST} (sdist) -> {path}", file=sys.stderr)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-               WHISPER_SDIST, "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        sdists = glob.glob(os.path.join(tmp, "*.tar.gz"))
-        if proc.returncode != 0 or not sdists:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"`{' '.join(cmd[1:])}` failed: {last}")
-        with tarfile.open(sdists[0]) as tar:
-            member = next((m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken")),
-                          None)
-            if member is None:
-                raise RuntimeError(f"{os.path.basename(sdists[0])} has no whisper/assets/gpt2.tiktoken")
-            ranks = tar.extractfile(member).read()
-    if hashlib.sha256(ranks).hexdigest() != GPT2_TIKTOKEN_SHA256:
-        raise RuntimeError(f"gpt2.tiktoken in {WHISPER_SDIST} has an unexpected sha256")
-    write_bytes(path, [ranks])
-    return path
-
-
-def _tiktoken_online():
-    """tiktoken's usual route (its cache or the network), given up on after a timeout."""
-    import tiktoken
-
-    result = {}
-
-    def load():
-        try:
-            result["enc"] = tiktoken.get_encoding("gpt2")
-        except Exception as e:  # any failure just means "try the offline route"
-            result["error"] = e
-
-    # A daemon thread, because a hung download cannot be cancelled, only abandoned.
-    thread = threading.Thread(target=load, daemon=True)
-    thread.start()
-    thread.join(TIKTOKEN_ONLINE_TIMEOUT_S)
-    if "enc" in result:
-        return _check_encoding(result["enc"], "tiktoken")
-    raise RuntimeError(str(result.get("error", f"no answer within {TIKTOKEN_ONLINE_TIMEOUT_S}s")))
-
-
-@functools.lru_cache(maxsize=None)
-def get_tokenizer():
-    """tiktoken's GPT-2 Encoding (50257 tokens, EOT = 50256), online or from local ranks.
-
-    Order: a local gpt2.tiktoken when one exists (the same ranks, checked by sha256, and no network
-    call that could hang); tiktoken's own download or cache; else fetch gpt2.tiktoken from PyPI
-    (the openai-whisper sdist) into the local cache, so every later call is offline.
-    """
-    path = gpt2_tiktoken_cache_path()
-    if os.environ.get("BAM_GPT2_TIKTOKEN") and not os.path.exists(path):
-        raise RuntimeError(f"$BAM_GPT2_TIKTOKEN points to {path}, which does not exist")
-    if os.path.exists(path):
-        return load_gpt2_from_file(path)
-    errors = []
-    for route in (_tiktoken_online, lambda: load_gpt2_from_file(download_gpt2_tiktoken(path))):
-        try:
-            return route()
-        except Exception as e:
-            errors.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    raise RuntimeError(
-        "cannot load the GPT-2 tokenizer: tiktoken's download failed (" + errors[0] + ") and so did the "
-        "offline route (" + errors[1] + "). Fix: on any machine run `pip download --no-deps --no-binary "
-        f":all: {WHISPER_SDIST}`, take whisper/assets/gpt2.tiktoken out of the tarball and put it "
-        f"at {path} (or point $BAM_GPT2_TIKTOKEN at it)")
-
-
-# ----------------------------------------------------------------------------------------------
 # Shards
+
+def shard_version(vocab_size):
+    """The shard version whose token width holds every id below vocab_size: 1 (uint16) or 7 (uint32)."""
+    return SHARD_VERSION_UINT16 if vocab_size <= 2 ** 16 else SHARD_VERSION_UINT32
+
 
 def write_shard(path: str, tokens, version: int = SHARD_VERSION_UINT16) -> None:
     """Write `tokens` as an llm.c shard of `version` (1: ids < 2**16 as uint16; 7: ids < 2**32 as uint32),
@@ -281,8 +154,6 @@ def shard_paths(data_dir: str, split: str) -> list:
 def manifest_tokenizer(data_dir):
     """The tokenizer.TokenizerIdentity that data_dir's manifest.json records, or None without a manifest
     (llm.c's and modded-nanogpt's shards have none). A manifest older than the tokenizer fields is GPT-2's."""
-    from tokenizer import GPT2, GPT2_IDENTITY, TokenizerIdentity
-
     path = os.path.join(data_dir, MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
@@ -343,7 +214,7 @@ class ShardLoader:
         self.counts = [n for _, n, _ in headers]
         counts = self.counts
         if tokenizer is None:
-            from tokenizer import GPT2_IDENTITY as tokenizer
+            tokenizer = GPT2_IDENTITY
         self.tokenizer = tokenizer
         check_shards_tokenizer(data_dir, tokenizer)
         versions = sorted({v for v, _, _ in headers})
