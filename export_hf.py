@@ -50,7 +50,7 @@ class ExportError(UserError):
 
 def check_self_contained(path):
     """model.py travels alone: at module level it may import only torch and the standard library, or the
-    exported folder would need this repository after all. (Its checkpoint helpers import checkpoint.py
+    exported folder would need this repository after all. (Its checkpoint helpers import bam/checkpoint.py
     inside the functions, which the exported model never calls.)"""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
@@ -96,7 +96,7 @@ def hf_tokenizer(enc):
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     class RanksConverter(TikTokenConverter):
-        def load_tiktoken_bpe(self, ranks):  # the ranks in memory, however data.py obtained them
+        def load_tiktoken_bpe(self, ranks):  # the ranks in memory, however bam/data.py obtained them
             return ranks
 
     converter = RanksConverter(vocab_file=enc._mergeable_ranks, pattern=enc._pat_str,

@@ -172,7 +172,7 @@ class ModelConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
-# What every numeric ModelConfig field may be (ranges.py's notation; always finite as well). A new numeric
+# What every numeric ModelConfig field may be (bam/ranges.py's notation; always finite as well). A new numeric
 # field needs its line here: tests/test_ranges.py fails for one without. Bases below 2 would make RoPE's
 # and the sinusoids' frequencies grow with the pair index (or all equal 1) instead of spreading them out.
 MODEL_RANGES = {

@@ -1,4 +1,4 @@
-"""Turn a text corpus into token shards (llm.c format, see data.py) once; train on them many times.
+"""Turn a text corpus into token shards (llm.c format, see bam/data.py) once; train on them many times.
 
     python prepare_fineweb.py --source fineweb --out_dir data/fineweb10B            # sample-10BT
     python prepare_fineweb.py --source fineweb-edu --sample sample-100BT --out_dir data/edu100B
@@ -17,11 +17,11 @@ txt files (one document per file), read through the same `datasets` streaming pa
 real English corpus that needs no network: the documentation that ships inside Python's standard
 library (the language reference topics of `pydoc_data`, every stdlib module's docstrings with the
 signatures they document, the prose comments of its source and IDLE's text files).
-`--retrieval_fraction F` mixes synthetic passkey documents (retrieval.py) into any of them, F of the
+`--retrieval_fraction F` mixes synthetic passkey documents (bam/retrieval.py) into any of them, F of the
 tokens; `--source retrieval` is those documents alone (bounded by --max_tokens).
 
 --tokenizer is GPT-2 (tiktoken, the default) or any Hugging Face fast tokenizer by Hub name or local folder
-(tokenizer.py). Each document becomes [EOT] + its GPT-2 tokens, or [BOS] + its tokens + [EOS] with a
+(bam/tokenizer.py). Each document becomes [EOT] + its GPT-2 tokens, or [BOS] + its tokens + [EOS] with a
 tokenizer that has both (empty documents are dropped); ids are uint16 (llm.c version 1) while the
 vocabulary fits, uint32 (version 7) otherwise. Documents are packed
 back to back into shards of --shard_size tokens (a document may continue into the next shard) and
@@ -679,7 +679,7 @@ def parse_args(argv=None):
                              "or a local folder with its tokenizer.json; train with the same data.tokenizer")
     parser.add_argument("--prefix", default=None,
                         help="shard file prefix (default fineweb, demo or local by source)")
-    retrieval = parser.add_argument_group("synthetic passkey documents (retrieval.py)")
+    retrieval = parser.add_argument_group("synthetic passkey documents (bam/retrieval.py)")
     retrieval.add_argument("--retrieval_fraction", type=number(float, ">= 0, <= 1"), default=0.0,
                            help="fraction of the tokens that are passkey documents (default 0)")
     retrieval.add_argument("--retrieval_length", type=number(int, ">= 1"), default=128,

@@ -14,14 +14,14 @@ each optionally with SSMax) on token shards, on CPU, one GPU, or many through to
 The run directory (log.out_dir) gets config.toml (the resolved config), metrics.jsonl (one JSON
 object per logged step, including every head's prior parameters) and checkpoints/ (the last
 train.keep_last step checkpoints, each enough to resume exactly, and best.pt, the weights with the
-lowest validation loss; folders of shards instead under train.parallel = "fsdp", parallel.py).
+lowest validation loss; folders of shards instead under train.parallel = "fsdp", bam/parallel.py).
 `python train.py --help` lists every config key and its default.
 
 Exit status: 0 when max_steps are done; 1 for a mistake the user can fix (one `error: ...` line),
 including a diverged run (non-finite loss or a loss spike: the line says which checkpoint to resume
 from and how); 143 after SIGTERM or SIGUSR1 (a preempted job: the current step is finished and
 checkpointed, `--resume` continues exactly); 130 after Ctrl-C (the same; a second Ctrl-C quits at
-once). docs/training.md, "Preemption and recovery", has the commands; recovery.py the guards behind them.
+once). docs/training.md, "Preemption and recovery", has the commands; bam/recovery.py the guards behind them.
 """
 
 import argparse
@@ -642,7 +642,7 @@ def finish(run, exit_code=0, together=True):
 
 
 def dry_run(args, overrides):
-    """train.py CONFIG --dry_run: the memory plan (sizing.py), without data, processes or a run directory."""
+    """train.py CONFIG --dry_run: the memory plan (bam/sizing.py), without data, processes or a run directory."""
     with user_errors():
         try:
             worlds = [int(n) for n in args.world_size.split(",")]

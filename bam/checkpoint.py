@@ -358,7 +358,7 @@ def reject_after(run_dir, step):
     `--resume` continues from the one before them. Returns the paths set aside."""
     rejected = [p for p in step_checkpoints(run_dir) if checkpoint_step(p) > step]
     for path in rejected:
-        os.replace(path, path + REJECTED)
+        outputs.set_aside(path, REJECTED)
     return rejected
 
 

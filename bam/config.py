@@ -110,7 +110,7 @@ class DataConfig:
     data_dir: str = "data/fineweb10B"  # token shards written by prepare_fineweb.py
     # The tokenizer of the shards and of everything that reads or writes text for this run (evaluators,
     # sample.py, export_hf.py): "gpt2" (tiktoken) or a Hugging Face fast tokenizer by Hub name or local folder,
-    # e.g. "mistralai/Mistral-7B-v0.3", the paper's (tokenizer.py). model.vocab_size follows it unless set.
+    # e.g. "mistralai/Mistral-7B-v0.3", the paper's (bam/tokenizer.py). model.vocab_size follows it unless set.
     tokenizer: str = "gpt2"
     # Sequences per micro-batch on each rank. The sequence length is model.block_size: the model is
     # trained at exactly its context, so there is one knob, not two that must agree.
@@ -144,7 +144,7 @@ class TrainConfig:
     keep_last: int = 3  # step checkpoints kept on disk, at least 2 (best.pt is kept apart; docs/training.md)
     compile: bool = True  # torch.compile: the whole model under DDP, each Block under FSDP
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 on a GPU that has it (autocast; FSDP's policy)
-    # How the ranks share the work (parallel.py, docs/training.md "Past one GPU's memory"): "ddp" gives each
+    # How the ranks share the work (bam/parallel.py, docs/training.md "Past one GPU's memory"): "ddp" gives each
     # rank the whole model and optimizer; "fsdp" (FSDP2) shards weights, gradients and optimizer state over
     # the ranks and checkpoints through torch.distributed.checkpoint, as step folders instead of .pt files.
     parallel: Literal["ddp", "fsdp"] = "ddp"
@@ -195,7 +195,7 @@ class Config:
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "log": LogConfig}
 
-# What every numeric setting of [data], [train] and [log] may be (ranges.py's notation; finite as well; each
+# What every numeric setting of [data], [train] and [log] may be (bam/ranges.py's notation; finite as well; each
 # element of a list, and an optional one only when set). [model]'s are model.MODEL_RANGES, checked by
 # ModelConfig itself. A new numeric setting needs its line: tests/test_ranges.py fails for one without.
 RANGES = {

@@ -11,7 +11,7 @@ Shard format (llm.c's, so the FineWeb shards that llm.c and modded-nanogpt publi
     size    exactly 256 * 4 + width * n bytes; anything else is a truncated or corrupt file.
 
 Every document opens with the tokenizer's document token (GPT-2: EOT 50256 *before* every document, as in
-llm.c's fineweb.py; a tokenizer with BOS and EOS: [BOS] doc [EOS], see tokenizer.py), and a document may
+llm.c's fineweb.py; a tokenizer with BOS and EOS: [BOS] doc [EOS], see bam/tokenizer.py), and a document may
 continue from one shard into the next: the shards of a split, in name order, are one token stream.
 The first shard of a prepared directory (`<prefix>_val_000000.bin`) is the validation split. The
 manifest.json that prepare_fineweb.py writes beside the shards names their tokenizer; the loader refuses

@@ -407,3 +407,11 @@ def remove_temp_files(directory):
     for kind in ("new", "old", "swap"):
         for left in glob.glob(os.path.join(glob.escape(directory), f".*.{kind}")):
             recover(os.path.join(directory, os.path.basename(left)[1:-len(kind) - 1]))
+
+
+def set_aside(path, suffix):
+    """Rename `path` (a file or folder) to PATH + suffix, which no reader matches (a checkpoint rejected after
+    a loss spike: step_X.pt.rejected), durably. Returns the new path."""
+    os.replace(path, path + suffix)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return path + suffix

@@ -146,7 +146,7 @@ def prior_summary(model):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checkpoints of a sharded model (their folder format: checkpoint.py)
+# Checkpoints of a sharded model (their folder format: bam/checkpoint.py)
 
 
 def save_fsdp_checkpoint(model, optimizer, state, path):

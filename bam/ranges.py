@@ -10,7 +10,7 @@ A range is a short text that is both the rule and the words of the error: "> 0",
 `number` is the argparse type of every numeric flag of every command (tests/test_ranges.py finds any
 flag declared with a plain int or float and fails), so a flag's value is refused by argparse, in one line
 naming the flag, the value and what is allowed, before the command has done anything. The config
-sections declare theirs in RANGES tables (config.py; ModelConfig in model.py, which has its own copy of
+sections declare theirs in RANGES tables (bam/config.py; ModelConfig in model.py, which has its own copy of
 this check because model.py is copied alone into Hugging Face exports).
 """
 

@@ -166,5 +166,5 @@ def dry_run(cfg, world_sizes):
     lines += ["", "batch, accum: sequences per micro-batch and accumulation steps per step on each rank. acts: one "
               "micro-batch's activations without and with activation checkpointing (full). FSDP buffers: the "
               f"gathered groups (reshard_after_forward = {str(t.reshard_after_forward).lower()}, fsdp_grad_sync = "
-              f"{t.fsdp_grad_sync!r}). Estimates (sizing.py); leave ~10% for the allocator and the CUDA context."]
+              f"{t.fsdp_grad_sync!r}). Estimates (bam/sizing.py); leave ~10% for the allocator and the CUDA context."]
     return "\n".join(lines)

@@ -1,9 +1,9 @@
 """
 Attention cost per positional encoding and implementation, side by side in one run.
 
-    python bench/attention.py                 # CPU: the issue's grid (a few minutes on 2 cores)
-    python bench/attention.py --quick         # smaller grid
-    python bench/attention.py --device cuda   # GPU, bf16; absolute times are only meaningful there
+    python -m bench.attention                 # CPU: the issue's grid (a few minutes on 2 cores)
+    python -m bench.attention --quick         # smaller grid
+    python -m bench.attention --device cuda   # GPU, bf16; absolute times are only meaningful there
 
 Part 1: forward+backward time (sdpa also as it runs inside a compiled model) and peak memory of one attention call with the paper's 12-layer head
 shapes (16 heads of 48), for T = 512 ... 4096, as ratios against NoPE on `sdpa` (flash) at the same T.
@@ -138,7 +138,7 @@ def measure(run, device, repeats):
 
 
 def main():
-    ap = Parser(prog="bench/attention.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m bench.attention", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="T = 512, 1024 and 4K ... 16K only")
     ap.add_argument("--repeats", type=number(int, ">= 1, <= 1000"), default=3)

@@ -1,6 +1,6 @@
 """Data pipeline benchmark: preparation throughput by worker count, and loader cost per batch.
 
-    python bench/data_bench.py [--workers N] [--repeats 3]
+    python -m bench.data_bench [--workers N] [--repeats 3]
 
 Preparation: the offline demo corpus (Python's own documentation, ~1M GPT-2 tokens) repeated
 --copies times, prepared end to end by prepare_fineweb.prepare (read with `datasets`, tokenised,
@@ -81,7 +81,7 @@ def bench_loader(data_dir, batch_size, seq_len, batches):
 
 
 def main():
-    parser = Parser(prog="bench/data_bench.py", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m bench.data_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=number(int, ">= 1, <= 1024"), default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=number(int, ">= 1, <= 1000"), default=3)
     parser.add_argument("--copies", type=number(int, ">= 1, <= 1000"), default=8,

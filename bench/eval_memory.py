@@ -1,9 +1,9 @@
 """
 Peak memory (and time) of one passkey forward pass against the prompt length: it must grow linearly.
 
-    python bench/eval_memory.py                 # CPU: tiny 2K ... 64K, 12-layer 4K ... 16K (~15 min, 2 cores)
-    python bench/eval_memory.py --quick         # CPU: tiny 4K ... 32K, 12-layer 4K and 12K (~5 min)
-    python bench/eval_memory.py --device cuda --shapes 121m --lengths 16K,64K,256K   # GPU, bf16 autocast
+    python -m bench.eval_memory                 # CPU: tiny 2K ... 64K, 12-layer 4K ... 16K (~15 min, 2 cores)
+    python -m bench.eval_memory --quick         # CPU: tiny 4K ... 32K, 12-layer 4K and 12K (~5 min)
+    python -m bench.eval_memory --device cuda --shapes 121m --lengths 16K,64K,256K   # GPU, bf16 autocast
 
 Each measurement runs in a fresh process (random weights; a real passkey prompt from eval.passkey, scored
 with the evaluator's own predict_spans), so one length's freed memory cannot hide the next one's peak.
@@ -23,8 +23,15 @@ import subprocess
 import sys
 import time
 
-from bench.peak_memory import PeakMemory, fixed_mmap_threshold
+from bench.peak_memory import PeakMemory, fixed_mmap_threshold, this_command
 from bam.cli import Parser
+import torch
+from eval.loading import autocast, pick_dtype
+from eval.memory import forward_bytes
+from eval.scoring import predict_spans
+from eval.passkey import PasskeyPrompts
+from model import ModelConfig, Transformer
+from eval.sweep import parse_lengths
 
 SHAPES = {  # configs/tiny.toml's model and the paper's 12-layer model, both BAM + SSMax
     "tiny": dict(n_layer=4, n_embd=128, n_head=4, block_size=128),
@@ -36,14 +43,6 @@ QUICK_LENGTHS = {"tiny": "4K,8K,16K,32K", "121m": "4K,12K"}
 
 def measure(shape, length, device_name, impl):
     """Runs in the child process: one passkey forward at `length`, returns a dict of numbers."""
-    import torch
-
-    from eval.loading import autocast, pick_dtype
-    from eval.memory import forward_bytes
-    from eval.scoring import predict_spans
-    from eval.passkey import PasskeyPrompts
-    from model import ModelConfig, Transformer
-
     torch.manual_seed(0)
     device = torch.device(device_name)
     model = Transformer(ModelConfig(pe="bam", ssmax=True, attn_impl=impl, **SHAPES[shape])).to(device).eval()
@@ -65,7 +64,7 @@ def measure(shape, length, device_name, impl):
 
 
 def main():
-    ap = Parser(prog="bench/eval_memory.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m bench.eval_memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shapes", default="tiny,121m")
     ap.add_argument("--lengths", default=None, help="for every shape (default: per shape, see above)")
@@ -78,9 +77,6 @@ def main():
         print(json.dumps(measure(args.child[0], int(args.child[1]), args.device, args.impl)))
         return
 
-    import torch
-
-    from eval.sweep import parse_lengths
 
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     print(f"# passkey forward: peak memory vs length, {args.impl} attention, torch {torch.__version__}, {where}\n")
@@ -90,7 +86,7 @@ def main():
         spec = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)[shape]
         previous = None
         for length in parse_lengths(spec, SHAPES[shape]["block_size"]):
-            cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--impl", args.impl,
+            cmd = [sys.executable, *this_command(), "--device", args.device, "--impl", args.impl,
                    "--child", shape, str(length)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:

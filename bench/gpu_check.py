@@ -3,9 +3,9 @@ One command that proves the GPU path: FlexAttention's compiled forward and backw
 reference for every encoding, the compiled bf16 training step, long-context inference and the cost of
 attention, with the issue's targets checked. It writes OUT/gpu_check.md and OUT/gpu_check.json.
 
-    python bench/gpu_check.py --out runs/gpu_check                  # one GPU: the full check, < 10 min on an H200
-    python bench/gpu_check.py --device cpu --quick --out /tmp/gc    # every code path but CUDA's, tiny shapes, ~1 min
-    python bench/gpu_check.py --out runs/gpu_check --sections training,attention   # a part, e.g. after a fix
+    python -m bench.gpu_check --out runs/gpu_check                  # one GPU: the full check, < 10 min on an H200
+    python -m bench.gpu_check --device cpu --quick --out /tmp/gc    # every code path but CUDA's, tiny shapes, ~1 min
+    python -m bench.gpu_check --out runs/gpu_check --sections training,attention   # a part, e.g. after a fix
 
 GPU time is scarce, so the script cannot stop halfway: every case runs in its own try/except and a
 failure is recorded under the case's name before the next case starts; both files are rewritten after
@@ -800,7 +800,7 @@ def fail(message):
 
 
 def main(argv=None):
-    ap = Parser(prog="bench/gpu_check.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m bench.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder for gpu_check.md and gpu_check.json")
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu with --quick")
     ap.add_argument("--quick", action="store_true", help="tiny shapes: every code path but CUDA's, for CI")

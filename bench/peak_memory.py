@@ -15,7 +15,14 @@ def fixed_mmap_threshold():
     threshold returns every large block to the system when it is freed."""
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
-        os.execv(sys.executable, [sys.executable] + sys.argv)
+        os.execv(sys.executable, [sys.executable] + this_command() + sys.argv[1:])
+
+
+def this_command():
+    """The interpreter arguments that run the running benchmark again: `-m bench.NAME` (how they run, from the
+    repository root), or the script's path where it was started as a file."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return ["-m", spec.name] if spec is not None else [sys.argv[0]]
 
 
 class PeakMemory:

@@ -2,9 +2,9 @@
 Training throughput of every positional encoding (with and without SSMax) on the tiny model of
 configs/tiny.toml, as ratios against NoPE measured side by side in one process.
 
-    python bench/train_bench.py                  # CPU: about 2 minutes on 2 cores
-    python bench/train_bench.py --batch_size 1 --seq_len 1024   # where attention, not the vocabulary, costs
-    python bench/train_bench.py --config configs/repro/base.toml --targets_per_row 3 --optimizer adamw
+    python -m bench.train_bench                  # CPU: about 2 minutes on 2 cores
+    python -m bench.train_bench --batch_size 1 --seq_len 1024   # where attention, not the vocabulary, costs
+    python -m bench.train_bench --config configs/repro/base.toml --targets_per_row 3 --optimizer adamw
                                                  # configs/repro's step: loss on 3 tokens a row, fused AdamW
 
 One step is what train.py does per micro-batch: forward, backward, gradient clipping, RAdam step,
@@ -70,7 +70,7 @@ def make_step(model_cfg, train_cfg, batch, device, autocast, doc_mask, optimizer
 
 
 def main():
-    parser = Parser(prog="bench/train_bench.py", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m bench.train_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/tiny.toml", help="model and batch come from here")
     parser.add_argument("--batch_size", type=number(int, ">= 1"), default=None, help="default: the config's data.batch_size")
     parser.add_argument("--seq_len", type=number(int, ">= 1"), default=None, help="default: the config's model.block_size")

@@ -1,11 +1,11 @@
 """
-Checks sizing.py (train.py --dry_run) against measured memory: one training step (forward, backward, AdamW)
+Checks bam/sizing.py (train.py --dry_run) against measured memory: one training step (forward, backward, AdamW)
 of two small models on the CPU, with and without activation checkpointing, under torch's MemTracker, which
 follows every tensor's bytes and says what each one is (parameter, gradient, optimizer state, activation,
 temporary). Printed: the measured peak of activations + temporaries next to sizing.activation_bytes, and the
 measured weights, gradients and optimizer state next to sizing.static_bytes.
 
-    python bench/train_memory.py
+    python -m bench.train_memory
 
 The models use RoPE without SSMax or document masks, so that the CPU runs the flash kernel of
 scaled_dot_product_attention (O(T) memory, as FlexAttention on a GPU), and float32 (b = 4 bytes).
@@ -66,7 +66,7 @@ def by_kind(snapshot):
 
 
 def main():
-    Parser(prog="bench/train_memory.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    Parser(prog="python -m bench.train_memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"{'shape':<40} {'AC':<5} {'activations MiB: measured':>26} {'estimated':>10} {'ratio':>6}   "
           f"{'weights+grads+optimizer MiB: measured':>38} {'estimated':>10}")
     for name, (shape, batch) in SHAPES.items():

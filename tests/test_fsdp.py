@@ -1,4 +1,4 @@
-"""train.parallel = "fsdp" (parallel.py) on CPU with gloo and real torchrun: FSDP2 against DDP and one process
+"""train.parallel = "fsdp" (bam/parallel.py) on CPU with gloo and real torchrun: FSDP2 against DDP and one process
 with accumulation, preemption and a kill -9 in the middle of a sharded checkpoint with an exact resume,
 resuming on another number of ranks and from/into DDP, a sharded run read by every consumer of checkpoints,
 two torchrun launchers rendezvousing as two nodes, activation checkpointing, per-Block compile, the bf16 policy,
@@ -250,7 +250,7 @@ def test_a_sharded_run_is_evaluated_exported_converted_and_fine_tuned_like_a_ddp
     # One .pt file in a DDP run's layout, read with weights_only=True (nothing needs it; it is for copying).
     out = str(tmp_path / "step6.pt")
     capsys.readouterr()
-    checkpoint.main([fsdp2, out])  # python checkpoint.py RUN OUT.pt
+    checkpoint.main([fsdp2, out])  # python -m bam.checkpoint RUN OUT.pt
     assert "step_00000006 -> " in capsys.readouterr().out
     converted = torch.load(out, weights_only=True)
     assert all(torch.equal(converted["model"][k], v) for k, v in whole.items())

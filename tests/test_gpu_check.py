@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_quick_mode_runs_every_section_and_every_case_passes(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "gpu_check.json").read_text())

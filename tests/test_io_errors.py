@@ -68,7 +68,7 @@ def temp_files(root):
 
 
 # ---------------------------------------------------------------------------------------------------
-# cli.py and checkpoint.py: the vocabulary every command uses
+# bam/cli.py and bam/checkpoint.py: the vocabulary every command uses
 
 
 @pytest.mark.parametrize("code,words", [

@@ -75,7 +75,7 @@ def test_every_numeric_setting_refuses_inf_nan_and_out_of_range_in_one_line(sect
 
 
 def test_the_model_checks_its_ranges_when_built_directly_too():
-    """Checkpoints, evaluator overrides and HF exports build ModelConfig without config.py."""
+    """Checkpoints, evaluator overrides and HF exports build ModelConfig without bam/config.py."""
     with pytest.raises(ValueError, match=r"^model config: rope_theta = 0.0: allowed: a finite number >= 2$"):
         model.ModelConfig(rope_theta=0.0)
     with pytest.raises(ValueError, match="mlp_hidden = -64"):

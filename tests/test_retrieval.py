@@ -182,7 +182,7 @@ def test_prepare_rejects_bad_retrieval_options(tmp_path, capsys):
 
 
 def test_training_does_not_import_the_evaluators():
-    # retrieval.py holds the passkey wording so that train.py (which imports it) never pulls in eval/
+    # bam/retrieval.py holds the passkey wording so that train.py (which imports it) never pulls in eval/
     # and matplotlib; a fresh interpreter, since this test session has imported eval already.
     check = ("import sys, train; loaded = [m for m in sys.modules if m == 'eval' or m.startswith('eval.') "
              "or m.startswith('matplotlib')]; assert not loaded, loaded")

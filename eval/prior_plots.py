@@ -1,0 +1,158 @@
+"""eval.priors' plots: the prior's bias curves by layer and head (priors.png), its learned parameters
+(priors_shapes.png), how they moved in training (priors_training.png) and FoX's forget gates
+(priors_gates.png). Apart from the evaluator (eval/priors.py), which reads the priors and writes these."""
+
+import math
+
+import numpy as np
+
+GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
+
+
+def group_colors(model):
+    """{group: colour} for a prior whose heads fall into named groups (BAM's shapes, docs/paper.md §2)."""
+    groups = type(model.priors[0]).GROUPS if len(model.priors) else {}
+    return dict(zip(groups, GROUP_COLORS))
+
+
+def _grid(n):
+    cols = min(n, 4)
+    return math.ceil(n / cols), cols
+
+
+def plot_curves(results, dist, curves, path, colors):
+    """One panel per layer (one if the prior is shared), one line per head, coloured by group if any."""
+    from eval.plotting import plt, save_figure
+
+    rows, cols = _grid(len(curves))
+    fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 3.6 * cols), 2.9 * rows + 0.6), squeeze=False, sharex=True,
+                             sharey=True)
+    heads = results["heads"]
+    for idx, ax in enumerate(axes.flat):
+        if idx >= len(curves):
+            ax.set_axis_off()
+            continue
+        for h, curve in enumerate(curves[idx]):
+            row = heads[idx * (len(heads) // len(curves)) + h] if len(curves) > 1 else heads[h]
+            ax.plot(dist, curve, color=colors.get(row.get("group"), "tab:blue"), linewidth=1, alpha=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=1e-2)
+        ax.set_ylim(top=2e-3)  # every prior is <= 0: a log-prior, highest where the head looks
+        ax.axvline(results["model"]["config"]["block_size"], color="gray", linestyle=":", linewidth=1)
+        ax.set_title("all layers" if results["shared_across_layers"] else f"layer {idx}", fontsize=9)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("distance i - j (tokens)", fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("prior bias g(d)", fontsize=8)
+    rules = results["group_rules"] or {}
+    handles = [plt.Line2D([], [], color=c, label=f"{g}: {rules[g]}") for g, c in colors.items()] \
+        or [plt.Line2D([], [], color="tab:blue", label=f"{results['pe']}, one line per head")]
+    handles.append(plt.Line2D([], [], color="gray", linestyle=":", label="training context"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.suptitle(f"{results['model']['name']}: positional prior per head" +
+                 (" (before SSMax's s log n)" if results["ssmax"] else ""), fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    save_figure(fig, path, dpi=110)
+
+
+def plot_gates(results, gates, path):
+    """FoX: the distribution of each head's forget gates, one panel per layer, each head's memory on top."""
+    from eval.plotting import plt, save_figure
+
+    rows, cols = _grid(len(gates))
+    fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 3.6 * cols), 2.9 * rows + 0.4), squeeze=False, sharey=True)
+    memory = {(r["layer"], r["head"]): r.get("memory") for r in results["heads"]}
+    for idx, ax in enumerate(axes.flat):
+        if idx not in gates:
+            ax.set_axis_off()
+            continue
+        ax.boxplot(list(gates[idx]), whis=(5, 95), showfliers=False)
+        ax.set_title(f"layer {idx}", fontsize=9)
+        ax.set_ylim(0, 1.05)
+        labels = [f"{h}\n{memory[(idx, h)]:.3g}" for h in range(len(gates[idx]))]
+        ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=6)
+        ax.grid(True, axis="y", alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("forget gate f", fontsize=8)
+    fig.suptitle(f"{results['model']['name']}: forget gates per head (below each head: its memory "
+                 "-1 / mean log f, in tokens)", fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+
+
+def plot_shapes(results, path, prior_cls, colors):
+    """A prior with head groups (BAM): histogram of the grouping parameter over the groups' spans, and
+    that parameter against the next one per layer. Otherwise: a histogram of every learned per-head
+    parameter (KERPLE's r1, r2; SSMax's s)."""
+    from eval.plotting import plt, save_figure
+
+    heads = results["heads"]
+    name = results["model"]["name"]
+    grouped = prior_cls is not None and prior_cls.GROUPS
+    learned = [c for c in heads[0] if c not in ("layer", "head", "group", "bias_at", "slope")]
+    if not grouped:
+        fig, axes = plt.subplots(1, len(learned), figsize=(4.2 * len(learned), 3.5), squeeze=False)
+        for ax, column in zip(axes[0], learned):
+            ax.hist([r[column] for r in heads], bins=30, color="tab:purple")
+            ax.set_xlabel(column)
+            ax.set_ylabel("heads")
+        fig.suptitle(f"{name}: per-head positional parameters of {len(heads)} heads", fontsize=10)
+        fig.tight_layout()
+        save_figure(fig, path, dpi=110)
+        return
+    column, other = prior_cls.GROUP_PARAMETER, prior_cls.SECOND_PARAMETER
+    values = np.array([r[column] for r in heads])
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    edges = sorted({e for lo_hi in prior_cls.GROUP_SPANS.values() for e in lo_hi if math.isfinite(e)})
+    low, high = min(values.min(), edges[0] - 0.4) - 0.1, max(values.max(), edges[-1] + 1.2) + 0.1
+    for g, (lo, hi) in prior_cls.GROUP_SPANS.items():
+        ax.axvspan(max(lo, low), min(hi, high), color=colors[g], alpha=0.12)
+    counts, rules = results["groups"], results["group_rules"]
+    ax.hist(values, bins=np.linspace(low, high, 41), color="black", alpha=0.75)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[g], alpha=0.35, label=f"{g} ({rules[g]}): {counts[g]}")
+                       for g in colors], fontsize=8)
+    ax.set_xlabel(f"{column} (1 = ALiBi/Laplace, 0 = flat/NoPE, < 0 = favours far tokens)")
+    ax.set_ylabel("heads")
+    ax.set_title(f"{name}: {column}s of {len(values)} heads", fontsize=10)
+    points = ax2.scatter(values, [r[other] for r in heads], c=[r["layer"] for r in heads], cmap="viridis", s=14)
+    fig.colorbar(points, ax=ax2, label="layer")
+    for edge in edges:
+        ax2.axvline(edge, color="gray", linewidth=0.8)
+    ax2.set_xlabel(column)
+    ax2.set_ylabel(other)
+    ax2.set_title(f"{column} against {other}", fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+
+
+def plot_training(results, history, path, prior_cls):
+    """Every head's logged parameters (metrics.jsonl's "prior") against the training step, one colour per
+    layer. Those that never moved (ALiBi's slopes, a frozen location) are left out."""
+    from eval.plotting import plt, save_figure
+
+    names = [n for n in history[-1][1] if any(prior.get(n) != history[0][1].get(n) for _, prior in history)]
+    if not names:
+        return
+    steps = [s for s, _ in history]
+    fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 3.6), squeeze=False)
+    cmap = plt.get_cmap("viridis")
+    for ax, name in zip(axes[0], names):
+        values = np.array([prior[name] for _, prior in history if name in prior], dtype=float)  # (steps, layers, heads)
+        n_layers = values.shape[1]
+        for layer in range(n_layers):
+            for head in range(values.shape[2]):
+                ax.plot(steps[-len(values):], values[:, layer, head], color=cmap(layer / max(1, n_layers - 1)),
+                        linewidth=0.8, alpha=0.7)
+        if prior_cls is not None and prior_cls.GROUPS and name.endswith("_" + prior_cls.GROUP_PARAMETER):
+            for edge in {e for span in prior_cls.GROUP_SPANS.values() for e in span if math.isfinite(e)}:
+                ax.axhline(edge, color="gray", linewidth=0.8)  # the bounds of the head groups
+        ax.set_xlabel("training step")
+        ax.set_title(name, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, max(0, len(history[-1][1][names[0]]) - 1)))
+    fig.colorbar(sm, ax=list(axes[0]), label="layer", fraction=0.03)
+    fig.suptitle(f"{results['model']['name']}: positional parameters during training ({len(steps)} logged steps)",
+                 fontsize=10)
+    save_figure(fig, path, dpi=110, bbox_inches="tight")
