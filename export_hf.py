@@ -31,7 +31,6 @@ import shutil
 import sys
 from dataclasses import asdict
 
-
 from bam import outputs
 from bam.checkpoint import CheckpointError, checkpoint_tokenizer, load_checkpoint
 from bam.cli import Parser, UserError, run_cli

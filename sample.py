@@ -18,10 +18,10 @@ import sys
 import torch
 
 from bam.cli import Parser, UserError, describe_os_error, run_cli
+from bam.ranges import number
 from eval.loading import load_for_eval
 from eval.memory import OutOfMemory, check_fits, generation_bytes
 from eval.options import add_model_arguments, overrides_label, parse_arguments
-from bam.ranges import number
 
 
 def read_prompt(path):

@@ -42,21 +42,23 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from bam.checkpoint import CheckpointError, checkpoint_tokenizer, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir, config_path, keep_last, load_checkpoint, metrics_path, run_dir_lock, save_atomic, step_checkpoints, step_path
-from bam.outputs import remove_temp_files, write_text
-from bam.cli import Parser, UserError, os_reason, user_errors
-from bam.config import (SHAPE_FREE_MODEL_KEYS, ConfigError, check, checkpoint_differences, describe, load_config, to_dict,
-                    to_toml)
-from bam.data import ShardLoader, check_shard_tokens, check_token_ids
-from model import Transformer
-from bam.parallel import (clip_grad_norm, init_distributed, load_fsdp_checkpoint, load_whole_optimizer, micro_step, prepare,
-                      prior_summary, rank_rng_state, save_fsdp_checkpoint, wrap)
-from bam.recovery import (Diverged, StopRequest, Stopped, check_step, follow_moved_run_dir, interrupted, load_resume_state,
-                      metrics_rows_until, rng_state, set_rng_state)
-from bam.retrieval import passkey_answer_targets
-from bam.tokenizer import GPT2, GPT2_IDENTITY, check_vocab, load_tokenizer, tokenizer_identity
 from bam import sizing
+from bam.checkpoint import (CheckpointError, RunDirInUse, best_path, checkpoint_dict, checkpoint_dir,
+                            checkpoint_tokenizer, config_path, keep_last, load_checkpoint, metrics_path, run_dir_lock,
+                            save_atomic, step_checkpoints, step_path)
+from bam.cli import Parser, UserError, os_reason, user_errors
+from bam.config import (SHAPE_FREE_MODEL_KEYS, ConfigError, check, checkpoint_differences, describe, load_config,
+                        to_dict, to_toml)
+from bam.data import ShardLoader, check_shard_tokens, check_token_ids
+from bam.outputs import remove_temp_files, write_text
+from bam.parallel import (clip_grad_norm, init_distributed, load_fsdp_checkpoint, load_whole_optimizer, micro_step,
+                          prepare, prior_summary, rank_rng_state, save_fsdp_checkpoint, wrap)
+from bam.recovery import (Diverged, Stopped, StopRequest, check_step, follow_moved_run_dir, interrupted,
+                          load_resume_state, metrics_rows_until, rng_state, set_rng_state)
+from bam.retrieval import passkey_answer_targets
 from bam.sizing import check_training_fits
+from bam.tokenizer import GPT2, GPT2_IDENTITY, check_vocab, load_tokenizer, tokenizer_identity
+from model import Transformer
 
 # Dense bf16 tensor-core peaks per GPU in TFLOPs, matched against the CUDA device name in this order.
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]

@@ -42,10 +42,10 @@ from contextlib import contextmanager
 import torch
 
 from bam import outputs
-from model import ModelConfig, Transformer
 from bam.cli import Parser, UserError, WriteError, run_cli
 from bam.config import upgrade
 from bam.tokenizer import GPT2, GPT2_IDENTITY, TokenizerIdentity
+from model import ModelConfig, Transformer
 
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"

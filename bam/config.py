@@ -25,8 +25,8 @@ from typing import Literal
 
 from bam import ranges
 from bam.cli import os_reason
-from model import ModelConfig
 from bam.tokenizer import TokenizerError, load_tokenizer
+from model import ModelConfig
 
 
 class ConfigError(ValueError):

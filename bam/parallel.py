@@ -172,10 +172,9 @@ def load_fsdp_checkpoint(model, optimizer, path, state):
     """Load the shards of the sharded checkpoint folder `path` (whose state.json is `state`) into the sharded
     model and optimizer; torch.distributed.checkpoint reshards them when the number of ranks changed."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
-
-    from torch.distributed.checkpoint.api import CheckpointException
 
     weights = get_model_state_dict(model)
     moments = get_optimizer_state_dict(model, optimizer)  # a fresh optimizer's state is made first, to load into

@@ -28,12 +28,11 @@ import time
 
 import torch
 
-from bench.peak_memory import PeakMemory, fixed_mmap_threshold
-from model import (ATTENTION, ENCODINGS, PRIORS, AttnContext, ModelConfig, apply_rope, dense_mask,
-                   distance_table, layer_prior, make_block_mask, positions_in_documents, ssmax_log_n,
-                   table_bias)
 from bam.cli import Parser
 from bam.ranges import number
+from bench.peak_memory import PeakMemory, fixed_mmap_threshold
+from model import (ATTENTION, ENCODINGS, PRIORS, AttnContext, ModelConfig, apply_rope, dense_mask, distance_table,
+                   layer_prior, make_block_mask, positions_in_documents, ssmax_log_n, table_bias)
 
 H, HD = 16, 48  # the paper's 12-layer model: 768 wide, 16 heads
 # Every registered encoding that changes attention (NoPE as the baseline, those that rotate q and k, every

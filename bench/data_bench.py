@@ -25,9 +25,9 @@ import time
 import numpy as np
 
 import prepare_fineweb
-from bam.outputs import write_bytes
-from bam.data import ShardLoader, write_shard
 from bam.cli import Parser
+from bam.data import ShardLoader, write_shard
+from bam.outputs import write_bytes
 from bam.ranges import number
 from bam.tokenizer import load_tokenizer
 

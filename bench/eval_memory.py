@@ -23,15 +23,16 @@ import subprocess
 import sys
 import time
 
-from bench.peak_memory import PeakMemory, fixed_mmap_threshold, this_command
-from bam.cli import Parser
 import torch
+
+from bam.cli import Parser
+from bench.peak_memory import PeakMemory, fixed_mmap_threshold, this_command
 from eval.loading import autocast, pick_dtype
 from eval.memory import forward_bytes
-from eval.scoring import predict_spans
 from eval.passkey import PasskeyPrompts
-from model import ModelConfig, Transformer
+from eval.scoring import predict_spans
 from eval.sweep import parse_lengths
+from model import ModelConfig, Transformer
 
 SHAPES = {  # configs/tiny.toml's model and the paper's 12-layer model, both BAM + SSMax
     "tiny": dict(n_layer=4, n_embd=128, n_head=4, block_size=128),

@@ -57,19 +57,19 @@ import numpy as np
 import torch
 
 import model as model_module
+from bam import parallel
+from bam.checkpoint import load_checkpoint, step_path
+from bam.cli import Parser
+from bam.config import load_config
+from bam.data import EOT, document_ids
+from bam.outputs import write_text
+from bam.ranges import number
 from bench.attention import attention_call
 from bench.attention import measure as measure_attention
 from bench.peak_memory import PeakMemory
-from bam.outputs import write_text
-from bam.config import load_config
-from bam.data import EOT, document_ids
 from eval.scoring import Sample, predict_spans
 from model import PE_CHOICES, Transformer
 from train import PEAK_BF16_TFLOPS
-from bam.cli import Parser
-from bam.ranges import number
-from bam import parallel
-from bam.checkpoint import load_checkpoint, step_path
 
 # (section, budget in seconds on one H200). The budgets add up to 550 s; with ~20 s of start-up (imports,
 # CUDA context) and one case overrunning its section by its own expected time at most, the run stays

@@ -28,11 +28,11 @@ from contextlib import nullcontext
 
 import torch
 
+from bam.cli import Parser
 from bam.config import load_config
 from bam.data import EOT, document_ids
-from model import ENCODINGS, Transformer
-from bam.cli import Parser
 from bam.ranges import number
+from model import ENCODINGS, Transformer
 
 
 def synthetic_batch(batch_size, seq_len, vocab_size, device):

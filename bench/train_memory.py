@@ -19,11 +19,10 @@ import sys
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-
-from model import ModelConfig, Transformer
+from bam.cli import Parser
 from bam.parallel import checkpoint_blocks
 from bam.sizing import Sizes, activation_bytes, static_bytes
-from bam.cli import Parser
+from model import ModelConfig, Transformer
 
 SHAPES = {  # (model, batch): the first is dominated by its output layer, the second by its Blocks
     "4 x 128, GPT-2 vocab, 8 x 128 tokens": (dict(n_layer=4, n_embd=128, n_head=4, block_size=128), 8),

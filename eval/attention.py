@@ -43,19 +43,19 @@ import numpy as np
 import torch
 
 from bam.data import EOT
+from bam.ranges import number
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval
 from eval.memory import plan_batch, stop_when_out_of_memory
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
+from eval.passkey import PasskeyPrompts
 from eval.prompts import validation_tokens
 from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
                         sweep_lengths)
 from model import dense_mask, grid_features, layer_prior, positional_scores
-from bam.ranges import number
-from eval.passkey import PasskeyPrompts
 
 PROMPTS = ("text", "passkey")
 METRICS = {"entropy": "entropy (nats)", "mean_distance": "mean distance attended (tokens)",

@@ -32,6 +32,8 @@ import uuid
 
 import numpy as np
 
+from bam.ranges import number
+from bam.retrieval import GARBAGE
 from bam.tokenizer import GPT2, load_tokenizer
 from eval import EvalError
 from eval.contract import Evaluator
@@ -43,8 +45,6 @@ from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
                         sweep_lengths)
-from bam.ranges import number
-from bam.retrieval import GARBAGE
 
 # (value kind, needles, of which distractors, keys asked for)
 TASKS = {

@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass, field
 
 from bam.config import SHAPE_FREE_MODEL_KEYS, ConfigError, parse_model_override
-from eval import EvalError
 from bam.ranges import number
+from eval import EvalError
 
 
 @dataclass

@@ -26,6 +26,8 @@ import time
 import numpy as np
 
 from bam import ranges
+from bam.ranges import number
+from bam.retrieval import GARBAGE, INFO, MAX_DIGITS, QUESTION, TASK
 from bam.tokenizer import GPT2, load_tokenizer
 from eval import EvalError
 from eval.contract import Evaluator
@@ -38,8 +40,6 @@ from eval.scoring import Sample, score_length
 from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
                         sweep_lengths)
-from bam.ranges import number
-from bam.retrieval import GARBAGE, INFO, MAX_DIGITS, QUESTION, TASK
 
 DEPTH_MODES = ("equidistant", "beginning", "end", "random")
 

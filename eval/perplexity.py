@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bam.ranges import number
 from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval
@@ -36,7 +37,6 @@ from eval.prompts import SOURCES, validation_sequences
 from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, writable_folder
 from eval.sweep import check_lengths, format_length, parse_length, progress_bar
-from bam.ranges import number
 
 HEAD_CHUNK = 1024  # positions per LM-head call: B x 1024 x vocab fp32 logits at a time
 

@@ -37,11 +37,12 @@ from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval, output_dir
 from eval.options import EvalOptions, add_output_arguments
+from eval.prior_plots import group_colors, plot_curves, plot_gates, plot_shapes, plot_training
+from eval.prompts import validation_tokens
 from eval.reporting import DASH, by_variant, table
 from eval.results import SCHEMA_VERSION, lock_results, read_json, read_metrics, writable_folder, write_json
 from eval.sweep import parse_length
-from eval.prompts import validation_tokens
-from eval.prior_plots import group_colors, plot_curves, plot_gates, plot_shapes, plot_training
+
 
 def head_table(model):
     """One row per (layer, head) with every positional parameter that head has, as each prior module

@@ -26,9 +26,9 @@ import re
 import sys
 
 from bam.checkpoint import CONFIG
-from bam.outputs import write_bytes, write_text
 from bam.cli import Parser, run_cli
 from bam.config import ConfigError, load_config, to_dict
+from bam.outputs import write_bytes, write_text
 from eval import EvalError, evaluators, training, variants
 from eval.loading import output_dir
 from eval.options import overrides_label, overrides_suffix

@@ -4,6 +4,7 @@ cells and tables of markdown they become. eval.report finds the runs and calls e
 import math
 import os
 from dataclasses import dataclass, field
+
 from model import ENCODINGS
 
 DASH = "—"  # an evaluation a run does not have

@@ -13,8 +13,8 @@ import sys
 import numpy as np
 
 from bam import outputs
-from bam.outputs import check_writable, write_text
 from bam.cli import WriteError, describe_os_error, os_reason
+from bam.outputs import check_writable, write_text
 from eval import EvalError
 from eval.loading import output_dir
 from eval.options import overrides_label, results_name

@@ -7,9 +7,9 @@ import sys
 
 from tqdm import tqdm
 
+from bam.ranges import number
 from eval import EvalError
 from eval.memory import OutOfMemory, check_fits, forward_bytes
-from bam.ranges import number
 
 DEFAULT_FACTORS = "0.5x,1x,2x,4x,8x,16x,32x,64x"  # 256 ... 32,768 for a 512 context: the paper's table
 

@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from bam import checkpoint
-from bam import outputs
-from bam.checkpoint import best_path, checkpoint_dict, find_checkpoint, keep_last, save_atomic, step_checkpoints, step_path
+from bam import checkpoint, outputs
+from bam.checkpoint import (best_path, checkpoint_dict, find_checkpoint, keep_last, save_atomic, step_checkpoints,
+                            step_path)
 from bam.outputs import atomic_file, remove_temp_files, write_bytes, write_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import model as model_module
-from model import Transformer, ModelConfig, check_doc_ids
+from model import ModelConfig, Transformer, check_doc_ids
 
 VOCAB = 97
 

@@ -13,7 +13,6 @@ from bam import data, tokenizer
 from bam.data import EOT, ShardError, ShardLoader, read_shard, write_shard
 from bam.tokenizer import load_tokenizer
 
-
 # ---------------------------------------------------------------------------------------------
 # Shard format
 

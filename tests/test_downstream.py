@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
+from bam.checkpoint import save_model
 from bam.cli import run_cli
 from bam.data import EOT
+from bam.tokenizer import load_tokenizer
 from eval import downstream, report
 from eval.loading import autocast
 from eval.options import EvalOptions
 from model import ModelConfig, Transformer
-from bam.checkpoint import save_model
-from bam.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("river stone lamp orange quietly seven market winter glass thunder copper violin meadow "

@@ -15,7 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bam import data
+from bam.checkpoint import save_model
 from bam.cli import run_cli
+from bam.tokenizer import load_tokenizer
 from eval import EvalError, attention, downstream, memory, niah, passkey, perplexity, priors, report
 from eval.contract import Evaluator
 from eval.loading import autocast
@@ -25,8 +27,6 @@ from eval.reporting import binomial_interval
 from eval.results import SCHEMA_VERSION, Output, new_results
 from eval.sweep import parse_lengths, sweep
 from model import ModelConfig, Transformer, ggd_bias
-from bam.checkpoint import save_model
-from bam.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50257  # prompts are GPT-2 text

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from bam import data
+from bam.checkpoint import save_model
+from bam.tokenizer import load_tokenizer
 from eval import attention, report
 from eval.options import EvalOptions
 from model import ENCODINGS, ModelConfig, Transformer
-from bam.checkpoint import save_model
-from bam.tokenizer import load_tokenizer
 
 CONTEXT = 16  # the training context of the test models: distances from 16 on count as far
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import eval as eval_package
+from bam.checkpoint import save_model
 from bam.cli import run_cli
 from eval import EvalError, passkey, report
 from eval.loading import load_for_eval
 from eval.options import EvalOptions
 from model import ModelConfig, Transformer
-from bam.checkpoint import save_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -20,13 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bam import checkpoint
-from bam import outputs
-from bam import parallel
 import train
+from bam import checkpoint, outputs, parallel
+from bam.checkpoint import load_model
 from bam.config import TrainConfig, load_config
 from model import ModelConfig, Transformer
-from bam.checkpoint import load_model
 from test_train import ROOT, relative_difference, rows, small_config, synthetic  # noqa: F401 (synthetic: a fixture)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -369,9 +367,8 @@ def test_dry_run_prints_the_memory_plan(capsys):
 def test_the_activation_estimate_matches_measured_memory():
     """sizing.activation_bytes against torch's MemTracker on one step of a model whose Blocks dominate (the
     bench script checks two shapes, docs/benchmarks.md), with and without activation checkpointing."""
-    from bench.train_memory import measure
-
     from bam.sizing import activation_bytes
+    from bench.train_memory import measure
 
     cfg = ModelConfig(n_layer=4, n_embd=128, n_head=4, block_size=256, vocab_size=1024, pe="rope", attn_impl="sdpa")
     for ac in ("none", "full"):

@@ -20,14 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from bam import checkpoint
-from bam import outputs
-from bam import data, tokenizer
-from bam.cli import WriteError, describe_os_error, run_cli, user_errors
-from model import ModelConfig, Transformer
+from bam import checkpoint, data, outputs, tokenizer
 from bam.checkpoint import save_model
-from test_train import small_config
+from bam.cli import WriteError, describe_os_error, run_cli, user_errors
 from bam.tokenizer import load_tokenizer
+from model import ModelConfig, Transformer
+from test_train import small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -244,6 +242,7 @@ def test_a_shard_that_cannot_be_read_is_named(kind, tmp_path, monkeypatch):
 @pytest.fixture
 def prepare_main(tmp_path, monkeypatch):
     import datasets.config
+
     import prepare_fineweb
     cache = str(tmp_path / "hf_datasets_cache")  # `datasets` leaves lock files in its cache
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from model import ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, ggd_bias, apply_rope
 from bam.checkpoint import load_model, save_model
+from model import ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, apply_rope, ggd_bias
 
 VOCAB = 97
 
@@ -458,6 +458,7 @@ def test_flex_training_on_cpu_is_a_clear_error():
 @pytest.mark.parametrize("T", [5, 128, 200, 300, 1000])
 def test_causal_block_mask_equals_create_block_mask(T):
     from torch.nn.attention.flex_attention import create_block_mask
+
     from model import causal_block_mask
     direct = causal_block_mask(T, "cpu")
     reference = create_block_mask(lambda b, h, q, k: q >= k, None, None, T, T, device="cpu")

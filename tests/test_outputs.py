@@ -191,11 +191,11 @@ def test_a_second_prepare_on_the_same_folder_is_refused_and_leaves_the_first_one
 
 
 def test_an_evaluator_removes_what_a_killed_one_left_and_refuses_a_concurrent_one(tmp_path):
-    from eval.passkey import evaluate_passkey
-    from eval.options import EvalOptions
-    from eval import EvalError
-    from model import ModelConfig, Transformer
     from bam.checkpoint import save_model
+    from eval import EvalError
+    from eval.options import EvalOptions
+    from eval.passkey import evaluate_passkey
+    from model import ModelConfig, Transformer
 
     save_model(Transformer(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, pe="rope")), str(tmp_path / "m.pt"))
     out = tmp_path / "results"

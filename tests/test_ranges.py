@@ -4,23 +4,20 @@ every numeric config field must have a range (model.MODEL_RANGES, config.RANGES)
 command must be a ranges.number, and each is then fed inf, nan and a value just outside its range."""
 
 import argparse
-import sys
 import dataclasses
 import math
+import sys
 import typing
 
 import pytest
 
-from bam import checkpoint
-from bam import cli
-from bam import config
 import eval as eval_package
 import export_hf
 import model
 import prepare_fineweb
-from bam import ranges
 import sample
 import train
+from bam import checkpoint, cli, config, ranges
 from bam.config import ConfigError, load_config
 from eval import report
 

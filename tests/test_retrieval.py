@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from bam.data import EOT, ShardLoader, read_shard, shard_paths
-from prepare_fineweb import main as prepare_main
 from bam.retrieval import INFO, QUESTION, TASK, RetrievalDocuments, mix, passkey_answer_targets
 from bam.tokenizer import load_tokenizer
+from prepare_fineweb import main as prepare_main
 
 REAL = ["Python is a programming language that lets you work quickly.",
         "The standard library contains built-in modules written in C.",

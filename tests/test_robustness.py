@@ -14,10 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from bam import checkpoint
-from bam import data
-from bam import recovery
 import train
+from bam import checkpoint, data, recovery
 from test_train import ROOT, newest, rows, small_config, synthetic  # noqa: F401 (synthetic is a fixture)
 
 # Runs train.main after arranging for this process to receive real signals at given steps: SIGNALS maps

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from bam import data
 import prepare_fineweb
 import train
+from bam import data
 from bam.cli import UserError
 from bam.config import load_config
-from local_tokenizers import bpe_folder
 from bam.tokenizer import GPT2_IDENTITY, TokenizerError, load_tokenizer
+from local_tokenizers import bpe_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["The pass key is 48213. Remember it.", "Naïve café in Zürich; 東京 🙂 <|endoftext|> </s> <s> done.",
@@ -108,7 +108,7 @@ def test_gpt2s_own_tokenizer_json_gives_tiktokens_ids_and_shards(tmp_path):
     from export_hf import hf_tokenizer
 
     folder = str(tmp_path / "gpt2_hf")
-    hf_tokenizer(load_tokenizer("gpt2")).save_pretrained(folder)
+    hf_tokenizer(load_tokenizer("gpt2").enc).save_pretrained(folder)
     hf, tiktoken_gpt2 = load_tokenizer(folder), load_tokenizer("gpt2")
     assert (hf.n_vocab, hf.doc_open, hf.doc_close) == (50257, data.EOT, None)
     for text in TEXTS:
@@ -165,9 +165,9 @@ def test_prompts_are_exactly_the_tokens_of_their_text(kind, small, sentencepiece
     """Passkey and NIAH prompts, built from token pieces, are the run's tokenizer's encoding of the prompt's text
     (a SentencePiece-style tokenizer would otherwise put a word boundary before every piece), of exactly the
     length asked for; and the passkey training targets are found in documents that tokenizer encoded whole."""
+    from bam.retrieval import RetrievalDocuments, passkey_answer_targets
     from eval.niah import NeedlePrompts
     from eval.passkey import PasskeyPrompts
-    from bam.retrieval import RetrievalDocuments, passkey_answer_targets
 
     enc = load_tokenizer({"gpt2": "gpt2", "byte-level BPE": small, "sentencepiece-style BPE": sentencepiece}[kind])
     sample = PasskeyPrompts(enc=enc).build(300, 0.4, 48213)
@@ -291,8 +291,9 @@ def test_a_run_with_a_local_tokenizer_trains_resumes_evaluates_and_exports(small
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.startswith("The"), done.stderr[-2000:]
 
-    import export_hf
     from transformers import AutoTokenizer
+
+    import export_hf
     hf_dir = str(tmp_path / "hf")
     export_hf.export(run, hf_dir)
     exported = AutoTokenizer.from_pretrained(hf_dir)

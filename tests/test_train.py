@@ -14,14 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from bam import checkpoint
-from bam import data
-from bam import recovery
 import train
-from bam.config import load_config, to_dict
-from model import Transformer
+from bam import checkpoint, data, recovery
 from bam.checkpoint import load_model
+from bam.config import load_config, to_dict
 from bam.tokenizer import load_tokenizer
+from model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCUM = 2  # micro-batches per step in one process (tokens_per_step = 2 x batch 2 x 32)

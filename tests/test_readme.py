@@ -1,0 +1,130 @@
+"""Every command in README.md runs as written: each bash block's commands are read as a user would copy them,
+and each is held to what it calls. A Python command's script or module must exist and accept every option the
+command gives it (its own --help, run for real, lists them); a config file, script or requirements file it
+names must exist; `RUNS` names configs that exist; the test command is exactly what .ci/run runs. The
+commands that train or evaluate for minutes are run end to end by their own tests (tests/test_repro.py runs
+configs/repro/run.sh; the evaluators' tests run each evaluator), not again here."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+PLACEHOLDER = re.compile(r"^(RUN\d*|OUT|NAME)$")  # what a user replaces: a run directory of theirs
+
+
+def readme_commands(text):
+    """[(line number, argv)] of every command in the README's ```bash blocks: continuation lines joined,
+    comments dropped, `a && b` and `a; b` split."""
+    commands, block, start = [], None, 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip().startswith("```"):
+            block = [] if block is None and line.strip() == "```bash" else None
+            continue
+        if block is None:
+            continue
+        if not block:
+            start = number
+        block.append(line)
+        if line.rstrip().endswith("\\"):
+            continue
+        joined = " ".join(part.rstrip().removesuffix("\\") for part in block)
+        block = []
+        words = shlex.split(joined, comments=True)
+        current = []
+        for word in words + ["&&"]:
+            if word in ("&&", ";"):
+                if current:
+                    commands.append((start, current))
+                current = []
+            else:
+                current.append(word)
+    return commands
+
+
+COMMANDS = readme_commands(open(README, encoding="utf-8").read())
+
+
+def split_env(argv):
+    env = {}
+    while argv and re.fullmatch(r"[A-Z_]+=.*", argv[0]):
+        key, value = argv[0].split("=", 1)
+        env[key], argv = value, argv[1:]
+    return env, argv
+
+
+def python_target(argv):
+    """(interpreter arguments that name the program, its arguments) of a python or torchrun command."""
+    if argv[0] == "torchrun":
+        argv = [a for a in argv[1:] if not a.startswith("--")]  # torchrun's own options go before the script
+        return [argv[0]], argv[1:]
+    assert argv[0] == "python", argv
+    if argv[1] == "-m":
+        return argv[1:3], argv[3:]
+    return argv[1:2], argv[2:]
+
+
+def test_the_readme_has_commands_and_each_is_checked_here():
+    kinds = {split_env(argv)[1][0] for _, argv in COMMANDS}
+    assert {"python", "bash", "pip", "torchrun"} <= kinds, kinds
+    assert kinds <= {"python", "bash", "pip", "torchrun"}, f"a kind of command this test does not check: {kinds}"
+
+
+def test_the_test_command_is_what_ci_runs():
+    tests = [argv for _, argv in COMMANDS if argv[:3] == ["python", "-m", "pytest"]]
+    assert tests == [["python", "-m", "pytest"]]
+    ci = [line.strip() for line in open(os.path.join(ROOT, ".ci", "run")) if line.strip() and not line.startswith("#")]
+    assert ci[-1] == "python -m pytest"
+
+
+def test_every_file_a_command_names_exists():
+    missing = []
+    for number, argv in COMMANDS:
+        env, argv = split_env(argv)
+        for word in argv[1:]:
+            if word.startswith("-") or "/" not in word and not word.endswith((".txt", ".toml", ".sh", ".py")):
+                continue
+            if word.split("/")[0] in ("runs", "data", "hf", "out") or PLACEHOLDER.match(word):
+                continue  # what the commands write, or the user's own run
+            if not os.path.exists(os.path.join(ROOT, word)):
+                missing.append(f"README.md:{number}: {word}")
+        for name in env.get("RUNS", "").split():
+            if not os.path.isfile(os.path.join(ROOT, "configs", "repro", name.split("@")[0] + ".toml")):
+                missing.append(f"README.md:{number}: RUNS names {name}, no configs/repro/{name}.toml")
+    assert not missing, "\n".join(missing)
+
+
+PYTHON_COMMANDS = [(n, argv) for n, argv in COMMANDS if split_env(argv)[1][0] in ("python", "torchrun")
+                   and split_env(argv)[1][:3] != ["python", "-m", "pytest"]]
+
+
+@pytest.mark.parametrize("program", sorted({tuple(python_target(split_env(a)[1])[0]) for _, a in PYTHON_COMMANDS}),
+                         ids=" ".join)
+def test_every_option_a_python_command_gives_is_one_its_program_accepts(program):
+    help_text = subprocess.run([sys.executable, *program, "--help"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
+    assert help_text.returncode == 0, help_text.stderr[-2000:]
+    unknown = []
+    for number, argv in PYTHON_COMMANDS:
+        target, args = python_target(split_env(argv)[1])
+        if tuple(target) != program:
+            continue
+        for word in args:
+            option = word.split("=", 1)[0]
+            # train.py's --section.key=value overrides are the config's keys, which its --help does not list
+            # one by one: tests/test_config.py holds those to the schema
+            if option.startswith("--") and "." not in option and option not in help_text.stdout:
+                unknown.append(f"README.md:{number}: {' '.join(program)} has no option {option}")
+    assert not unknown, "\n".join(unknown)
+
+
+def test_the_reader_splits_and_joins_as_a_shell_does():
+    text = "```bash\nA=1 bash x.sh --n 2 \\\n   --m 3   # a comment\npip install -r a.txt && python -m b c\n```\n" \
+           "```python\nnot = 'a command'\n```\n"
+    assert readme_commands(text) == [(2, ["A=1", "bash", "x.sh", "--n", "2", "--m", "3"]),
+                                     (4, ["pip", "install", "-r", "a.txt"]), (4, ["python", "-m", "b", "c"])]
