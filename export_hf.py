@@ -33,7 +33,7 @@ from dataclasses import asdict
 
 from bam import outputs
 from bam.checkpoint import CheckpointError, checkpoint_tokenizer, load_checkpoint
-from bam.cli import Parser, UserError, run_cli
+from bam.cli import Parser, UserError, WriteError, run_cli
 from bam.tokenizer import GPT2Tokenizer, load_run_tokenizer
 from model import ModelConfig
 
@@ -172,6 +172,12 @@ def export(source, out_dir, overwrite=False):
             AutoTokenizer.from_pretrained(enc.folder, use_fast=True).save_pretrained(tmp)
         outputs.follow_umask(tmp)  # safetensors' file is 0600 otherwise
         outputs.swap_in(tmp, out_dir)  # in one step where the file system allows it (outputs.py)
+    except Exception as e:  # a full disk or a file-size limit, in safetensors', torch's or our own words
+        failure = outputs.write_failure(e, out_dir)
+        if failure is None or isinstance(e, ExportError):
+            raise
+        kept = "the previous export is intact" if os.path.isdir(out_dir) else "nothing was written"
+        raise WriteError(failure, out_dir, kept) from None
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)

@@ -175,11 +175,14 @@ class ModelConfig:
 # What every numeric ModelConfig field may be (bam/ranges.py's notation; always finite as well). A new numeric
 # field needs its line here: tests/test_ranges.py fails for one without. Bases below 2 would make RoPE's
 # and the sinusoids' frequencies grow with the pair index (or all equal 1) instead of spreading them out.
+# A range refuses nonsense (a width below 1, a negative count), never a value the method admits: "" is any
+# finite number. BAM's shape is one: b <= 0 is the paper's retrieval head and b = 0 NoPE (docs/paper.md §2),
+# and the paper puts no clamp on b.
 MODEL_RANGES = {
     "vocab_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_kv_head": ">= 0", "n_embd": ">= 1",
     "mlp_hidden": ">= 0", "block_size": ">= 1", "norm_eps": "> 0, < 1", "init_std": "> 0, <= 10",
     "rope_theta": ">= 2", "rope_factor": ">= 1", "rope_original_context": ">= 0", "yarn_beta_fast": "> 0",
-    "yarn_beta_slow": "> 0", "sinusoidal_base": ">= 2", "attn_window": ">= 0", "bam_init_shape": "> 0",
+    "yarn_beta_slow": "> 0", "sinusoidal_base": ">= 2", "attn_window": ">= 0", "bam_init_shape": "",
     "bam_init_log_scale": ">= -30, <= 30", "t5_num_buckets": ">= 2", "t5_max_distance": ">= 2",
     "fire_mlp_width": ">= 1", "fire_init_c": "> 0", "fire_init_threshold": "> 0",
 }
@@ -195,11 +198,11 @@ def check_ranges(obj, table, bad):
         integer = kind is int
         ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
         ok = ok and math.isfinite(value)
-        for part in spec.split(","):
+        for part in spec.split(",") if spec else ():  # "": any finite number
             op, _, limit = part.strip().partition(" ")
             ok = ok and _LIMIT[op](float(value), float(limit))
         if not ok:
-            bad(f"{name} = {value!r}: allowed: {'an integer' if integer else 'a finite number'} {spec}")
+            bad(f"{name} = {value!r}: allowed: {'an integer' if integer else 'a finite number'} {spec}".rstrip())
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -677,7 +677,7 @@ def main(argv=None):
                 if procs.master:
                     why = signal.Signals(run.stop.signum).name if run.stop.signum else "a signal to another rank"
                     print(f"stopped at step {stopped.args[0]} on {why}; "
-                          f"{step_path(run.cfg.log.out_dir, stopped.args[0])} holds it: continue with --resume",
+                          f"{step_path(run.cfg.log.out_dir, stopped.args[0], run.sharded)} holds it: continue with --resume",
                           file=sys.stderr)
                 raise SystemExit(run.stop.exit_code) from None
             except UserError as e:

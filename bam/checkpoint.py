@@ -32,6 +32,7 @@ the temp file of a killed writer never matches a checkpoint name and is removed 
 import dataclasses
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -53,8 +54,10 @@ CHECKPOINTS = "checkpoints"
 BEST = "best"
 LOCK = ".lock"
 REJECTED = ".rejected"
+DAMAGED = ".damaged"  # a step checkpoint that did not load, set aside by the resume that skipped it
 SHARDED_STATE = "state.json"  # in a sharded checkpoint folder: everything that is not a tensor
 DONE = "DONE"  # in a sharded checkpoint folder, written last
+UNFINISHED_NAME = re.compile(r"(step_\d{8}|best)(\.pt)?\.tmp-\d+")  # a write killed before its rename
 STEP_NAME = re.compile(r"step_(\d{8})(\.pt)?")  # a step checkpoint, file or folder (never a temp or rejected one)
 
 
@@ -90,9 +93,10 @@ def save_atomic(obj, path):
         try:
             torch.save(obj, f)
         except RuntimeError as e:
-            if isinstance(e.__context__, OSError):
-                raise e.__context__ from None
-            raise
+            failure = outputs.write_failure(e, path)
+            if failure is None:
+                raise
+            raise failure from None
 
 
 def checkpoint_dict(model, **state):
@@ -133,9 +137,24 @@ def checkpoint_tokenizer(ckpt):
 
 
 def step_checkpoints(run_dir):
-    """A run's step checkpoints, files and sharded folders, oldest first (temp and rejected ones never match)."""
+    """A run's step checkpoints, files and sharded folders, oldest first (temp, rejected and damaged ones never
+    match). A step that exists twice (a sharded folder and a .pt file, after a run switched train.parallel)
+    is ordered with its complete copy last, so that every reader of the newest takes that one."""
     paths = glob.glob(os.path.join(glob.escape(checkpoint_dir(run_dir)), "step_*"))
-    return sorted((p for p in paths if STEP_NAME.fullmatch(os.path.basename(p))), key=checkpoint_step)
+    return sorted((p for p in paths if STEP_NAME.fullmatch(os.path.basename(p))),
+                  key=lambda p: (checkpoint_step(p), looks_complete(p), p))
+
+
+def looks_complete(path):
+    """Whether a step checkpoint is whole by the cheap signs: a .pt file is a zip archive to its end; a sharded
+    folder has its DONE and files of the sizes DONE lists (check_sharded, without reading a tensor)."""
+    if not os.path.isdir(path):
+        return zipfile.is_zipfile(path)
+    try:
+        check_sharded(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def is_sharded(path):
@@ -148,6 +167,10 @@ def find_checkpoint(path):
     """A checkpoint (file or sharded folder) as given, or a run directory's newest step checkpoint (its best
     checkpoint when it has no step checkpoint). FileNotFoundError names what was looked for."""
     path = os.fspath(path)
+    if UNFINISHED_NAME.fullmatch(os.path.basename(os.path.normpath(path))):
+        raise FileNotFoundError(f"{path} is an unfinished save (the temp {'folder' if os.path.isdir(path) else 'file'} "
+                                f"of a checkpoint write that was killed, never read); give the run directory or a "
+                                f"finished checkpoint beside it")
     if os.path.isdir(path) and not is_sharded(path):
         steps = step_checkpoints(path)
         if steps:
@@ -238,8 +261,10 @@ def save_sharded(tensors, state, path):
     try:
         dcp.save(tensors, checkpoint_id=tmp)  # each rank's files fsynced; rank 0 writes .metadata last
     except CheckpointException as e:
-        errors = [error for error, _ in e.failures.values()]
-        oserror = next((error for error in errors if isinstance(error, OSError)), None)
+        # every rank raises it, with every rank's failure: a failed write (a full disk, a file-size limit, in
+        # whatever form torch.save raised it on the rank that met it) becomes the same OSError on each
+        failures = (outputs.write_failure(error, path) for error, _ in e.failures.values())
+        oserror = next((failure for failure in failures if failure is not None), None)
         if oserror is not None:
             raise OSError(oserror.errno, oserror.strerror, path) from None
         raise
@@ -309,6 +334,23 @@ def check_sharded(path):
     return state
 
 
+def _from_dcp(record):
+    return "torch/distributed/checkpoint" not in record.pathname.replace(os.sep, "/")
+
+
+@contextmanager
+def dcp_quiet():
+    """torch.distributed.checkpoint's loader logs each failed read of a damaged folder's metadata, traceback and
+    all, on the root logger (before it raises), once per attempt and rank: four tracebacks before the one line
+    that says which checkpoint to move away. For the block, the root logger drops what that package logs."""
+    root = logging.getLogger()
+    root.addFilter(_from_dcp)
+    try:
+        yield
+    finally:
+        root.removeFilter(_from_dcp)
+
+
 def load_sharded_whole(path, optimizer=False):
     """A sharded checkpoint folder as the dict a .pt checkpoint holds: whole tensors, read in this process
     without torch.distributed (torch.distributed.checkpoint joins the shards). The optimizer's state, saved
@@ -320,7 +362,7 @@ def load_sharded_whole(path, optimizer=False):
     ckpt = check_sharded(path)
     groups = ckpt.pop("optimizer_param_groups", None)
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        with warnings.catch_warnings(), dcp_quiet():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore")
             tensors = _load_state_dict_from_keys({"model", "optimizer"} if optimizer else {"model"}, checkpoint_id=path)
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
@@ -362,15 +404,26 @@ def reject_after(run_dir, step):
     return rejected
 
 
-def load_newest(paths, warn=print, join_shards=True):
+def load_newest(paths, warn=print, join_shards=True, set_aside=False):
     """(path, checkpoint) of the newest of `paths` (oldest first) that loads (with its optimizer state; a
     sharded one as join_shards says); each one that does not is named through `warn` with the reason.
-    (None, None) when none does."""
+    (None, None) when none does. With `set_aside` (one process of a run: its rank 0), the ones skipped are
+    renamed NAME.damaged once an older one loads, so that no reader meets them again (the run goes on to
+    write a new checkpoint of their step) and the user finds them for a look."""
+    skipped = []
     for path in reversed(paths):
         try:
-            return load_checkpoint(path, mmap=False, optimizer=True, join_shards=join_shards)
+            found = load_checkpoint(path, mmap=False, optimizer=True, join_shards=join_shards)
         except CheckpointError as e:
             warn(f"warning: cannot load {path} ({e.reason}); trying the one before it")
+            skipped.append(path)
+            continue
+        for damaged in skipped if set_aside else ():
+            try:
+                warn(f"warning: {damaged} set aside as {os.path.basename(outputs.set_aside(damaged, DAMAGED))}")
+            except FileNotFoundError:
+                pass  # another process set it aside already
+        return found
     return None, None
 
 

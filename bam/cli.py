@@ -35,6 +35,7 @@ class UserError(Exception):
 OS_REASONS = {
     errno.ENOSPC: "the disk is full (no space left on device)",
     errno.EDQUOT: "the disk quota is full",
+    errno.EFBIG: "the file is too large (a file-size limit such as ulimit -f, or the file system's largest file)",
     errno.EROFS: "the file system is read-only",
     errno.EACCES: "permission denied",
     errno.EPERM: "permission denied",

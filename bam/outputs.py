@@ -40,6 +40,8 @@ import errno
 import fcntl
 import glob
 import os
+import re
+import resource
 import secrets
 import shutil
 import socket
@@ -172,7 +174,7 @@ def follow_umask(folder):
 
 
 def _fault(point):
-    """Where a test injects a kill between two steps of a swap (tests/test_folders.py); nothing otherwise."""
+    """Where a test injects a kill between two steps of a swap (tests/test_outputs.py); nothing otherwise."""
 
 
 def swap_in(tmp, path, exchange=True):
@@ -415,3 +417,39 @@ def set_aside(path, suffix):
     os.replace(path, path + suffix)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
     return path + suffix
+
+
+def write_failure(error, path):
+    """The OSError behind `error` when it is a failed write, else None. Libraries that write for us hide the
+    OSError: torch.save's zip writer raises a RuntimeError ("unexpected pos ...") with the OSError as its
+    context, or none at all once it crossed processes (torch.distributed.checkpoint gathers every rank's
+    failure by pickling it), and safetensors raises its own error that names the errno ("os error 27") in its
+    text. Without an errno left to read, the file system at `path` is asked: a file-size limit (ulimit -f)
+    or a full disk says which; otherwise it is an input/output error."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError):
+            return error
+        text = str(error)
+        found = re.search(r"os error (\d+)", text)
+        if found:
+            return OSError(int(found[1]), os.strerror(int(found[1])), os.fspath(path))
+        if "unexpected pos" in text or "inline_container" in text:
+            return OSError(_likely_errno(path), os.strerror(_likely_errno(path)), os.fspath(path))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _likely_errno(path):
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return errno.EFBIG
+    try:
+        folder = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        if shutil.disk_usage(folder).free < 1 << 20:
+            return errno.ENOSPC
+    except OSError:
+        pass
+    return errno.EIO

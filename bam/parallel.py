@@ -34,7 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bam.checkpoint import CheckpointError, save_sharded
+from bam.checkpoint import CheckpointError, dcp_quiet, save_sharded
 
 
 def init_distributed(procs, parallel):
@@ -179,7 +179,8 @@ def load_fsdp_checkpoint(model, optimizer, path, state):
     weights = get_model_state_dict(model)
     moments = get_optimizer_state_dict(model, optimizer)  # a fresh optimizer's state is made first, to load into
     try:
-        dcp.load({"model": weights, "optimizer": {"state": moments["state"]}}, checkpoint_id=path)
+        with dcp_quiet():  # its logged tracebacks: the CheckpointError below is the one line
+            dcp.load({"model": weights, "optimizer": {"state": moments["state"]}}, checkpoint_id=path)
     except CheckpointException as e:  # raised on every rank alike (DCP gathers the failures)
         reason = next(iter(e.failures.values()))[0]
         raise CheckpointError(f"cannot load the checkpoint {path}: {reason}", str(reason)) from None

@@ -158,7 +158,7 @@ def load_resume_state(cfg, resume, master):
     if not existing:
         return None, None
     path, ckpt = load_newest(existing, warn=print if master else lambda message: None,
-                             join_shards=cfg.train.parallel != "fsdp")
+                             join_shards=cfg.train.parallel != "fsdp", set_aside=master)
     if ckpt is None:
         raise UserError(f"no checkpoint in {checkpoint_dir(run_dir)} can be loaded (all {len(existing)} are damaged); "
                         "move them away to start over")

@@ -2,6 +2,7 @@
 loads with transformers alone (no repository on sys.path), and its tokenizer gives the project's ids."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from bam.tokenizer import gpt2_encoding, load_tokenizer
 from model import PE_CHOICES, ModelConfig, Transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16)
 CONFIG_FIELDS = {f.name for f in fields(ModelConfig)}
 CASES = {f"{pe}{'_ssmax' if ssmax else ''}": dict(pe=pe, ssmax=ssmax) for pe in PE_CHOICES for ssmax in (False, True)}
@@ -256,3 +258,39 @@ def test_an_export_follows_the_umask(tmp_path):
     assert os.stat(out).st_mode & 0o777 == 0o775
     assert {name: os.stat(out / name).st_mode & 0o777 for name in os.listdir(out)} == \
         dict.fromkeys(os.listdir(out), 0o664)
+
+
+@pytest.mark.parametrize("limit", ["file size", "full disk"])
+def test_a_write_that_fails_mid_export_is_one_line_and_the_earlier_export_stays(tmp_path, limit):
+    """safetensors raises its own error for a failed write ("I/O error: File too large (os error 27)"): the
+    export says it in the one line the .pt checkpoints give, and the earlier export is whole."""
+    first, out = export_case(tmp_path, "earlier", pe="rope")
+    before = {p: open(os.path.join(out, p), "rb").read() for p in sorted(os.listdir(out))}
+    save_model(tiny_model(seed=5, pe="alibi", vocab_size=50257), str(tmp_path / "big.pt"))  # 13 MB of embeddings, as the earlier one
+    if limit == "file size":  # ulimit -f 2048 (in 512-byte blocks: 1 MiB)
+        def set_limit():
+            import resource
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        target, preexec = out, set_limit
+    else:  # a small file system of its own: the export is written beside its target, so onto it
+        mount = tmp_path / "small_fs"
+        mount.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("no tmpfs mount here (needs root)")
+        target, preexec = mount / "earlier", None
+    try:
+        if limit == "full disk":
+            shutil.copytree(out, target)
+        done = subprocess.run([sys.executable, "export_hf.py", str(tmp_path / "big.pt"), str(target), "--overwrite"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=preexec)
+        reason = "the file is too large" if limit == "file size" else "the disk is full"
+        errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]  # transformers' bar aside
+        assert done.returncode == 1 and errors == [done.stderr.strip().splitlines()[-1]], done.stderr[-3000:]
+        assert errors[0].startswith(f"error: cannot write {target}: {reason}") \
+            and errors[0].endswith("; the previous export is intact"), done.stderr
+        assert {p: open(os.path.join(target, p), "rb").read() for p in sorted(os.listdir(target))} == before
+        assert not [p for p in os.listdir(os.path.dirname(target)) if p.startswith(".earlier.")]
+    finally:
+        if limit == "full disk":
+            subprocess.run(["umount", str(mount)], capture_output=True)

@@ -7,9 +7,11 @@ and the dry run's memory plan against measured memory.
 Launches of torchrun cost ~10 s each on two cores, so the two reference runs (FSDP and DDP on two ranks) are
 made once per module, and what can run on a world of one rank runs inside this process."""
 
+import errno
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import train
-from bam import checkpoint, outputs, parallel
+from bam import checkpoint, cli, outputs, parallel
 from bam.checkpoint import load_model
 from bam.config import TrainConfig, load_config
 from model import ModelConfig, Transformer
@@ -172,6 +174,8 @@ def test_preemption_a_kill_9_mid_checkpoint_and_a_resume_on_two_nodes_equal_the_
     proc = launch(signals={2: [int(signal.SIGTERM)]}, rank=1)
     assert proc.returncode != 0 and proc.stderr.count("stopped at step 3 on a signal to another rank") == 1, \
         proc.stderr[-3000:]
+    # the checkpoint it names is the folder every rank wrote, not a .pt file
+    assert f"{checkpoint.step_path(run, 3, sharded=True)} holds it" in proc.stderr
     assert [checkpoint.checkpoint_step(p) for p in checkpoint.step_checkpoints(run)] == [2, 3]
 
     # Resumed, then killed (SIGKILL to torchrun and both workers) while step 4's folder is being written.
@@ -179,6 +183,9 @@ def test_preemption_a_kill_9_mid_checkpoint_and_a_resume_on_two_nodes_equal_the_
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     [torn] = glob.glob(os.path.join(run, "checkpoints", "step_00000004.tmp-*"))
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(torn)) and "DONE" not in os.listdir(torn)
+    with pytest.raises(cli.UserError, match=r"is an unfinished save \(the temp folder of a checkpoint write that was "
+                                            r"killed, never read\)"):
+        checkpoint.main([torn, str(tmp_path / "torn.pt")])  # not a run directory with no checkpoint
     assert [checkpoint.checkpoint_step(p) for p in checkpoint.step_checkpoints(run)] == [2, 3]  # not a checkpoint
     assert load_model(run).config.n_layer == 2  # a reader meanwhile takes step 3, whole
 
@@ -220,6 +227,88 @@ def test_resume_on_another_number_of_ranks_and_between_ddp_and_fsdp(fsdp2, ddp2,
         assert ("train.parallel: 'fsdp' -> 'ddp'" in out) == (name == "fsdp_as_ddp")
         assert max_relative_difference(weights(run), weights(source)) < 1e-6, name
         assert [r["step"] for r in rows(run)] == [r["step"] for r in rows(source)]
+
+
+def copy_until_step(source, run, step):
+    """A copy of the run `source` whose newest checkpoint is `step`'s."""
+    shutil.copytree(source, run)
+    for path in checkpoint.step_checkpoints(run):
+        if checkpoint.checkpoint_step(path) > step:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return run
+
+
+def test_a_damaged_newest_folder_is_set_aside_and_every_reader_takes_the_complete_copy(fsdp2, config, tmp_path,
+                                                                                       capsys):
+    """An FSDP run whose newest step folder lost its .metadata, resumed as DDP: the resume falls back to the step
+    before, sets the damaged folder aside (it would otherwise sit beside the new step_X.pt of the same step, and
+    a reader could take it), and every reader then takes the complete copy."""
+    run = shutil.copytree(fsdp2, str(tmp_path / "run"))
+    damaged = checkpoint.step_checkpoints(run)[-1]
+    os.remove(os.path.join(damaged, ".metadata"))
+    capsys.readouterr()
+    train.main([config, f"--log.out_dir={run}", "--resume", *STEP])
+    out = capsys.readouterr().out
+    assert f"warning: cannot load {damaged} (incomplete: .metadata is missing); trying the one before it" in out
+    assert f"warning: {damaged} set aside as {os.path.basename(damaged)}.damaged" in out
+    assert os.path.isdir(damaged + ".damaged") and not os.path.exists(damaged)
+    newest = checkpoint.step_path(run, checkpoint.checkpoint_step(damaged))
+    assert checkpoint.find_checkpoint(run) == newest and os.path.isfile(newest)
+    checkpoint.main([run, str(tmp_path / "out.pt")])  # python -m bam.checkpoint RUN OUT.pt
+    assert f"{newest} -> " in capsys.readouterr().out
+
+
+def test_a_checkpoint_whose_metadata_is_zeros_is_one_line_without_torchs_tracebacks(fsdp2, config, tmp_path,
+                                                                                    capfd, caplog):
+    """Same size, so DONE still matches: the load fails inside torch.distributed.checkpoint, whose own logging
+    must not print its tracebacks before the project's one line."""
+    run = shutil.copytree(fsdp2, str(tmp_path / "run"))
+    newest = checkpoint.step_checkpoints(run)[-1]
+    metadata = os.path.join(newest, ".metadata")
+    size = os.path.getsize(metadata)
+    with open(metadata, "wb") as f:
+        f.write(bytes(size))
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        cli.run_cli(train.main, [config, f"--log.out_dir={run}", "--resume", *STEP, *FSDP])
+    err = capfd.readouterr().err
+    assert stop.value.code == 1
+    # DCP logs on the root logger, which pytest captures; outside pytest each record is a traceback on stderr
+    assert not [r for r in caplog.records if "distributed/checkpoint" in r.pathname.replace(os.sep, "/")]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        line for line in err.splitlines() if line.startswith("error: cannot load the checkpoint")], err[-3000:]
+
+
+def limit_file_size(limit):
+    def set_limit():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    return set_limit
+
+
+def test_a_full_disk_in_an_fsdp_checkpoint_is_one_line_from_rank_0_and_the_step_before_is_intact(fsdp2, config,
+                                                                                                 tmp_path):
+    """A resume under a file-size limit smaller than one rank's shard: torch.save inside DCP's writer fails
+    (its RuntimeError "unexpected pos" on the rank that met it); every rank stops with the one line, which
+    rank 0 alone prints, and the checkpoint before is untouched and resumes."""
+    run = copy_until_step(fsdp2, str(tmp_path / "run"), 5)
+    before = {name: os.path.getsize(os.path.join(run, "checkpoints", "step_00000005", name))
+              for name in os.listdir(os.path.join(run, "checkpoints", "step_00000005"))}
+    proc = torchrun([config, f"--log.out_dir={run}", "--resume", *STEP, *FSDP], check=False,
+                    preexec_fn=limit_file_size(1 << 20))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    # step 6 validates first, so the first sharded folder it writes is best/, then step_00000006/
+    folder = f"({checkpoint.best_path(run, sharded=True)}|{checkpoint.step_path(run, 6, sharded=True)})"
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-4000:]
+    assert re.fullmatch(re.escape("error: cannot write ") + folder + re.escape(
+        f": {cli.OS_REASONS[errno.EFBIG]}; the previous checkpoint {checkpoint.step_path(run, 5, sharded=True)} is "
+        "intact; make room and rerun with --resume"), errors[0]), errors
+    assert "unexpected pos" not in proc.stderr and "RuntimeError" not in proc.stderr, proc.stderr[-4000:]
+    assert {name: os.path.getsize(os.path.join(run, "checkpoints", "step_00000005", name))
+            for name in os.listdir(os.path.join(run, "checkpoints", "step_00000005"))} == before
+    torchrun([config, f"--log.out_dir={run}", "--resume", *STEP, *FSDP])  # without the limit: the step is made
+    assert comparable(run) == comparable(fsdp2)
 
 
 def test_a_sharded_run_is_evaluated_exported_converted_and_fine_tuned_like_a_ddp_run(fsdp2, config, tmp_path,

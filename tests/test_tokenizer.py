@@ -20,7 +20,7 @@ import train
 from bam import data
 from bam.cli import UserError
 from bam.config import load_config
-from bam.tokenizer import GPT2_IDENTITY, TokenizerError, load_tokenizer
+from bam.tokenizer import GPT2_IDENTITY, TokenizerError, load_run_tokenizer, load_tokenizer
 from local_tokenizers import bpe_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -333,9 +333,6 @@ def test_shards_of_another_tokenizer_are_refused(small, large, tmp_path):
 
 def test_checkpoints_of_another_tokenizer_are_refused(small, large):
     """Resuming, train.init_from and the evaluators compare the checkpoint's recorded tokenizer with the run's."""
-    from eval import EvalError
-    from eval.loading import run_tokenizer
-
     cfg = load_config(overrides=[f"--data.tokenizer={small}"])
     mine = {"config": {"data": {"tokenizer": small}}, "tokenizer": load_tokenizer(small).identity.to_dict()}
     train.check_checkpoint_tokenizer(mine, cfg, "ckpt")
@@ -343,11 +340,38 @@ def test_checkpoints_of_another_tokenizer_are_refused(small, large):
                   {"config": {"data": {}}}):  # a checkpoint from before data.tokenizer: GPT-2's
         with pytest.raises(UserError, match="was trained with the tokenizer"):
             train.check_checkpoint_tokenizer(other, cfg, "ckpt")
-    info = {"tokenizer": small, "tokenizer_sha256": "f" * 64, "name": "run"}
-    with pytest.raises(EvalError, match="its files changed"):
-        run_tokenizer(info)
-    info["tokenizer_sha256"] = load_tokenizer(small).identity.sha256
-    assert run_tokenizer(info) is load_tokenizer(small)
-    too_small = load_config(overrides=["--model.vocab_size=100"]).model
-    with pytest.raises(EvalError, match="cannot hold every id"):
-        run_tokenizer(info, too_small)
+    with pytest.raises(TokenizerError, match="its files changed"):
+        load_run_tokenizer(small, "f" * 64)
+    sha = load_tokenizer(small).identity.sha256
+    assert load_run_tokenizer(small, sha) is load_tokenizer(small)
+    with pytest.raises(TokenizerError, match="cannot hold every id"):
+        load_run_tokenizer(small, sha, vocab_size=100)
+    assert issubclass(TokenizerError, UserError)  # every command's one line, with no wrapper of its own
+
+
+def test_an_export_refuses_a_tokenizer_whose_files_changed_since_training(small, tmp_path):
+    """Two tokens swap ids in the run's tokenizer.json after training (same vocabulary size): the evaluators
+    refuse it, and so does export_hf.py (it shipped the changed tokenizer before), in one line, writing nothing."""
+    import export_hf
+
+    folder = shutil.copytree(small, str(tmp_path / "tok"))
+    source, _ = corpus(tmp_path / "docs.jsonl", n=30)
+    shards = prepare(tmp_path / "shards", source, folder, shard_size=4096)
+    run = str(tmp_path / "run")
+    train.main([tiny_config(tmp_path, shards, folder), f"--log.out_dir={run}", "--train.max_steps=2",
+                "--train.val_every=0"])
+    path = os.path.join(folder, "tokenizer.json")
+    spec = json.load(open(path))
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    load_tokenizer.cache_clear()
+    done = subprocess.run([sys.executable, "export_hf.py", run, str(tmp_path / "hf")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "was trained with the tokenizer" in done.stderr and "its files changed" in done.stderr
+    assert not os.path.exists(tmp_path / "hf")
+    with pytest.raises(UserError, match="its files changed"):
+        export_hf.read_checkpoint(run)
