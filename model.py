@@ -557,11 +557,16 @@ def t5_bucket(dist, num_buckets, max_distance):
     """T5's causal relative-position bucket (Raffel et al. 2020; the unidirectional case of transformers'
     T5Attention._relative_position_bucket): each distance below num_buckets / 2 has its own bucket, longer
     ones share buckets log-spaced up to max_distance, every distance past it falls in the last one.
-    Negative distances (masked anyway) fall in bucket 0. `max_distance` is a 0-dim tensor."""
+    Negative distances (masked anyway) fall in bucket 0. `max_distance` is a 0-dim tensor.
+
+    As transformers, the log-spaced part is truncated to an integer before the exact buckets' offset is added:
+    adding first and flooring the sum in fp32 can round up to the next bucket (num_buckets 42, max_distance
+    8192, distance 4641: 21 + 18.999998 is 40.0 in fp32, bucket 39 in transformers). The part is >= 0 (n is
+    clamped to >= exact), so floor is the truncation."""
     exact = num_buckets // 2
     n = dist.clamp(min=0)
-    log_spaced = exact + torch.log(n.clamp(min=exact) / exact) / torch.log(max_distance / exact) * (num_buckets - exact)
-    return torch.where(n < exact, n, log_spaced.clamp(max=num_buckets - 1)).floor().long()
+    log_part = torch.log(n.clamp(min=exact) / exact) / torch.log(max_distance / exact) * (num_buckets - exact)
+    return torch.where(n < exact, n, (exact + log_part.floor()).clamp(max=num_buckets - 1)).long()
 
 
 def t5_bias(dist, head, table, max_distance):
