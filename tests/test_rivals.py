@@ -152,6 +152,45 @@ def test_fox_gates_of_a_document_do_not_depend_on_the_documents_before_it():
     torch.testing.assert_close(packed[..., -40:], alone, rtol=1e-6, atol=1e-5)
 
 
+
+def test_fox_gate_init_bias_starts_the_gates_open_and_its_default_is_the_reference_init():
+    """fox_gate_init_bias b sets every gate's bias to b, so the gates start near sigmoid(b) (5: ~0.993); it
+    takes no random numbers, so every other weight is the same for a seed, and the default 0 is the reference
+    code's (biases exactly 0, gates near 1/2): a default model's weights are what they were before the field."""
+    torch.manual_seed(0)
+    default = Transformer(tiny("fox", ssmax=True))
+    torch.manual_seed(0)
+    opened = Transformer(tiny("fox", ssmax=True, fox_gate_init_bias=5.0))
+    assert ModelConfig().fox_gate_init_bias == 0.0
+    a, b = default.state_dict(), opened.state_dict()
+    biases = {k for k in a if k.endswith("gate.bias") and k.startswith("priors.")}
+    assert len(biases) == 2 and a.keys() == b.keys()
+    for k in a:
+        if k not in biases:
+            assert torch.equal(a[k], b[k]), k
+    for k in biases:
+        assert torch.equal(a[k], torch.zeros(4)) and torch.equal(b[k], torch.full((4,), 5.0))
+    x = torch.nn.functional.rms_norm(torch.randn(2, 50, 32), (32,))  # a layer's normalised input
+    open_gates, half_gates = opened.priors[0].log_gates(x).exp(), default.priors[0].log_gates(x).exp()
+    assert abs(open_gates.median().item() - 0.9933) < 2e-3 and open_gates.min() > 0.98
+    assert abs(half_gates.median().item() - 0.5) < 0.05
+    with pytest.raises(ValueError, match="fox_gate_init_bias"):
+        ModelConfig(pe="fox", fox_gate_init_bias=float("inf"))
+
+
+def test_fox_gate_init_bias_round_trips_through_a_checkpoint(tmp_path):
+    from bam.checkpoint import load_model, save_model
+
+    torch.manual_seed(0)
+    model = Transformer(tiny("fox", ssmax=True, fox_gate_init_bias=5.0))
+    save_model(model, str(tmp_path / "m.pt"))
+    back = load_model(str(tmp_path / "m.pt"))
+    assert back.config == model.config and back.config.fox_gate_init_bias == 5.0
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in model.state_dict().items())
+    idx, doc_ids = batch(B=2, T=16)
+    torch.testing.assert_close(back(idx, doc_ids=doc_ids)[0], model(idx, doc_ids=doc_ids)[0], rtol=0, atol=0)
+
+
 def cached_logits(model, seq, prompt_len, window_steps=None):
     """The logits of every position from prompt_len on, computed one token at a time with a KV cache."""
     cache = KVCache(model.config, seq.shape[0], seq.shape[1], "cpu", torch.float32)
