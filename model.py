@@ -95,6 +95,9 @@ class ModelConfig:
     fire_mlp_width: int = 32
     fire_init_c: float = 0.1
     fire_init_threshold: float = 512.0
+    # FoX (Lin et al. 2025): the forget gates' initial bias b, so f = sigmoid(b + w . x) starts near sigmoid(b);
+    # 0 (f ~ 1/2, a strong recency bias) is the reference code's, a large b starts the gates open (f ~ 1)
+    fox_gate_init_bias: float = 0.0
 
     def __post_init__(self):
         def bad(msg):
@@ -185,6 +188,7 @@ MODEL_RANGES = {
     "yarn_beta_slow": "> 0", "sinusoidal_base": ">= 2", "attn_window": ">= 0", "bam_init_shape": "",
     "bam_init_log_scale": ">= -30, <= 30", "t5_num_buckets": ">= 2", "t5_max_distance": ">= 2",
     "fire_mlp_width": ">= 1", "fire_init_c": "> 0", "fire_init_threshold": "> 0",
+    "fox_gate_init_bias": ">= -30, <= 30",  # past +-30 a gate is shut (log f < -30 a token) or open to 1e-13
 }
 _LIMIT = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
 
@@ -560,11 +564,16 @@ def t5_bucket(dist, num_buckets, max_distance):
     """T5's causal relative-position bucket (Raffel et al. 2020; the unidirectional case of transformers'
     T5Attention._relative_position_bucket): each distance below num_buckets / 2 has its own bucket, longer
     ones share buckets log-spaced up to max_distance, every distance past it falls in the last one.
-    Negative distances (masked anyway) fall in bucket 0. `max_distance` is a 0-dim tensor."""
+    Negative distances (masked anyway) fall in bucket 0. `max_distance` is a 0-dim tensor.
+
+    As transformers, the log-spaced part is truncated to an integer before the exact buckets' offset is added:
+    adding first and flooring the sum in fp32 can round up to the next bucket (num_buckets 42, max_distance
+    8192, distance 4641: 21 + 18.999998 is 40.0 in fp32, bucket 39 in transformers). The part is >= 0 (n is
+    clamped to >= exact), so floor is the truncation."""
     exact = num_buckets // 2
     n = dist.clamp(min=0)
-    log_spaced = exact + torch.log(n.clamp(min=exact) / exact) / torch.log(max_distance / exact) * (num_buckets - exact)
-    return torch.where(n < exact, n, log_spaced.clamp(max=num_buckets - 1)).floor().long()
+    log_part = torch.log(n.clamp(min=exact) / exact) / torch.log(max_distance / exact) * (num_buckets - exact)
+    return torch.where(n < exact, n, (exact + log_part.floor()).clamp(max=num_buckets - 1)).long()
 
 
 def t5_bias(dist, head, table, max_distance):
@@ -685,8 +694,9 @@ def fox_bias(dist, head, query, key):
 class FoXPrior(AdditivePrior):
     """The Forgetting Transformer's forget gate f_t,h = sigmoid(w_h . x_t + b_h), one projection per layer
     from the layer's (normalised) input, as the reference code: weights N(0, init_std), biases 0, so every
-    gate starts near 1/2 (a strong recency bias that training opens up). FoX is used without RoPE in its
-    paper, and so here (pe = "fox" is the gate alone)."""
+    gate starts near 1/2 (a strong recency bias that training opens up). `fox_gate_init_bias` b starts the
+    biases at b instead, and the gates near sigmoid(b) (b = 5: ~0.993, nearly open). FoX is used without RoPE
+    in its paper, and so here (pe = "fox" is the gate alone)."""
 
     bias_fn = staticmethod(fox_bias)
     METRICS_PREFIX = "fox"
@@ -696,7 +706,7 @@ class FoXPrior(AdditivePrior):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # weight re-initialised by Transformer
-        nn.init.zeros_(self.gate.bias)
+        nn.init.constant_(self.gate.bias, cfg.fox_gate_init_bias)  # 0 by default, as the reference code
 
     def tensors(self):
         return ()

@@ -8,8 +8,9 @@ Evaluator overrides (`--window`, `--rope_scaling yarn --rope_factor auto`, ...) 
 A variant is named by what tells its config apart from the others in the same report: the encoding's label
 (eval's `overrides_label`: "bam + ssmax", "rope + YaRN auto"), then the settings in which it differs from
 the variants that share that label, skipping a setting at its default value: "bam + ssmax" (the paper's
-ALiBi init), "bam + ssmax, init uniform", "bam + ssmax, prior lr x10"; a run trained on from another's
-weights (train.init_from) is "fine-tuned": "rope + YaRN x4, fine-tuned". Folder names never enter a name.
+ALiBi init), "bam + ssmax, init uniform", "bam + ssmax, prior lr x10", "fox + ssmax, gate init bias 5"; a
+run trained on from another's weights (train.init_from) is "fine-tuned": "rope + YaRN x4, fine-tuned".
+Folder names never enter a name.
 """
 
 import json
@@ -59,6 +60,8 @@ def describe_setting(key, value, settings):
     name = key.split(".", 1)[1]
     if key == "model.bam_init":
         return f"init {value}"
+    if key == "model.fox_gate_init_bias":  # after the label "fox + ssmax", not "fox gate init bias"
+        return f"gate init bias {_number(value)}"
     if key == "train.prior_lr" and value and settings.get("train.lr"):
         return f"prior lr x{_number(round(value / settings['train.lr'], 3))}"
     return f"{name.replace('_', ' ')} {_number(value)}"

@@ -90,6 +90,16 @@ def test_window_and_rope_scaling_are_exported(name, tmp_path):
     assert_same_model(model, AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval())
 
 
+
+def test_fox_gate_init_bias_is_exported(tmp_path):
+    """A setting that only initialises (the gates' starting bias) still travels: checkpoint -> export's
+    bam_model -> the loaded model's config, next to the trained bias in the weights."""
+    model, out = export_case(tmp_path, "fox_ssmax_open", pe="fox", ssmax=True, fox_gate_init_bias=5.0)
+    hf_model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert hf_model.config.bam_model["fox_gate_init_bias"] == 5.0
+    assert hf_model.config.bam_model == {k: getattr(model.config, k) for k in CONFIG_FIELDS}
+    assert_same_model(model, hf_model)
+
 def test_the_cache_and_right_padding_give_the_full_forward_logits(exported):
     model, out = exported["bam_ssmax"]
     hf_model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()

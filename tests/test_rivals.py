@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_model import VOCAB, batch, logits_with, make_model, tiny
 
-from model import KVCache, ModelConfig, Transformer, fire_bias, fox_bias, positions_in_documents, t5_bias
+from model import KVCache, ModelConfig, Transformer, fire_bias, fox_bias, positions_in_documents, t5_bias, t5_bucket
 
 RIVALS = ("t5", "fire", "fox")
 
@@ -36,6 +36,66 @@ def test_t5_buckets_are_the_papers_and_transformers():
     library = T5Attention._relative_position_bucket(-dist, bidirectional=False, num_buckets=32, max_distance=128)
     torch.testing.assert_close(got, table[1, library], rtol=0, atol=0)
     assert len({t5_bucket_loop(d) for d in range(200)}) == 32  # every bucket reached within 128 and beyond
+
+
+# (num_buckets, max_distance) settings where adding the exact buckets' offset before flooring (in fp32) put a
+# distance one bucket higher than transformers, which truncates the log-spaced part first
+T5_ROUNDING_CASES = ((42, 8192), (28, 10000), (40, 32768), (50, 65536), (70, 10000), (84, 16384), (92, 8192),
+                     (100, 4096), (128, 65536))
+
+
+def t5_scan_settings():
+    """A grid of settings ModelConfig accepts (even num_buckets, max_distance > num_buckets / 2), with the
+    default (32, 128) and the cases that once differed."""
+    grid = set(T5_ROUNDING_CASES) | {(32, 128)}
+    for nb in list(range(2, 66, 2)) + [96, 128]:
+        for md in (nb // 2 + 1, nb, 100, 128, 1000, 1024, 8192, 10000, 32768, 65536):
+            if md > nb // 2:
+                grid.add((nb, md))
+    return sorted(grid)
+
+
+def t5_scan_distances(nb, md):
+    """0 .. 3 x max_distance, each bucket's boundary (the real distance where the log-spaced part reaches an
+    integer) and its neighbours, and distances far past max_distance."""
+    exact = nb // 2
+    edges = [round(exact * (md / exact) ** ((b - exact) / (nb - exact))) + k
+             for b in range(exact, nb + 1) for k in (-1, 0, 1)]
+    far = [4 * md, 2 ** 20, 2 ** 24 - 1, 2 ** 24]
+    return torch.cat([torch.arange(3 * md + 1), torch.tensor(edges + far)]).clamp(min=0)
+
+
+def test_t5_buckets_equal_transformers_over_a_scan_of_settings():
+    """The bucket of every distance is transformers' T5Attention._relative_position_bucket's (causal:
+    relative_position = memory - query = -(i - j)), exactly, for each setting of the grid."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    settings = t5_scan_settings()
+    assert len(settings) > 300
+    for nb, md in settings:
+        ModelConfig(pe="t5", t5_num_buckets=nb, t5_max_distance=md)  # a setting the config accepts
+        dist = t5_scan_distances(nb, md)
+        ours = t5_bucket(dist.float(), nb, torch.tensor(float(md)))
+        theirs = T5Attention._relative_position_bucket(-dist, bidirectional=False, num_buckets=nb, max_distance=md)
+        wrong = (ours != theirs).nonzero().flatten()
+        assert not len(wrong), (f"(num_buckets {nb}, max_distance {md}): distances {dist[wrong][:5].tolist()} in "
+                                f"buckets {ours[wrong][:5].tolist()}, transformers {theirs[wrong][:5].tolist()}")
+    # the case that was reported: 21 + 18.999998 rounds to 40.0 in fp32; transformers truncates to 18 first
+    assert t5_bucket(torch.tensor(4641.0), 42, torch.tensor(8192.0)).item() == 39
+
+
+def test_t5_bucket_through_the_model_matches_transformers_at_a_rounding_case():
+    """The prior's own tensors (the max_distance buffer) give transformers' buckets, dense and per scalar as
+    FlexAttention's score_mod calls the function."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    prior = Transformer(tiny("t5", t5_num_buckets=42, t5_max_distance=8192)).priors[0]
+    table, max_distance = prior.tensors()
+    dist = torch.arange(4600, 4700)
+    theirs = T5Attention._relative_position_bucket(-dist, bidirectional=False, num_buckets=42, max_distance=8192)
+    torch.testing.assert_close(t5_bias(dist.float(), 1, table, max_distance), table[1, theirs], rtol=0, atol=0)
+    scalars = torch.stack([t5_bias(d.float(), torch.tensor(1), table, max_distance) for d in dist])
+    torch.testing.assert_close(scalars, table[1, theirs], rtol=0, atol=0)
 
 
 def test_fire_bias_is_the_papers_formula():
@@ -89,6 +149,45 @@ def test_fox_gates_of_a_document_do_not_depend_on_the_documents_before_it():
     packed, = prior.token_features(x, positions_in_documents(doc_ids))
     alone, = prior.token_features(x[:, -40:], torch.arange(40)[None])
     torch.testing.assert_close(packed[..., -40:], alone, rtol=1e-6, atol=1e-5)
+
+
+
+def test_fox_gate_init_bias_starts_the_gates_open_and_its_default_is_the_reference_init():
+    """fox_gate_init_bias b sets every gate's bias to b, so the gates start near sigmoid(b) (5: ~0.993); it
+    takes no random numbers, so every other weight is the same for a seed, and the default 0 is the reference
+    code's (biases exactly 0, gates near 1/2): a default model's weights are what they were before the field."""
+    torch.manual_seed(0)
+    default = Transformer(tiny("fox", ssmax=True))
+    torch.manual_seed(0)
+    opened = Transformer(tiny("fox", ssmax=True, fox_gate_init_bias=5.0))
+    assert ModelConfig().fox_gate_init_bias == 0.0
+    a, b = default.state_dict(), opened.state_dict()
+    biases = {k for k in a if k.endswith("gate.bias") and k.startswith("priors.")}
+    assert len(biases) == 2 and a.keys() == b.keys()
+    for k in a:
+        if k not in biases:
+            assert torch.equal(a[k], b[k]), k
+    for k in biases:
+        assert torch.equal(a[k], torch.zeros(4)) and torch.equal(b[k], torch.full((4,), 5.0))
+    x = torch.nn.functional.rms_norm(torch.randn(2, 50, 32), (32,))  # a layer's normalised input
+    open_gates, half_gates = opened.priors[0].log_gates(x).exp(), default.priors[0].log_gates(x).exp()
+    assert abs(open_gates.median().item() - 0.9933) < 2e-3 and open_gates.min() > 0.98
+    assert abs(half_gates.median().item() - 0.5) < 0.05
+    with pytest.raises(ValueError, match="fox_gate_init_bias"):
+        ModelConfig(pe="fox", fox_gate_init_bias=float("inf"))
+
+
+def test_fox_gate_init_bias_round_trips_through_a_checkpoint(tmp_path):
+    from bam.checkpoint import load_model, save_model
+
+    torch.manual_seed(0)
+    model = Transformer(tiny("fox", ssmax=True, fox_gate_init_bias=5.0))
+    save_model(model, str(tmp_path / "m.pt"))
+    back = load_model(str(tmp_path / "m.pt"))
+    assert back.config == model.config and back.config.fox_gate_init_bias == 5.0
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in model.state_dict().items())
+    idx, doc_ids = batch(B=2, T=16)
+    torch.testing.assert_close(back(idx, doc_ids=doc_ids)[0], model(idx, doc_ids=doc_ids)[0], rtol=0, atol=0)
 
 
 def cached_logits(model, seq, prompt_len, window_steps=None):

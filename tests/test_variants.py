@@ -44,3 +44,14 @@ def test_a_variant_is_named_by_what_sets_it_apart_from_its_peers():
                                                                                        "bam, max steps 4000"]
     assert names(["bam", "bam"], [config(), config(train__max_steps=4000)], {**DEFAULTS, "train.max_steps": 2000}) \
         == ["bam", "bam, max steps 4000"]
+
+
+def test_foxs_gate_init_bias_is_named_after_the_fox_label():
+    """configs/repro/fox_ssmax_open.toml beside fox_ssmax.toml, as eval.report reads them (every setting, the
+    ones newer than a kept run's file at their defaults)."""
+    from bam.config import load_config, to_dict
+    from eval.variants import flatten
+
+    configs = [to_dict(load_config(f"configs/repro/{name}.toml")) for name in ("fox_ssmax", "fox_ssmax_open")]
+    defaults = flatten(to_dict(load_config()))
+    assert names(["fox + ssmax"] * 2, configs, defaults) == ["fox + ssmax", "fox + ssmax, gate init bias 5"]
