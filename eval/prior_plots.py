@@ -6,6 +6,9 @@ import math
 
 import numpy as np
 
+from eval.reporting import by_variant
+from eval.results import read_metrics
+
 GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
 
 
@@ -156,3 +159,51 @@ def plot_training(results, history, path, prior_cls):
     fig.suptitle(f"{results['model']['name']}: positional parameters during training ({len(steps)} logged steps)",
                  fontsize=10)
     save_figure(fig, path, dpi=110, bbox_inches="tight")
+
+
+def shapes_in_training(metrics_path):
+    """(steps, smallest shape b of any head, number of heads with b <= 0) of one run, from the BAM shapes its
+    metrics.jsonl logs at every logged step (train.py's "prior" rows); None for a run without them."""
+    rows = {}
+    for row in read_metrics(metrics_path):
+        shapes = (row.get("prior") or {}).get("bam_shape")
+        if isinstance(row.get("step"), int) and shapes:
+            rows[row["step"]] = np.asarray(shapes, dtype=float)  # a resumed run's later row of a step wins
+    if not rows:
+        return None
+    steps = sorted(rows)
+    return steps, [float(rows[s].min()) for s in steps], [int((rows[s] <= 0).sum()) for s in steps]
+
+
+def plot_shapes_in_training(runs, path):
+    """eval.report's summary figure of BAM's shapes over training, every BAM run of the report: the smallest
+    shape b against the step (top) and how many heads have b <= 0, the paper's retrieval heads (bottom), one
+    line per run, a colour per variant. False (nothing drawn) when no run logged BAM shapes."""
+    from eval.plotting import plt, save_figure
+
+    variants = {}
+    for variant, members in by_variant([r for r in runs if not r.overrides and r.metrics]).items():
+        found = [(r, shapes_in_training(r.metrics)) for r in members]
+        found = [(r, s) for r, s in found if s is not None]
+        if found:
+            variants[variant] = found
+    if not variants:
+        return False
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
+    for i, (variant, members) in enumerate(variants.items()):
+        color, style = plt.get_cmap("tab10")(i % 10), ("-", "--", ":")[i // 10 % 3]
+        for j, (run, (steps, smallest, retrieval)) in enumerate(members):
+            label = f"{variant} ({len(members)} seed{'s' if len(members) > 1 else ''})" if j == 0 else None
+            top.plot(steps, smallest, color=color, linestyle=style, linewidth=1, alpha=0.85, label=label)
+            bottom.plot(steps, retrieval, color=color, linestyle=style, linewidth=1, alpha=0.85)
+    top.axhline(0, color="black", linewidth=0.8)
+    top.set_ylabel("smallest shape b over all heads")
+    top.set_title("BAM's shapes during training, one line per seed (below 0: a retrieval head)", fontsize=10)
+    top.legend(fontsize=7, loc="upper right")
+    bottom.set_ylabel("heads with b <= 0")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+    return True

@@ -37,7 +37,7 @@ from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval, output_dir
 from eval.options import EvalOptions, add_output_arguments
-from eval.prior_plots import group_colors, plot_curves, plot_gates, plot_shapes, plot_training
+from eval.prior_plots import group_colors, plot_curves, plot_gates, plot_shapes, plot_shapes_in_training, plot_training
 from eval.prompts import validation_tokens
 from eval.reporting import DASH, by_variant, table
 from eval.results import SCHEMA_VERSION, lock_results, read_json, read_metrics, writable_folder, write_json
@@ -332,6 +332,7 @@ def section(runs, report_options):
 EVALUATOR = Evaluator(
     name="priors", title="Learned priors", description=__doc__,
     add_arguments=add_arguments, run=run, table=format_table, plot=None, section=section,
+    summary_plot=plot_shapes_in_training,
     run_plots=(("prior per head", ""), ("prior shapes", "_shapes"), ("priors during training", "_training"),
                ("forget gates", "_gates")))
 main = EVALUATOR.main

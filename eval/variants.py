@@ -62,6 +62,8 @@ def describe_setting(key, value, settings):
         return f"init {value}"
     if key == "model.fox_gate_init_bias":  # after the label "fox + ssmax", not "fox gate init bias"
         return f"gate init bias {_number(value)}"
+    if key == "train.max_steps":  # the training budget: "10,000 steps"
+        return f"{value:,} steps"
     if key == "train.prior_lr" and value and settings.get("train.lr"):
         return f"prior lr x{_number(round(value / settings['train.lr'], 3))}"
     return f"{name.replace('_', ' ')} {_number(value)}"

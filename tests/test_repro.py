@@ -124,3 +124,22 @@ def test_grid5_keeps_finished_runs_and_skips_kept_ones(tmp_path):
     assert "diverged" in (results / "bam_seed3" / "metrics.jsonl").read_text().splitlines()[-1]
     assert not (results / "alibi_seed2").exists()
     assert sorted(p.name for p in results.iterdir()) == ["bam_seed3", "nope_seed1", "rope_yarn_ft_seed1"]
+
+
+def test_grid5_at_another_budget_keeps_its_runs_apart_and_reports_them_beside_the_grids(tmp_path):
+    # STEPS=10000 (the paper's budget): its own runs, results and report, the grid's 2,000-step runs of the same
+    # variants beside them in that report, each variant named by its budget.
+    grid, results = tmp_path / "grid", tmp_path / "results"
+    kept = os.path.join(ROOT, "docs", "repro", "runs5", "nope_seed1")
+    shutil.copytree(kept, grid / "nope_seed1")
+    shutil.copytree(kept, results / "nope_seed1")
+    config = results / "nope_seed1" / "config.toml"
+    config.write_text(config.read_text().replace("max_steps = 2000", "max_steps = 10000"))
+    env = dict(os.environ, STEPS="10000", RESULTS=str(results), GRID=str(grid), OUT=str(tmp_path / "runs"),
+               REPORT=str(tmp_path / "report.md"), RUNS="nope@1")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "grid5.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and f"== nope@1: kept in {results}" in proc.stdout, proc.stdout + proc.stderr
+    report = (tmp_path / "report.md").read_text()
+    assert "| nope, 10,000 steps |" in report and "| nope, 2,000 steps |" in report, report
+    assert "10,000 steps against the grid's 2,000" in report

@@ -39,11 +39,14 @@ def test_a_variant_is_named_by_what_sets_it_apart_from_its_peers():
     # Two variants with one label and no default among their values are both named
     both = names(["bam", "bam"], [config(model__bam_init="uniform"), config(model__bam_init="sampled")], DEFAULTS)
     assert both == ["bam, init uniform", "bam, init sampled"]
-    # any other setting by its own name; without a default to leave out, each variant says its value
-    assert names(["bam", "bam"], [config(), config(train__max_steps=4000)], DEFAULTS) == ["bam, max steps 2000",
-                                                                                       "bam, max steps 4000"]
+    # the training budget in steps; without a default to leave out, each variant says its value
+    assert names(["bam", "bam"], [config(), config(train__max_steps=10000)], DEFAULTS) == ["bam, 2,000 steps",
+                                                                                        "bam, 10,000 steps"]
     assert names(["bam", "bam"], [config(), config(train__max_steps=4000)], {**DEFAULTS, "train.max_steps": 2000}) \
-        == ["bam", "bam, max steps 4000"]
+        == ["bam", "bam, 4,000 steps"]
+    # any other setting by its own name
+    assert names(["bam", "bam"], [config(), config(train__weight_decay=0.0)], DEFAULTS) == ["bam",
+                                                                                         "bam, weight decay 0"]
 
 
 def test_foxs_gate_init_bias_is_named_after_the_fox_label():

@@ -7,6 +7,7 @@
 #   RUNS="nope rope@3" bash configs/repro/grid5.sh   # some runs only (configs/repro/<name>.toml @seed)
 #   RUNS="rope@3" FINE_TUNE=0 bash configs/repro/grid5.sh   # and leave RoPE's YaRN fine-tune for later
 #   RESULTS=/tmp/kept REPORT=/tmp/kept/report.md bash configs/repro/grid5.sh   # keep and report elsewhere
+#   STEPS=10000 bash configs/repro/grid5.sh     # the paper's budget: BAM + SSMax x4 seeds, NoPE and RoPE x2
 #
 # Everything resumes (run.sh, rope_extensions.sh), so the same command carries the grid across sessions;
 # a run already kept in $RESULTS is not trained again, even on a machine that never had its checkpoints.
@@ -15,9 +16,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-export DIGITS=5 STEPS=2000 TOKENS=8388608 DATA=${DATA:-data/repro5} OUT=${OUT:-runs/repro5}
-RESULTS=${RESULTS:-docs/repro/runs5}
-REPORT=${REPORT:-docs/repro/report5.md}   # aggregated over $RESULTS, its images beside it
+# STEPS is the training budget: the grid's 2,000 steps, or another (STEPS=10000, the paper's: docs/repro.md,
+# "The paper's budget"), whose runs, data, results and report are kept apart (*_10000), with a report that
+# puts the same variants' 2,000-step runs beside them. Enough tokens for one pass: STEPS x 4,096, rounded up
+# to whole MiB of tokens (the 2,000-step grid's 8,388,608).
+export DIGITS=5 STEPS=${STEPS:-2000}
+SUFFIX=$([[ $STEPS == 2000 ]] || echo "_$STEPS")
+export TOKENS=${TOKENS:-$(( (STEPS * 4096 + (1 << 20) - 1) / (1 << 20) * (1 << 20) ))}
+export DATA=${DATA:-data/repro5$SUFFIX} OUT=${OUT:-runs/repro5$SUFFIX}
+RESULTS=${RESULTS:-docs/repro/runs5$SUFFIX}
+REPORT=${REPORT:-docs/repro/report5$SUFFIX.md}   # aggregated over $RESULTS, its images beside it
+GRID=${GRID:-docs/repro/runs5}   # the 2,000-step grid's results, beside which another budget is reported
 # 1x ... 64x of the 128-token pretraining context, in tokens: the YaRN fine-tune's own context is 512, so
 # "1x" would mean other lengths for it; 20 prompts per length. Exported: run.sh and rope_extensions.sh
 # evaluate at them, and a run is kept (or skipped) when its passkey is complete at them.
@@ -28,6 +37,9 @@ RIVALS=""                                              # the learnable-bias riva
 for name in fox fox_ssmax fire fire_ssmax t5 t5_ssmax; do
   [[ -f configs/repro/$name.toml ]] && RIVALS+=" $name"
 done
+if [[ -n $SUFFIX ]]; then  # another budget: BAM + SSMax at the paper's init and lr, and NoPE and RoPE beside it
+  CORE="bam_ssmax" OTHERS="nope rope" RIVALS=""
+fi
 if [[ -z ${RUNS:-} ]]; then  # seed by seed, so that a grid stopped early is balanced across variants
   RUNS=""
   for seed in 1 2 3 4; do
@@ -78,7 +90,8 @@ if (( ${#trained[@]} )); then  # RoPE runs trained here: PI and YaRN on each, th
   # FINE_TUNE=0 defers the fine-tune (a later call does it); by default it runs where seed 1's checkpoints
   # are, unless $RESULTS keeps it already
   fine_tune=0
-  if [[ -d $OUT/rope_seed1/checkpoints ]] && ! passkey_done "$RESULTS/rope_yarn_ft_seed1/eval/passkey.json"; then
+  if [[ -z $SUFFIX && -d $OUT/rope_seed1/checkpoints ]] \
+      && ! passkey_done "$RESULTS/rope_yarn_ft_seed1/eval/passkey.json"; then
     fine_tune=1
   fi
   FINE_TUNE=${FINE_TUNE:-$fine_tune} METHODS="linear yarn" \
@@ -99,7 +112,29 @@ for name in $RIVALS; do  # each rival with a passkey result against the BAM + SS
   label=${name/_ssmax/ + ssmax}  # the report's variant name: fox_ssmax -> "fox + ssmax"
   compare+=(--compare "$label" "bam + ssmax, prior lr x10" --compare "$label" "rope + YaRN auto")
 done
-python -m eval.report "$RESULTS"/*/ --out "$REPORT" --no_run_plots "${compare[@]}" \
-    --title "Passkey retrieval at 5-digit keys past a 128-token training context (CPU), seeds aggregated"
+if [[ -n $SUFFIX ]]; then  # the budget beside the grid's 2,000 steps of the same variants
+  budget=$(python -c "print(f'{int($STEPS):,} steps')")
+  shopt -s nullglob
+  has() { local found=("$@"); (( ${#found[@]} )); }  # GLOB...: some file matches (a variant with a result)
+  compare=()
+  pair() { compare+=(--compare "$1" "$2"); }
+  if has "$RESULTS"/bam_ssmax_seed*/eval/passkey.json; then
+    has "$GRID"/bam_ssmax_seed*/eval/passkey.json && pair "bam + ssmax, $budget" "bam + ssmax, 2,000 steps"
+    has "$GRID"/bam_ssmax_prior_lr_seed*/eval/passkey.json \
+      && pair "bam + ssmax, $budget" "bam + ssmax, 2,000 steps, prior lr x10"
+    has "$RESULTS"/rope_seed*/eval/passkey.json && pair "bam + ssmax, $budget" "rope, $budget"
+    has "$RESULTS"/nope_seed*/eval/passkey.json && pair "bam + ssmax, $budget" "nope, $budget"
+    has "$RESULTS"/rope_seed*/eval/passkey_yarn_auto.json && pair "bam + ssmax, $budget" "rope + YaRN auto, $budget"
+  fi
+  has "$RESULTS"/rope_seed*/eval/passkey.json && pair "rope, $budget" "rope, 2,000 steps"
+  has "$RESULTS"/nope_seed*/eval/passkey.json && pair "nope, $budget" "nope, 2,000 steps"
+  shopt -s nullglob
+  python -m eval.report "$RESULTS"/*/ "$GRID"/{nope,rope,bam_ssmax,bam_ssmax_prior_lr}_seed*/ --out "$REPORT" \
+      --no_run_plots ${compare[@]+"${compare[@]}"} \
+      --title "Passkey retrieval at 5-digit keys: $budget against the grid's 2,000 (CPU), seeds aggregated"
+else
+  python -m eval.report "$RESULTS"/*/ --out "$REPORT" --no_run_plots "${compare[@]}" \
+      --title "Passkey retrieval at 5-digit keys past a 128-token training context (CPU), seeds aggregated"
+fi
 echo "report: $REPORT (from $RESULTS)"
 exit $status
