@@ -303,7 +303,7 @@ def test_unwritable_out_dir_fails_before_reading_the_corpus(how, tmp_path, prepa
 
         def read_only(*args, **kwargs):
             raise OSError(errno.EROFS, "Read-only file system", str(out_dir))
-        monkeypatch.setattr(checkpoint.tempfile, "NamedTemporaryFile", read_only)
+        monkeypatch.setattr(outputs.tempfile, "NamedTemporaryFile", read_only)
         expected = "the file system is read-only"
     monkeypatch.setattr(prepare_fineweb, "local_documents", lambda files: pytest.fail("read the corpus"))
     line, _ = one_error_line(prepare_main, local_args([corpus], out_dir))
@@ -392,7 +392,7 @@ def test_unwritable_output_folder_fails_before_computing(name, run_dir, tmp_path
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "ro"))
-    monkeypatch.setattr(checkpoint.tempfile, "NamedTemporaryFile", read_only)
+    monkeypatch.setattr(outputs.tempfile, "NamedTemporaryFile", read_only)
     line, _ = one_error_line(run_cli, module.main, eval_argv(name, run_dir, "--out", str(tmp_path / "ro")))
     assert "cannot write results to" in line and "the file system is read-only" in line
 

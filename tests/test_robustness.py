@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import train
-from bam import checkpoint, data, recovery
+from bam import checkpoint, data, outputs, recovery
 from test_train import ROOT, newest, rows, small_config, synthetic  # noqa: F401 (synthetic is a fixture)
 
 # Runs train.main after arranging for this process to receive real signals at given steps: SIGNALS maps
@@ -294,7 +294,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
         if os.path.basename(path).startswith("step_00000003.pt"):
             f.write = lambda b: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         return f
-    monkeypatch.setattr(checkpoint, "open", full_disk_open, raising=False)
+    monkeypatch.setattr(outputs, "open", full_disk_open, raising=False)  # the atomic writer's open
     with pytest.raises(SystemExit) as info:
         train.main(args)
     assert info.value.code == 1
