@@ -20,8 +20,9 @@ lowest validation loss; folders of shards instead under train.parallel = "fsdp",
 Exit status: 0 when max_steps are done; 1 for a mistake the user can fix (one `error: ...` line),
 including a diverged run (non-finite loss or a loss spike: the line says which checkpoint to resume
 from and how); 143 after SIGTERM or SIGUSR1 (a preempted job: the current step is finished and
-checkpointed, `--resume` continues exactly); 130 after Ctrl-C (the same; a second Ctrl-C quits at
-once). docs/training.md, "Preemption and recovery", has the commands; bam/recovery.py the guards behind them.
+checkpointed, `--resume` continues exactly), and under torchrun when torchrun itself is gone (killed);
+130 after Ctrl-C (the same; a second Ctrl-C quits at once). docs/training.md, "Preemption and recovery",
+has the commands; bam/recovery.py the guards behind them.
 """
 
 import argparse
@@ -32,7 +33,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -53,7 +53,7 @@ from bam.data import ShardLoader, check_shard_tokens, check_token_ids
 from bam.outputs import remove_temp_files, write_text
 from bam.parallel import (clip_grad_norm, init_distributed, load_fsdp_checkpoint, load_whole_optimizer, micro_step,
                           prepare, prior_summary, rank_rng_state, save_fsdp_checkpoint, wrap)
-from bam.recovery import (Diverged, Stopped, StopRequest, check_step, follow_moved_run_dir, interrupted,
+from bam.recovery import (Diverged, LauncherWatch, Stopped, StopRequest, check_step, follow_moved_run_dir, interrupted,
                           load_resume_state, metrics_rows_until, rng_state, set_rng_state)
 from bam.retrieval import passkey_answer_targets
 from bam.sizing import check_training_fits
@@ -488,8 +488,8 @@ def build_run(args, overrides, procs, held):
 
 def train_step(run, step):
     """Optimizer update number `step` (1-based) over accum_steps micro-batches per rank. Returns (loss,
-    grad norm, lr factor, whether a signal asks every rank to stop now); a diverging step (check_step) stops
-    the run before it is applied."""
+    grad norm, lr factor, whether a signal or a launcher gone asks every rank to stop now); a diverging step
+    (check_step) stops the run before it is applied."""
     t, loss_on, procs = run.cfg.train, run.cfg.data.loss_on, run.procs
     lr_scale = lr_multiplier(step - 1, t)
     for group in run.optimizer.param_groups:
@@ -508,20 +508,21 @@ def train_step(run, step):
             # the mean over the whole step, the same as one big batch.
             (loss * weight).backward()
         loss_sum += loss.detach().float() * weight
-    # The stop flag rides on the loss's all_reduce: a signal to any rank stops every rank after this step.
-    reduced = torch.stack([loss_sum, torch.tensor(float(run.stop.signum is not None), device=procs.device)])
+    # The stop flags ride on the loss's all_reduce: a signal to any rank, or the end of any rank's launcher,
+    # stops every rank after this step.
+    reduced = torch.cat([loss_sum[None], torch.tensor(run.stop.flags(), device=procs.device)])
     if procs.distributed:
         dist.all_reduce(reduced)
         reduced[0] /= procs.world_size
     grad_norm = clip_grad_norm(run.model.parameters(), t.grad_clip or math.inf)  # of the whole model on every rank
     # One sync per step: it lets every rank agree to stop before a diverging update is applied.
-    (loss_value, stop), grad_norm_value = reduced.tolist(), grad_norm.item()
+    (loss_value, signalled, orphaned), grad_norm_value = reduced.tolist(), grad_norm.item()
     check_step(run, step, loss_value, grad_norm_value)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.state.step = step
     run.state.tokens_seen += t.tokens_per_step
-    return loss_value, grad_norm_value, lr_scale, stop > 0
+    return loss_value, grad_norm_value, lr_scale, run.stop.agree(signalled, orphaned)
 
 
 def validate(run, row):
@@ -664,19 +665,24 @@ def main(argv=None):
     if args.dry_run:
         return dry_run(args, overrides)
     procs = setup_processes()
+    # Under torchrun, a rank whose launcher is killed stops (bam.recovery.LauncherWatch): at once during setup,
+    # after the next step, with every other rank and a checkpoint, once training.
+    launcher = LauncherWatch.arm() if procs.distributed else None
     run = None
     try:
         # Every rank exits on a user error; only rank 0 says why. The lock is released before that.
         with user_errors(speak=procs.master), ExitStack() as held:
+            if launcher and launcher.gone():
+                raise UserError("the launcher of this rank (torchrun) is gone before training started; nothing was "
+                                "written: run the torchrun command again")
             run = build_run(args, overrides, procs, held)
             try:
-                with StopRequest(speak=procs.master) as run.stop:
+                with StopRequest(speak=procs.master, launcher=launcher) as run.stop:
                     train_loop(run)
             except Stopped as stopped:
                 finish(run, run.stop.exit_code)
                 if procs.master:
-                    why = signal.Signals(run.stop.signum).name if run.stop.signum else "a signal to another rank"
-                    print(f"stopped at step {stopped.args[0]} on {why}; "
+                    print(f"stopped at step {stopped.args[0]} {run.stop.why()}; "
                           f"{step_path(run.cfg.log.out_dir, stopped.args[0], run.sharded)} holds it: continue with --resume",
                           file=sys.stderr)
                 raise SystemExit(run.stop.exit_code) from None

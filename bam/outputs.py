@@ -371,18 +371,37 @@ def check_writable(directory):
     meet (read-only, a file in the way, no permission) comes now, before any work whose results it would
     take. (Root ignores permission bits, so only trying tells.) Folders it had to create are removed again,
     so a command refused later leaves nothing behind; the real write creates them."""
-    missing = os.path.abspath(directory)
-    while not os.path.exists(os.path.dirname(missing)) and os.path.dirname(missing) != missing:
-        missing = os.path.dirname(missing)  # the outermost folder that makedirs will create
-    created = not os.path.exists(missing)
+    missing = missing_folder(directory)
     os.makedirs(directory, exist_ok=True)
     try:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
             pass
     finally:
-        if created:
+        if missing:
             shutil.rmtree(missing, ignore_errors=True)
     return directory
+
+
+def missing_folder(directory):
+    """The outermost folder that os.makedirs(directory) would create, or None when `directory` exists."""
+    missing = os.path.abspath(directory)
+    if os.path.exists(missing):
+        return None
+    while not os.path.exists(os.path.dirname(missing)) and os.path.dirname(missing) != missing:
+        missing = os.path.dirname(missing)
+    return missing
+
+
+def remove_empty_folders(directory, up_to):
+    """Remove `directory` and the folders above it up to `up_to` (a folder above it, or itself), each only
+    while it is empty: what makedirs made for a command that then wrote nothing."""
+    path, up_to = os.path.abspath(directory), os.path.abspath(up_to)
+    while (path + os.sep).startswith(up_to + os.sep):
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty (someone else's files), or gone already
+            return
+        path = os.path.dirname(path)
 
 
 def write_bytes(path, chunks):

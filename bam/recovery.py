@@ -3,7 +3,9 @@ How a run stops and continues without losing a step or corrupting what it wrote 
 "Preemption and recovery"): train.py's loop calls these guards and stays a plain training step.
 
 - Stopping: SIGTERM/SIGUSR1 (preemption) and Ctrl-C become a flag the loop reads after each step
-  (StopRequest); the step is finished and checkpointed, then the run exits 143 or 130.
+  (StopRequest); the step is finished and checkpointed, then the run exits 143 or 130. Under torchrun the
+  end of the launcher (a kill -9 of torchrun) is one more stop request (LauncherWatch), so no rank trains on
+  as an orphan.
 - Divergence: a non-finite or spiking step (spike, check_step) stops the run before it is applied, and
   the checkpoints it indicts are set aside (Diverged names the one to resume from).
 - Resuming: the newest checkpoint that loads, only if the settings still describe the same experiment
@@ -11,6 +13,7 @@ How a run stops and continues without losing a step or corrupting what it wrote 
   that make the resumed run identical to one that never stopped.
 """
 
+import ctypes
 import json
 import math
 import os
@@ -34,18 +37,106 @@ EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: what a process ended by SIGTERM re
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: Ctrl-C
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class LauncherWatch:
+    """A torchrun rank's watch on its launcher (torchrun's agent, the process that started it). Killed with
+    SIGKILL, the agent cannot stop its workers, which would train on as orphans holding the run directory. So:
+
+    - during setup (armed first thing in train.main, before the process group), the kernel sends SIGNAL when
+      the launcher ends (prctl PR_SET_PDEATHSIG), whose default action ends the rank at once, writing nothing
+      half (every write is atomic): a rank waiting for a rendezvous that a dead launcher hosted would
+      otherwise wait for its timeout;
+    - while training, StopRequest catches SIGNAL and asks every step whether the launcher is gone (the
+      parent is no longer the one armed: the rank was handed to init or a subreaper); the answer rides on the
+      step's all-reduce like a signal's, so every rank finishes the same step, checkpoints it and exits 143.
+
+    A launcher that ended before the watch was armed (while the rank was still importing) leaves the rank a
+    child of pid 1 already: `gone` says so unless pid 1 is itself a torch launcher (torchrun as a container's
+    entrypoint). A subreaper in its place is not told apart (such a rank stops at the rendezvous's timeout)."""
+
+    SIGNAL = signal.SIGUSR2  # not one of StopRequest's: SIGUSR2 with the launcher alive is ignored
+
+    def __init__(self, pid, orphaned=False):
+        self.pid, self.orphaned = pid, orphaned  # the launcher; whether it was gone before the watch was armed
+
+    @classmethod
+    def arm(cls):
+        pid = os.getppid()
+        death_signal(cls.SIGNAL)
+        return cls(pid, orphaned=pid == 1 and not launcher_is_init())
+
+    def gone(self):
+        return self.orphaned or os.getppid() != self.pid
+
+
+def death_signal(signum):
+    """prctl(PR_SET_PDEATHSIG, signum): the kernel sends `signum` to this process when its parent ends (Linux
+    only; elsewhere StopRequest's per-step question alone notices it). Returns whether it is set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def launcher_is_init():
+    """Whether pid 1 is a torch launcher (torchrun as a container's first process), not init."""
+    try:
+        with open("/proc/1/cmdline", "rb") as f:
+            return b"torch" in f.read()
+    except OSError:
+        return True  # cannot tell: never stop a run on a guess
+
+
 class StopRequest:
     """While installed, SIGTERM (SLURM, Kubernetes), SIGUSR1 (`sbatch --signal`) and a first Ctrl-C only set
     a flag, which the loop reads after each step: the step is finished and checkpointed, then the run stops.
     A second Ctrl-C quits at once (KeyboardInterrupt). One within a second of the first is the same
-    keypress arriving twice: under torchrun the terminal sends it to every process and torchrun forwards it."""
+    keypress arriving twice: under torchrun the terminal sends it to every process and torchrun forwards it.
+    With a LauncherWatch, a launcher that is gone is a stop request too (`flags`)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-    def __init__(self, speak):
+    def __init__(self, speak, launcher=None):
         self.signum, self.speak, self.previous, self.since = None, speak, {}, 0.0
+        self.launcher, self.orphan, self.orphan_elsewhere = launcher, False, False
+
+    def launcher_gone(self):
+        """Whether this rank's launcher is gone (said once, by the rank that speaks)."""
+        if self.launcher is not None and not self.orphan and self.launcher.gone():
+            self.orphan = True
+            if self.speak:
+                print(f"\nthe launcher (pid {self.launcher.pid}) is gone: stopping after this step with a checkpoint",
+                      file=sys.stderr, flush=True)
+        return self.orphan
+
+    def flags(self):
+        """[a signal asked this rank to stop, this rank's launcher is gone] as 0.0 or 1.0, for the step's
+        all-reduce to sum over the ranks; `agree` reads the sums back."""
+        return [float(self.signum is not None), float(self.launcher_gone())]
+
+    def agree(self, signalled, orphaned):
+        """Whether every rank stops after this step, from the sums of every rank's flags."""
+        self.orphan_elsewhere = orphaned > 0 and not self.orphan
+        return signalled + orphaned > 0
+
+    def why(self):
+        """Why this rank stopped, for its `stopped at step N ...` line."""
+        if self.signum is not None:
+            return f"on {signal.Signals(self.signum).name}"
+        if self.orphan:
+            return f"because its launcher (pid {self.launcher.pid}) is gone"
+        if self.orphan_elsewhere:
+            return "because the launcher of another rank is gone"
+        return "on a signal to another rank"
 
     def handle(self, signum, frame):
+        if signum == LauncherWatch.SIGNAL:
+            self.launcher_gone()  # the parent's end (or a stray SIGUSR2, then nothing): said now, agreed next step
+            return
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
             if time.monotonic() - self.since > 1.0:
                 raise KeyboardInterrupt
@@ -59,7 +150,8 @@ class StopRequest:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
-            self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+            watched = (LauncherWatch.SIGNAL,) if self.launcher is not None else ()
+            self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS + watched}
         return self
 
     def __exit__(self, *exc):

@@ -53,8 +53,8 @@ from eval.passkey import PasskeyPrompts
 from eval.prompts import validation_tokens
 from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
-from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
-                        sweep_lengths)
+from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_factor, format_length,
+                        length_arguments, sweep, sweep_lengths)
 from model import dense_mask, grid_features, layer_prior, positional_scores
 
 PROMPTS = ("text", "passkey")
@@ -247,8 +247,8 @@ def format_table(results):
     for r in results["results"]:
         cells = [f"{format_value(m, mean)} ({format_value(m, high)})"
                  for m, (mean, high) in ((m, head_summary(r, m)) for m in METRICS)]
-        lines.append(f"| {r['length']:,} | {r['factor']:.3g} | {cells[0]} | {r['uniform_entropy']:.2f} | {cells[1]} | "
-                     f"{cells[2]} | {r['seconds']:.1f} |")
+        lines.append(f"| {r['length']:,} | {format_factor(r['factor'])} | {cells[0]} | {r['uniform_entropy']:.2f} | "
+                     f"{cells[1]} | {cells[2]} | {r['seconds']:.1f} |")
     return "\n".join(lines + stopped_note(results))
 
 
@@ -271,7 +271,7 @@ def plot_attention(results, path):
         return
     n_layer, n_head = len(rows[0]["entropy"]), len(rows[0]["entropy"][0])
     block = results["settings"]["block_size"]
-    col_labels = [f"{format_length(r['length'])}\n{r['factor']:.3g}x" for r in rows]
+    col_labels = [f"{format_length(r['length'])}\n{format_factor(r['factor'])}x" for r in rows]
     groups = results.get("head_groups")
     styles = {"entropy": dict(cmap="viridis", vmin=0.0, vmax=max(max(r["uniform_entropy"] for r in rows), 1e-3)),
               "mean_distance": dict(cmap="magma", norm=LogNorm(vmin=1.0, vmax=max(2.0, rows[-1]["length"]))),

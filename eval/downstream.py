@@ -188,8 +188,9 @@ def is_network_error(exc):
     return False
 
 
-def run_tasks(lm, tasks, num_fewshot, limit, include_path, seed):
-    lm_eval, _ = lm_eval_api()
+def task_manager(tasks, include_path):
+    """lm-eval's index of tasks, holding every one of `tasks`; an EvalError naming those it does not know,
+    asked before the output folder is made (a refusal creates nothing)."""
     from lm_eval.tasks import TaskManager
 
     def known(manager):
@@ -204,6 +205,11 @@ def run_tasks(lm, tasks, num_fewshot, limit, include_path, seed):
     if unknown:
         where = f" (nor in --include_path {include_path})" if include_path else ""
         raise EvalError(f"unknown lm-eval task(s): {', '.join(unknown)}{where}; `lm-eval ls tasks` lists them")
+    return manager
+
+
+def run_tasks(lm, tasks, manager, num_fewshot, limit, seed):
+    lm_eval, _ = lm_eval_api()
     try:
         return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                        task_manager=manager, log_samples=False, bootstrap_iters=1000,
@@ -261,9 +267,11 @@ def evaluate_downstream(source, *, options=None, tasks=PAPER_TASKS, num_fewshot=
     if max_length < 2:
         raise EvalError(f"--max_length must be at least 2 tokens, got {max_length}")
     model, per_length = evaluated.at_length(max_length)  # contexts are cut to max_length tokens
+    manager = task_manager(tasks, include_path)
     output = Output.of(EVALUATOR, source, options, "downstream")
     lm = make_project_lm(model, evaluated.tokenizer(), max_length, batch_size, evaluated.autocast())
-    scores = run_tasks(lm, tasks, num_fewshot, limit, include_path, seed)
+    with output.undone_on_error():  # e.g. a task's data cannot be downloaded: one line, and no folder
+        scores = run_tasks(lm, tasks, manager, num_fewshot, limit, seed)
     settings = evaluated.settings(tasks=tasks, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size,
                                   max_length=max_length, include_path=include_path, seed=seed,
                                   lm_eval=getattr(lm_eval, "__version__", None), **per_length)

@@ -43,8 +43,8 @@ from eval.prompts import Haystack, encode_template, repeat_haystack, validation_
 from eval.reporting import length_label, rate, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
-from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
-                        sweep_lengths)
+from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_factor, format_length,
+                        length_arguments, sweep, sweep_lengths)
 
 # (value kind, needles, of which distractors, keys asked for)
 TASKS = {
@@ -280,7 +280,7 @@ def plot_niah(results, path):
     size = (3.2 + 1.1 * len(s["tasks"]) * len(hays), max(3.0, 0.4 * len(lengths) + 2.2))
     fig, axes = plt.subplots(1, len(hays), figsize=size, squeeze=False, layout="constrained")
     block = s.get("block_size")
-    row_labels = [format_length(n) + (f" ({n / block:.3g}x)" if block else "") for n in lengths]
+    row_labels = [format_length(n) + (f" ({format_factor(n / block)}x)" if block else "") for n in lengths]
     image = None
     for ax, hay in zip(axes[0], hays):
         if not lengths:

@@ -38,8 +38,8 @@ from eval.reporting import DASH, binomial_interval, by_family, by_variant, lengt
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
 from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap
-from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_length, length_arguments, sweep,
-                        sweep_lengths)
+from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_factor, format_length,
+                        length_arguments, sweep, sweep_lengths)
 
 DEPTH_MODES = ("equidistant", "beginning", "end", "random")
 
@@ -186,7 +186,7 @@ def format_table(results):
              "|---:|---:|---:|---:|:---|---:|"]
     for r in results["results"]:
         by_depth = " ".join("  -" if b["accuracy"] is None else f"{100 * b['accuracy']:3.0f}" for b in r["by_depth"])
-        factor = f"{r['factor']:.3g}" if r["factor"] is not None else "—"
+        factor = format_factor(r["factor"]) if r["factor"] is not None else "—"
         low, high = binomial_interval(r["correct"], r["samples"])
         lines.append(f"| {r['length']:,} | {factor} | {100 * r['accuracy']:.0f}% | {100 * low:.0f}-{100 * high:.0f}% | "
                      f"`{by_depth}` | {r['seconds']:.1f} |")
@@ -201,7 +201,7 @@ def plot_passkey(results, path):
     used = [b for b in range(bins) if any(r["by_depth"][b]["samples"] for r in rows)] or list(range(bins))
     matrix = [[math.nan if r["by_depth"][b]["accuracy"] is None else r["by_depth"][b]["accuracy"] for b in used]
               for r in rows]
-    row_labels = [f"{format_length(r['length'])}" + (f" ({r['factor']:.3g}x)" if r["factor"] else "")
+    row_labels = [f"{format_length(r['length'])}" + (f" ({format_factor(r['factor'])}x)" if r["factor"] else "")
                   + f"  {100 * r['accuracy']:.0f}%" for r in rows]
     col_labels = [f"{sum(rows[0]['by_depth'][b]['bin']) / 2:.2f}" if rows else str(b) for b in used]
     s = results["settings"]

@@ -36,7 +36,7 @@ from eval.options import EvalOptions, add_model_arguments, add_output_arguments
 from eval.prompts import SOURCES, validation_sequences
 from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, writable_folder
-from eval.sweep import check_lengths, format_length, parse_length, progress_bar
+from eval.sweep import check_lengths, format_factor, format_length, parse_length, progress_bar
 
 HEAD_CHUNK = 1024  # positions per LM-head call: B x 1024 x vocab fp32 logits at a time
 
@@ -145,7 +145,8 @@ def format_table(results):
     step = max(1, len(windows) // 16)  # a readable table; the JSON and the plot have every window
     shown = sorted(set(range(0, len(windows), step)) | {len(windows) - 1}) if windows else []
     for w in (windows[i] for i in shown):
-        lines.append(f"| {w['start']:,}-{w['end']:,} | {w['end'] / s['block_size']:.3g} | {w['perplexity']:.2f} |")
+        factor = format_factor(w["end"] / s["block_size"])
+        lines.append(f"| {w['start']:,}-{w['end']:,} | {factor} | {w['perplexity']:.2f} |")
     if results["stopped"]:
         lines.append(f"\nstopped: {results['stopped']['reason']}")
     return "\n".join(lines)

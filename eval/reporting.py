@@ -5,6 +5,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from eval.sweep import format_factor
 from model import ENCODINGS
 
 DASH = "—"  # an evaluation a run does not have
@@ -111,4 +112,4 @@ def human(n):
 def length_label(n, runs):
     """A length as a column heading: with its multiple of the training context when the runs share one."""
     sizes = {r.pretraining_context for r in runs if r.pretraining_context}
-    return f"{n:,}" + (f" ({n / sizes.pop():.3g}x)" if len(sizes) == 1 else "")
+    return f"{n:,}" + (f" ({format_factor(n / sizes.pop())}x)" if len(sizes) == 1 else "")

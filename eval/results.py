@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import sys
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -36,9 +37,25 @@ class Output:
 
     def __init__(self, evaluator, folder, name, verbose=True):
         self.evaluator, self.folder, self.name, self.verbose = evaluator, folder, name, verbose
+        self.created = folder and outputs.missing_folder(folder)  # what writable_folder makes, to undo on a refusal
         self.json_path = os.path.join(writable_folder(folder), f"{name}.json") if folder else None
         self.saving = self.json_path is not None
+        self.written = False  # whether a results file was written yet
         self.lock = self.json_path and lock_results(folder, name, evaluator.name)
+
+    @contextmanager
+    def undone_on_error(self):
+        """For what may still refuse after the folder was checked (eval.downstream: task data that cannot be
+        downloaded): an exception out of the block before any results were written leaves nothing of this
+        Output behind (its lock file, the folders it created) and goes on; a refusal creates nothing."""
+        try:
+            yield self
+        except BaseException:
+            if not self.written:
+                self.release()
+                if self.created:
+                    outputs.remove_empty_folders(self.folder, up_to=self.created)
+            raise
 
     def release(self):
         """Let another evaluation write these results (the lock goes with the process otherwise)."""
@@ -61,6 +78,7 @@ class Output:
         if self.saving:
             try:
                 write_json(self.json_path, results)
+                self.written = True
             except OSError as e:
                 print(f"{self.evaluator.name}: {e}; going on, the results are printed at the end", file=sys.stderr)
                 self.saving = False
@@ -72,6 +90,7 @@ class Output:
         if self.json_path:
             try:
                 write_json(self.json_path, results)
+                self.written = True
                 if self.evaluator.plot:
                     self.evaluator.plot(results, os.path.join(self.folder, f"{self.name}.png"))
             except OSError as e:

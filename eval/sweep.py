@@ -5,6 +5,7 @@ does not fit in memory or retrieval has been at zero for a while."""
 import re
 import sys
 
+import numpy as np
 from tqdm import tqdm
 
 from bam.ranges import number
@@ -66,6 +67,15 @@ def check_lengths(model, lengths, samples, device, shorter="shorter --lengths or
 
 def format_length(n):
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
+
+
+def format_factor(factor):
+    """A multiple of the training context as the tables and plots print it (followed by "x"): three significant
+    digits, never an exponent (0.5, 2, 1.95, 1,024 rather than 1.02e+03), thousands separated as in
+    format_length."""
+    if factor >= 100:
+        return f"{factor:,.0f}"  # three significant digits or more, as below
+    return np.format_float_positional(factor, precision=3, unique=True, fractional=False, trim="-")
 
 
 def sweep_lengths(lengths, max_factor, block_size):

@@ -143,16 +143,17 @@ def test_offline_hub_task_is_one_line(task, tmp_path):
     assert done.returncode == 1, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot download the data of hub_arc"), done.stderr[-2000:]
-    assert not (tmp_path / "out" / "downstream.json").exists()
+    assert not (tmp_path / "out").exists()  # refused: nothing was created
+
+
+class NoTasks:  # lm-eval's index without its ~15K built-in tasks, which take half a minute to scan
+    def __init__(self, **kwargs):
+        self.all_tasks, self.all_groups = ["hellaswag"], []
 
 
 def test_bad_arguments_are_errors(task, monkeypatch):
     root, _, model = task
     import lm_eval.tasks
-
-    class NoTasks:  # lm-eval's index without its ~15K built-in tasks, which take half a minute to scan
-        def __init__(self, **kwargs):
-            self.all_tasks, self.all_groups = ["hellaswag"], []
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", NoTasks)
     with pytest.raises(downstream.EvalError, match=r"unknown lm-eval task\(s\): no_such_task"):
@@ -164,6 +165,22 @@ def test_bad_arguments_are_errors(task, monkeypatch):
         with pytest.raises(downstream.EvalError, match=message):
             options = EvalOptions(batch_size=kwargs.pop("batch_size", None))  # the options' own check
             downstream.evaluate_downstream(model, options=options, **kwargs)
+
+
+def test_a_refused_command_creates_no_output_folder(task, tmp_path, monkeypatch, capsys):
+    """An unknown task is one line, and --out (with the folders above it) is not created for it: a refusal
+    creates nothing."""
+    root, _, _ = task
+    import lm_eval.tasks
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", NoTasks)
+    with pytest.raises(SystemExit) as info:
+        run_cli(downstream.main, [str(root / "model.pt"), "--tasks", "rp3_no_such_task",
+                                  "--out", str(tmp_path / "ds" / "unknown")])
+    assert info.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: unknown lm-eval task(s): rp3_no_such_task; `lm-eval ls tasks` lists them"]
+    assert os.listdir(tmp_path) == []
 
 
 def test_downstream_is_held_to_the_evaluators_contract(task, tmp_path, monkeypatch, capsys):

@@ -7,6 +7,7 @@ import json
 import math
 import os
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import matplotlib.image
 import numpy as np
@@ -18,6 +19,8 @@ from bam.checkpoint import save_model
 from bam.tokenizer import load_tokenizer
 from eval import attention, report
 from eval.options import EvalOptions
+from eval.reporting import length_label
+from eval.sweep import format_factor
 from model import ENCODINGS, ModelConfig, Transformer
 
 CONTEXT = 16  # the training context of the test models: distances from 16 on count as far
@@ -203,3 +206,22 @@ def test_the_command_on_a_checkpoint_and_its_report_section(tmp_path, capsys):
     section = text.split("## Attention by prompt length")[1].split("## Plots")[0]
     assert "**entropy (nats)**" in section and "| bam |" in section and "| uniform |" in section
     assert "![](report_attention.png)" in text and os.path.getsize(tmp_path / "report_attention.png") > 10_000
+
+
+def test_factors_of_the_context_print_as_numbers_not_exponents():
+    """A prompt 1,024 times the training context is "1,024" in the table (it was 1.02e+03), as lengths are
+    written with thousands separated; small and fractional factors keep three significant digits."""
+    def row(factor):
+        return {"length": int(factor * CONTEXT), "factor": factor, "entropy": [[1.0]], "mean_distance": [[3.0]],
+                "far_mass": [[0.5]], "uniform_entropy": 2.0, "seconds": 1.0}
+
+    results = {"model": {"name": "bam"}, "settings": {"samples": 2, "prompts": "text", "queries": 4,
+                                                      "block_size": CONTEXT},
+               "results": [row(0.5), row(1.9375), row(1024.0), row(32768.0)], "stopped": None}
+    table = attention.format_table(results)
+    assert "| 8 | 0.5 |" in table and "| 31 | 1.94 |" in table
+    assert "| 16,384 | 1,024 |" in table and "| 524,288 | 32,768 |" in table and "e+" not in table
+    assert [format_factor(f) for f in (0.25, 1.0, 2.5, 64.0, 195.3125, 1000.0, 1024.0)] == \
+        ["0.25", "1", "2.5", "64", "195", "1,000", "1,024"]
+    runs = [SimpleNamespace(pretraining_context=CONTEXT)]
+    assert length_label(1024 * CONTEXT, runs) == "16,384 (1,024x)"  # a report's column heading

@@ -26,7 +26,7 @@ import train
 from bam import checkpoint, cli, outputs, parallel
 from bam.checkpoint import load_model
 from bam.config import TrainConfig, load_config
-from model import ModelConfig, Transformer
+from model import ENCODINGS, ModelConfig, Transformer
 from test_train import ROOT, relative_difference, rows, small_config, synthetic  # noqa: F401 (synthetic: a fixture)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -451,6 +451,35 @@ def test_dry_run_prints_the_memory_plan(capsys):
     with pytest.raises(SystemExit):
         train.main(["configs/tiny.toml", "--dry_run", "--world_size=eight"])
     assert capsys.readouterr().err.startswith("error: --world_size=eight: give numbers of GPUs")
+
+
+def test_a_dry_run_of_100000_layers_is_planned_per_distinct_layer():
+    """The plan counts one Block and one prior module and multiplies them (building 100,000 Blocks, even on the
+    meta device, took minutes): the same counts as the whole model built, for every encoding, and 100,000 layers
+    planned in the time of one, their parameters those of the shapes alone."""
+    from bam.sizing import Sizes
+
+    def built(mc):  # what Sizes.of counted before: the whole model, every layer of it
+        with torch.device("meta"):
+            model = Transformer(mc)
+        count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+        blocks = [count(b) for b in model.blocks]
+        return Sizes(total=count(model), blocks=sum(blocks), largest_block=max(blocks),
+                     embedding=count(model.tok_emb), head=count(model.norm) + count(model.lm_head),
+                     priors=sum(count(p) for p in model.priors))
+
+    for pe in ENCODINGS:
+        for extra in (dict(ssmax=True, n_kv_head=2), dict(bam_per_layer=False)):
+            mc = ModelConfig(n_layer=3, n_embd=32, n_head=4, block_size=32, vocab_size=100, pe=pe, **extra)
+            assert Sizes.of(mc) == built(mc), (pe, extra)
+
+    proc = subprocess.run([sys.executable, "train.py", "configs/tiny.toml", "--dry_run", "--model.n_layer=100000",
+                           "--world_size=8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = load_config("configs/tiny.toml", ["--model.n_layer=100000"]).model
+    C, F, L, V, H = m.n_embd, m.hidden_dim, m.n_layer, m.vocab_size, m.n_head
+    params = L * (4 * C * C + 3 * C * F + 2 * C + H) + 2 * V * C + C + 3 * H * L  # as in the test above
+    assert f"({params:,}): 100000 Blocks of" in proc.stdout, proc.stdout[:500]
 
 
 def test_the_activation_estimate_matches_measured_memory():

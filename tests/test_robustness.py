@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -132,6 +133,99 @@ def test_torchrun_shows_one_error_line_first(tmp_path, synthetic):
     lines = proc.stderr.splitlines()
     assert lines[0] == "error: [train] optimizer = 'sgd' (command line): choose one of: radam, adamw", lines[:5]
     assert len(error_lines(proc.stderr)) == 1
+
+
+def children(pid):
+    """The processes whose parent is `pid` (torchrun's ranks), read from /proc."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                if name.isdigit() and f.read().rsplit(")", 1)[1].split()[1] == str(pid):
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def running(pid):
+    """Whether `pid` is a live process: not gone, nor a zombie that its new parent has yet to reap."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def kill_9_torchrun(tmp_path, args, when):
+    """Start torchrun with two ranks, wait until when() holds, kill -9 torchrun alone (as a lost job step or an
+    OOM killer would) and return (torchrun's pid, seconds until no rank was left, stderr). Ranks that outlive it by
+    60 s fail the test and are killed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     "--nproc_per_node=2", "train.py", *args], cwd=ROOT, env=env, stdout=out,
+                                    stderr=err)
+    ranks = []
+    try:
+        wait_until(lambda: len(children(launcher.pid)) == 2 and when(), 240, "torchrun did not start its ranks")
+        ranks = children(launcher.pid)
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        wait_until(lambda: not any(running(pid) for pid in ranks), 60, "ranks outlived their launcher")
+        return launcher.pid, time.monotonic() - killed, (tmp_path / "err").read_text()
+    finally:
+        launcher.kill()
+        for pid in ranks:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_kill_9_of_torchrun_stops_its_ranks_after_the_next_step_and_resume_continues(tmp_path, synthetic):
+    """Each rank watches its launcher: once it is gone, every rank finishes the same step, checkpoints it and
+    exits, releasing the run directory for the --resume that follows."""
+    run = str(tmp_path / "run")
+    args = [small_config(tmp_path, synthetic), f"--log.out_dir={run}", "--train.ckpt_every=0"]
+    pid, seconds, err = kill_9_torchrun(tmp_path, [*args, "--train.max_steps=100000"],
+                                        when=lambda: os.path.exists(os.path.join(run, "metrics.jsonl"))
+                                        and len(rows(run)) > 1)  # a step was logged
+    print(f"the ranks stopped {seconds:.1f} s after torchrun's kill -9")
+    [line] = [line for line in err.splitlines() if line.startswith("stopped at step")]
+    step = int(line.split()[3])
+    assert line == (f"stopped at step {step} because its launcher (pid {pid}) is gone; "
+                    f"{run}/checkpoints/step_{step:08d}.pt holds it: continue with --resume"), err[-3000:]
+    assert "Traceback" not in err
+    assert [checkpoint.checkpoint_step(p) for p in checkpoint.step_checkpoints(run)] == [step]
+    train.main([*args, f"--train.max_steps={step + 2}", "--resume"])  # not refused as in use
+    assert newest(run)["step"] == step + 2
+    assert [r["step"] for r in rows(run)] == list(range(step + 3))  # from the untrained model's row on, once each
+
+
+def orphans_go_to_init():
+    """Whether a process whose parent ends is handed to pid 1 here (not to a subreaper), pid 1 being no launcher."""
+    probe = ("import os, subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+             "'import os, time; time.sleep(0.5); print(os.getppid())']); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
+    with open("/proc/1/cmdline", "rb") as f:
+        return out.strip() == "1" and b"torch" not in f.read()
+
+
+def test_a_kill_9_of_torchrun_while_its_ranks_start_ends_them(tmp_path, synthetic):
+    """Killed before its ranks are up (they would wait for the rendezvous it hosted until its timeout): they end
+    at once, before their watch was armed (they are children of init by then) or after it (the kernel's signal)."""
+    if not orphans_go_to_init():
+        pytest.skip("orphans go to a subreaper here, which a rank cannot tell from its launcher")
+    run = str(tmp_path / "run")
+    kill_9_torchrun(tmp_path, [small_config(tmp_path, synthetic), f"--log.out_dir={run}"], when=lambda: True)
+    assert checkpoint.step_checkpoints(run) == []
 
 
 HOLDER = """
