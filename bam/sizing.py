@@ -54,8 +54,9 @@ class Sizes:
             model = Transformer(model_config)
         count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
         blocks = [count(b) for b in model.blocks]
+        head = count(model.norm) + (0 if model_config.tie_embeddings else count(model.lm_head))  # tied: the embedding's
         return cls(total=count(model), blocks=sum(blocks), largest_block=max(blocks), embedding=count(model.tok_emb),
-                   head=count(model.norm) + count(model.lm_head), priors=sum(count(p) for p in model.priors))
+                   head=head, priors=sum(count(p) for p in model.priors))
 
 
 def available_bytes(device):
