@@ -16,6 +16,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
 import export_hf
 import import_hf
 import prepare_fineweb
+import sample
 import train
 from bam.checkpoint import load_checkpoint, load_model, step_checkpoints
 from bam.cli import run_cli
@@ -232,12 +233,15 @@ def test_another_architecture_remote_code_and_a_foreign_weight_are_one_line(tmp_
 
 
 def test_import_evaluate_fine_tune_with_ssmax_and_export(imported, tmp_path, capsys):
-    """The whole road: an imported model through eval.passkey and eval.attention at its own context, fine-tuned
+    """The whole road: an imported model through eval.passkey, eval.attention, eval.niah, eval.perplexity and
+    sample.py with its own tokenizer and context, fine-tuned
     by train.py from its own config.toml with SSMax added (new parameters from the config's init), exported,
     loaded in transformers."""
     from eval.attention import evaluate_attention
+    from eval.niah import evaluate_niah
     from eval.options import EvalOptions
     from eval.passkey import evaluate_passkey
+    from eval.perplexity import evaluate_perplexity
 
     _, _, out = imported["llama_tied_gqa"]
     options = EvalOptions(out=str(tmp_path / "eval"), verbose=False, progress=False, device="cpu")
@@ -252,6 +256,14 @@ def test_import_evaluate_fine_tune_with_ssmax_and_export(imported, tmp_path, cap
     shards = str(tmp_path / "shards")
     prepare_fineweb.main(["--source", "local", "--input", str(docs), "--out_dir", shards, "--shard_size", "4096",
                           "--workers", "1", "--tokenizer", os.path.join(out, "tokenizer")])
+    niah = evaluate_niah(out, options=options, lengths=[256], samples=1, tasks=["single_number"], data_dir=shards)
+    assert niah["results"] and niah["results"][0]["factor"] == 1.0
+    perplexity = evaluate_perplexity(out, options=options, length="2x", window="1x", num_seqs=1, data_dir=shards)
+    assert perplexity["settings"]["block_size"] == 256
+    capsys.readouterr()
+    sample.main([out, "--prompt", "The", "--max_new_tokens", "4", "--temperature", "0"])
+    assert capsys.readouterr().out.startswith("The")
+
     config = os.path.join(out, "config.toml")
     short = [f"--data.data_dir={shards}", "--train.max_steps=2", "--train.compile=false", "--train.dtype=float32",
              "--train.val_tokens=256", "--log.log_every=1"]
