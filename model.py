@@ -30,7 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")
 FLEX_PRIORS = ("table", "formula")
 BAM_INITS = ("alibi", "uniform", "constant", "sampled", "linear")
-ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
+ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
 
 # The paper's model sizes (docs/paper.md §4), named by their parameter count with the paper's 32,768-token
 # vocabulary; with GPT-2's 50,257 tokens the counts are higher (`Transformer.num_params` says by how much).
@@ -54,6 +54,11 @@ class ModelConfig:
     n_head: int = 16
     n_kv_head: int = 0  # grouped-query attention; 0 means n_head (plain multi-head attention)
     n_embd: int = 768
+    # The width of each attention head; 0 means n_embd / n_head. Some imported models (import_hf.py) have
+    # n_head x head width != n_embd; q, k, v and the output projection then map n_embd <-> n_head x it.
+    attn_head_dim: int = 0
+    qkv_bias: bool = False  # a bias on the q, k and v projections (Qwen2), none on the output projection
+    tie_embeddings: bool = False  # the LM head is the token embedding matrix (SmolLM, Llama 3.2 1B/3B, Qwen2)
     mlp_hidden: int = 0  # SwiGLU hidden width; 0 means 2 * n_embd as in the paper
     block_size: int = 512  # training context; nothing at inference depends on it
     norm_eps: float = 1e-5
@@ -61,12 +66,17 @@ class ModelConfig:
     pe: str = "bam"  # a name in ENCODINGS: nope | rope | sinusoidal | alibi | bam | kerple_log | kerple_power | t5 | fire | fox
     rope_theta: float = 500_000.0  # the paper's RoPE baseline
     # RoPE context extension, applied at evaluation (docs/evaluation.md): none | linear (position
-    # interpolation) | ntk | dynamic_ntk | yarn, with the scale s = rope_factor
+    # interpolation) | ntk | dynamic_ntk | yarn | llama3 (Llama 3.1's, part of the imported models that have it),
+    # with the scale s = rope_factor
     rope_scaling: str = "none"
     rope_factor: float = 1.0
     rope_original_context: int = 0  # the context the RoPE model was trained at; 0 means block_size
     yarn_beta_fast: float = 32.0  # YaRN's ramp bounds, in rotations per original context (Peng et al. 2023)
     yarn_beta_slow: float = 1.0
+    # Llama 3.1's ramp bounds, in rotations per original context: pairs turning fewer than low times are
+    # divided by s, those turning more than high times kept, linear in the turn count between (Meta's 1 and 4)
+    llama3_low_freq_factor: float = 1.0
+    llama3_high_freq_factor: float = 4.0
     sinusoidal_base: float = 10_000.0  # the sinusoidal encoding's theta (Vaswani et al. 2017)
     # Sliding-window attention: query i sees key j only if 0 <= i - j < attn_window (and the same
     # document); 0 is off. RoPE-local (docs/paper.md §4) is pe = "rope" with attn_window = block_size.
@@ -112,8 +122,8 @@ class ModelConfig:
             bad(f"unknown flex_prior {self.flex_prior!r}; allowed: {', '.join(FLEX_PRIORS)}")
         if self.bam_init not in BAM_INITS:
             bad(f"unknown bam_init {self.bam_init!r}; allowed: {', '.join(BAM_INITS)}")
-        if self.n_embd % self.n_head:
-            bad(f"n_head={self.n_head} must divide n_embd={self.n_embd}")
+        if self.n_embd % self.n_head and not self.attn_head_dim:
+            bad(f"n_head={self.n_head} must divide n_embd={self.n_embd} (or set attn_head_dim)")
         even = ENCODINGS[self.pe].even_width
         if even and getattr(self, even) % 2:
             bad(f"{self.pe} needs an even {even}, got {even}={getattr(self, even)}")
@@ -135,13 +145,16 @@ class ModelConfig:
                 f"{', '.join(ROPE_SCALINGS[1:])}")
         if self.rope_scaling != "none" and ENCODINGS[self.pe].rotation is None:
             bad(f"rope_scaling needs a rotary encoding (pe = 'rope'), got pe={self.pe!r}")
+        if not self.llama3_low_freq_factor < self.llama3_high_freq_factor:
+            bad(f"llama3 scaling needs llama3_low_freq_factor < llama3_high_freq_factor, got "
+                f"{self.llama3_low_freq_factor} and {self.llama3_high_freq_factor}")
         if self.rope_scaling in ("ntk", "dynamic_ntk") and self.head_dim <= 2:
             bad(f"rope_scaling={self.rope_scaling!r} needs head_dim > 2 (its exponent is d / (d - 2)), "
                 f"got {self.head_dim}")
 
     @property
     def head_dim(self):
-        return self.n_embd // self.n_head
+        return self.attn_head_dim or self.n_embd // self.n_head
 
     @property
     def rope_context(self):
@@ -187,7 +200,8 @@ MODEL_RANGES = {
     "rope_theta": ">= 2", "rope_factor": ">= 1", "rope_original_context": ">= 0", "yarn_beta_fast": "> 0",
     "yarn_beta_slow": "> 0", "sinusoidal_base": ">= 2", "attn_window": ">= 0", "bam_init_shape": "",
     "bam_init_log_scale": ">= -30, <= 30", "t5_num_buckets": ">= 2", "t5_max_distance": ">= 2",
-    "fire_mlp_width": ">= 1", "fire_init_c": "> 0", "fire_init_threshold": "> 0",
+    "fire_mlp_width": ">= 1", "fire_init_c": "> 0", "fire_init_threshold": "> 0", "attn_head_dim": ">= 0",
+    "llama3_low_freq_factor": "> 0", "llama3_high_freq_factor": "> 0",
     "fox_gate_init_bias": ">= -30, <= 30",  # past +-30 a gate is shut (log f < -30 a token) or open to 1e-13
 }
 _LIMIT = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
@@ -263,6 +277,16 @@ def yarn_ramp(cfg):
     return ((torch.arange(d // 2, dtype=torch.float64) - low) / span).clamp(0.0, 1.0)
 
 
+def llama3_ramp(cfg, inv_freq):
+    """Llama 3.1's blend per rotation pair (Meta's Llama 3.1 release; transformers' "llama3" rope type): like
+    YaRN's, 0 keeps the pair's frequency and 1 divides it by s, but the ramp is linear in the pair's turns over
+    the original context, r = L0 f / (2 pi): 1 below r = llama3_low_freq_factor, 0 above llama3_high_freq_factor.
+    No temperature."""
+    low, high = cfg.llama3_low_freq_factor, cfg.llama3_high_freq_factor
+    turns = cfg.rope_context * inv_freq / (2 * math.pi)
+    return ((high - turns) / (high - low)).clamp(0.0, 1.0)
+
+
 def rope_frequencies(cfg, length):
     """RoPE's inverse frequencies (float64, head_dim / 2) under cfg.rope_scaling with s = rope_factor
     and L0 = cfg.rope_context, and the factor YaRN puts on cos and sin (1 otherwise). `length` is how
@@ -273,7 +297,8 @@ def rope_frequencies(cfg, length):
                    the lowest frequency by exactly s and leaves the highest alone
       dynamic_ntk  NTK-aware with the scale growing with the length, as transformers and Code Llama:
                    base theta * (s L / L0 - (s - 1))^(d / (d - 2)) once L > L0, theta up to L0
-      yarn         YaRN (Peng et al. 2023): frequencies blended by yarn_ramp, temperature below"""
+      yarn         YaRN (Peng et al. 2023): frequencies blended by yarn_ramp, temperature below
+      llama3       Llama 3.1's frequencies blended by llama3_ramp (imported Llama 3.x models)"""
     d, theta, s, L0 = cfg.head_dim, cfg.rope_theta, cfg.rope_factor, cfg.rope_context
     kind = cfg.rope_scaling
     if kind == "ntk":
@@ -289,6 +314,9 @@ def rope_frequencies(cfg, length):
         # As the paper's code (and transformers) do, sqrt(1/t) multiplies cos and sin, so q and k each
         # carry one factor and the logit gets 1/t = (0.1 ln s + 1)^2 on every path, cached keys included.
         return inv_freq * (1 - ramp) + inv_freq / s * ramp, 0.1 * math.log(s) + 1.0
+    if kind == "llama3":
+        ramp = llama3_ramp(cfg, inv_freq)
+        return inv_freq * (1 - ramp) + inv_freq / s * ramp, 1.0
     return inv_freq, 1.0
 
 
@@ -1046,9 +1074,9 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd = cfg.head_dim
-        self.wq = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False)
-        self.wk = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
-        self.wv = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
+        self.wq = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
         # SSMax's s_h, per head and per layer, init 1 (docs/paper.md §3)
         self.ssmax_scale = nn.Parameter(torch.ones(cfg.n_head)) if cfg.ssmax else None
@@ -1115,6 +1143,8 @@ class Transformer(nn.Module):
         # empty unless the encoding is a prior: one module per layer, or one that every layer shares
         self.priors = nn.ModuleList(self.encoding(cfg) for _ in range(self.encoding.copies(cfg)))
         self.apply(self._init_weights)
+        if cfg.tie_embeddings:  # one matrix, the embedding's (its init); the state dict names it under both keys
+            self.lm_head.weight = self.tok_emb.weight
         # GPT-2 / nanoGPT: shrink the residual-stream writes with depth so activations stay O(1)
         for name, p in self.named_parameters():
             if name.endswith(("wo.weight", "w2.weight")):
@@ -1123,6 +1153,8 @@ class Transformer(nn.Module):
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:  # qkv_bias
+            nn.init.zeros_(module.bias)
 
     # -- forward, in the order data flows ------------------------------------------------------------
 
@@ -1317,7 +1349,8 @@ class Transformer(nn.Module):
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6 N for the matmuls (the
         embedding lookup is not one) plus 12 L H hd T for attention scores and values."""
         cfg = self.config
-        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len
+        head = self.lm_head.weight.numel() if cfg.tie_embeddings else 0  # a matmul, though its matrix is the embedding
+        return 6 * (self.num_params(non_embedding=True) + head) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
 
 # ---------------------------------------------------------------------------------------------------

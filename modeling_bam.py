@@ -43,7 +43,8 @@ class BAMConfig(PretrainedConfig):
         self.num_hidden_layers = cfg.n_layer
         self.num_attention_heads = cfg.n_head
         self.num_key_value_heads = cfg.kv_heads
-        kwargs["tie_word_embeddings"] = False  # model.py's LM head is its own matrix (as in the paper)
+        # model.py's LM head is its own matrix (as in the paper) unless tie_embeddings makes it the embedding's
+        kwargs["tie_word_embeddings"] = cfg.tie_embeddings
         kwargs.setdefault("use_cache", True)
         kwargs.setdefault("eos_token_id", 50256)
         kwargs.setdefault("bos_token_id", 50256)
@@ -110,6 +111,9 @@ class BAMForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
     _supports_cache_class = True
+    # read only with tie_word_embeddings (ModelConfig.tie_embeddings): model.safetensors then holds the one
+    # matrix once, and loading ties the head to it again, as model.py's Transformer does
+    _tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}
 
     def __init__(self, config):
         super().__init__(config)

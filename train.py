@@ -47,8 +47,8 @@ from bam.checkpoint import (CheckpointError, RunDirInUse, best_path, checkpoint_
                             checkpoint_tokenizer, config_path, keep_last, load_checkpoint, metrics_path, run_dir_lock,
                             save_atomic, step_checkpoints, step_path)
 from bam.cli import Parser, UserError, os_reason, user_errors
-from bam.config import (SHAPE_FREE_MODEL_KEYS, ConfigError, check, checkpoint_differences, describe, load_config,
-                        to_dict, to_toml)
+from bam.config import (PARAMETER_ADDING_MODEL_KEYS, SHAPE_FREE_MODEL_KEYS, ConfigError, check, checkpoint_differences,
+                        describe, load_config, to_dict, to_toml)
 from bam.data import ShardLoader, check_shard_tokens, check_token_ids
 from bam.outputs import remove_temp_files, write_text
 from bam.parallel import (clip_grad_norm, init_distributed, load_fsdp_checkpoint, load_whole_optimizer, micro_step,
@@ -334,7 +334,9 @@ def check_checkpoint_tokenizer(ckpt, cfg, what):
 def load_init_weights(cfg, master):
     """The weights train.init_from names (a state dict), or None. Only for a fresh run: a run directory
     with checkpoints of its own resumes from them (load_resume_state), whatever init_from says. Model
-    settings may differ from the checkpoint's only where no parameter changes shape."""
+    settings may differ from the checkpoint's where no parameter changes shape, and in
+    PARAMETER_ADDING_MODEL_KEYS where that only adds parameters (SSMax's scales, a prior's), which then start
+    from this config's initialisation (build_model) and are named in one line."""
     source = cfg.train.init_from
     if not source:
         return None
@@ -344,14 +346,46 @@ def load_init_weights(cfg, master):
         raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({e})") from None
     check_checkpoint_tokenizer(ckpt, cfg, f"train.init_from = {source!r}")
     saved, current = {"model": ckpt["model_config"]}, {"model": dataclasses.asdict(cfg.model)}
-    forbidden, changed = checkpoint_differences(saved, current, {"model": SHAPE_FREE_MODEL_KEYS})
+    allowed = SHAPE_FREE_MODEL_KEYS + PARAMETER_ADDING_MODEL_KEYS
+    forbidden, changed = checkpoint_differences(saved, current, {"model": allowed})
+    added, lost = added_parameters(cfg.model, ckpt["model"])
+    if lost:  # the change would drop or reshape trained parameters: only adding is allowed
+        adding = [c for c in changed if c.split(":")[0].removeprefix("model.") in PARAMETER_ADDING_MODEL_KEYS]
+        if adding:
+            forbidden += adding
+            changed = [c for c in changed if c not in adding]
+        elif not forbidden:
+            forbidden.append(f"parameters {', '.join(lost[:3])}")
     if forbidden:
         raise UserError(f"train.init_from = {source!r} has other parameter shapes ({'; '.join(forbidden)}); only "
-                        f"these model settings may change: {', '.join(SHAPE_FREE_MODEL_KEYS)}")
+                        f"these model settings may change: {', '.join(SHAPE_FREE_MODEL_KEYS)}, and "
+                        f"{', '.join(PARAMETER_ADDING_MODEL_KEYS)} where that only adds parameters")
+    old_pe = ckpt["model_config"].get("pe", cfg.model.pe)
+    if old_pe != cfg.model.pe and old_pe != "nope" and not cfg.train.init_change_pe:
+        raise UserError(f"train.init_from = {source!r} was trained with pe = {old_pe!r}, which its weights rely on; "
+                        f"model.pe = {cfg.model.pe!r} drops it: pass --train.init_change_pe=true to change the "
+                        f"encoding anyway")
     if master:
         print(f"initialised from {path} (step {ckpt.get('step', '?')}): weights only; fresh optimizer, schedule "
               f"and data" + (f"; changed: {'; '.join(changed)}" if changed else ""))
+        if added:
+            print(f"new parameters, not in {path}, start from this config's initialisation: {', '.join(added)}")
     return ckpt["model"]
+
+
+def added_parameters(model_config, state):
+    """(the parameters a model of `model_config` has that `state` lacks, as name patterns with their count;
+    the names in `state` that such a model drops or reshapes). Shapes only: the model is built on the meta
+    device."""
+    with torch.device("meta"):
+        wanted = {name: tuple(t.shape) for name, t in Transformer(model_config).state_dict().items()}
+    lost = [name for name, t in state.items() if wanted.get(name) != tuple(t.shape)]
+    counts = {}
+    for name in wanted:
+        if name not in state:
+            pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+            counts[pattern] = counts.get(pattern, 0) + 1
+    return [f"{p} ({n} tensors)" if n > 1 else p for p, n in counts.items()], lost
 
 
 def build_model(cfg, procs, bf16, ckpt, init_weights=None):
@@ -367,6 +401,8 @@ def build_model(cfg, procs, bf16, ckpt, init_weights=None):
     torch.manual_seed(t.seed)
     model = Transformer(cfg.model)
     weights = ckpt.get("model") if ckpt else init_weights
+    if weights is not None and not ckpt:  # init_from: what the checkpoint lacks keeps this model's initialisation
+        weights = {**model.state_dict(), **weights}
     if weights is not None:
         model.load_state_dict(weights)
     if t.parallel != "fsdp":

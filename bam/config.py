@@ -40,11 +40,13 @@ class ConfigError(ValueError):
 #   "weights" a model setting that shapes no parameter: the checkpoint's weights serve any value of it, so
 #             train.init_from and an evaluator may change it, but a resumed run would be another experiment.
 # A model key that may change on resume shapes no parameter either. Every setting not named here must stay:
-# it adds or reshapes parameters (pe, ssmax, bam_per_layer, sizes) or changes what is optimised.
+# it adds or reshapes parameters (pe, ssmax, bam_per_layer, sizes, tie_embeddings) or changes what is
+# optimised; of those, train.init_from alone may change the ones in PARAMETER_ADDING_MODEL_KEYS (below).
 CHECKPOINT_CHANGES = {
     "model": {"block_size": "weights", "attn_impl": "resume", "flex_prior": "resume", "attn_window": "weights",
               "rope_theta": "weights", "rope_scaling": "weights", "rope_factor": "weights",
-              "rope_original_context": "weights", "yarn_beta_fast": "weights", "yarn_beta_slow": "weights"},
+              "rope_original_context": "weights", "yarn_beta_fast": "weights", "yarn_beta_slow": "weights",
+              "llama3_low_freq_factor": "weights", "llama3_high_freq_factor": "weights"},
     # The loader's state is a position in tokens, valid for any batch size and number of ranks.
     "data": {"data_dir": "resume", "batch_size": "resume"},
     "train": dict.fromkeys(("max_steps", "lr", "prior_lr", "grad_clip", "val_every", "val_tokens", "ckpt_every",
@@ -56,6 +58,11 @@ CHECKPOINT_CHANGES = {
 CHANGEABLE_ON_RESUME = {section: tuple(key for key, kind in keys.items() if kind == "resume")
                         for section, keys in CHECKPOINT_CHANGES.items()}
 SHAPE_FREE_MODEL_KEYS = tuple(CHECKPOINT_CHANGES["model"])
+# Model settings whose change may add parameters the checkpoint lacks (SSMax's per-head scales, a prior's):
+# train.init_from may change them as long as no parameter of the checkpoint is dropped or reshaped, and the new
+# ones start from the config's initialisation (train.load_init_weights; a change of pe away from the encoding
+# the weights were trained with also needs train.init_change_pe). Never on resume, never an evaluator's override.
+PARAMETER_ADDING_MODEL_KEYS = ("ssmax", "pe")
 
 def checkpoint_differences(saved, current, allowed):
     """The settings of `current` that differ from `saved` (both as to_dict gives them: a checkpoint's "config"
@@ -171,8 +178,12 @@ class TrainConfig:
     # A run directory or checkpoint whose weights start this run (context-extension fine-tuning): the
     # optimizer, schedule, step and data position start fresh, and model settings may differ from the
     # checkpoint's only in SHAPE_FREE_MODEL_KEYS. A run directory that already has checkpoints resumes
-    # from them instead (--resume wins). "" = train from a random initialisation.
+    # from them instead (--resume wins). "" = train from a random initialisation. model.ssmax and model.pe may
+    # also change where that only adds parameters (they start from this config's init; docs/training.md).
     init_from: str = ""
+    # With init_from: let model.pe differ from the encoding the weights were trained with (RoPE, sinusoidal,
+    # ALiBi), which they rely on; without it such a change is refused.
+    init_change_pe: bool = False
 
 
 @dataclass
@@ -308,6 +319,9 @@ def check(config, world_size=1):
     m, d, t, log = config.model, config.data, config.train, config.log
     for section, table in RANGES.items():
         check_ranges(section, getattr(config, section), table)
+    if t.parallel == "fsdp" and m.tie_embeddings:
+        raise ConfigError("train.parallel = 'fsdp' shards the embedding and the LM head apart, which "
+                          "model.tie_embeddings makes one matrix; use train.parallel = 'ddp'")
     if t.warmup_steps > t.max_steps:
         raise ConfigError(f"train.warmup_steps = {t.warmup_steps} is more than train.max_steps = {t.max_steps}")
 

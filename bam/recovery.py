@@ -254,6 +254,9 @@ def load_resume_state(cfg, resume, master):
     if ckpt is None:
         raise UserError(f"no checkpoint in {checkpoint_dir(run_dir)} can be loaded (all {len(existing)} are damaged); "
                         "move them away to start over")
+    if "loader" not in ckpt:  # an imported model (import_hf.py), or a bare save_model: weights without a run
+        raise UserError(f"{path} holds weights only, no training state to resume; start a run from them with "
+                        f"--train.init_from={run_dir} --log.out_dir=NEW_RUN")
     forbidden, changed = checkpoint_differences(ckpt["config"], to_dict(cfg), CHANGEABLE_ON_RESUME)
     if forbidden:
         allowed = ", ".join(f"{s}.{k}" for s, ks in CHANGEABLE_ON_RESUME.items() for k in sorted(ks))
@@ -271,6 +274,11 @@ def follow_moved_run_dir(cfg, path, overrides, master):
     run_dir = os.path.dirname(os.path.abspath(path))
     is_run_dir = os.path.basename(path) == CONFIG and os.path.isdir(checkpoint_dir(run_dir))
     if not is_run_dir or any(arg.startswith("--log.out_dir=") for arg in overrides):
+        return
+    init_from = cfg.train.init_from and os.path.abspath(cfg.train.init_from)
+    if init_from in (run_dir, checkpoint_dir(run_dir)) or os.path.dirname(init_from or "") == checkpoint_dir(run_dir):
+        # `train.py RUN/config.toml --train.init_from=RUN` starts a new run from RUN's weights: it never writes
+        # into RUN, and goes where the config says (an imported run's names a folder beside it, import_hf.py)
         return
     if os.path.abspath(cfg.log.out_dir) != run_dir:
         if master:

@@ -62,9 +62,9 @@ class Sizes:
         copies = model.encoding.copies(model_config)  # prior modules at the real depth (per layer, or shared)
         priors = copies * count(model.priors[0]) if copies else 0
         rest = count(model) - block - sum(count(p) for p in model.priors)  # embedding, final norm, head
+        head = count(model.norm) + (0 if model_config.tie_embeddings else count(model.lm_head))  # tied: the embedding's
         return cls(total=rest + model_config.n_layer * block + priors, blocks=model_config.n_layer * block,
-                   largest_block=block, embedding=count(model.tok_emb), head=count(model.norm) + count(model.lm_head),
-                   priors=priors)
+                   largest_block=block, embedding=count(model.tok_emb), head=head, priors=priors)
 
 
 def available_bytes(device):

@@ -1,0 +1,293 @@
+"""import_hf.py: small random models of each Llama-family architecture, built and saved by transformers itself
+with a tokenizer trained here (no Hub), imported as run directories whose model computes what transformers
+computes on every attention path (fp32 logits, greedy tokens, a KV-cache decode), exported back by export_hf.py
+to the same logits, and refused in one line where model.py cannot honour a setting. One test takes an import
+through the evaluators, a fine-tune with SSMax added (train.init_from) and the export."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+import export_hf
+import import_hf
+import prepare_fineweb
+import sample
+import train
+from bam.checkpoint import load_checkpoint, load_model, step_checkpoints
+from bam.cli import run_cli
+from bam.config import load_config
+from local_tokenizers import bpe_folder, training_text
+from model import KVCache
+
+VOCAB = 320  # the tokenizer's 300 tokens and its BOS and EOS (300, 301), padded as published models pad theirs
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-5,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+            "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=64, rope_theta=500_000.0)
+CASES = {  # name: (family, config, what the import must make of it)
+    # SmolLM's shape; the end-to-end test's model, whose 256-token context holds a passkey prompt
+    "llama_tied_gqa": ("llama", dict(tie_word_embeddings=True, max_position_embeddings=256),
+                       dict(tie_embeddings=True, n_kv_head=2, block_size=256)),
+    "llama_linear": ("llama", dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10_000.0)),
+                     dict(rope_scaling="linear", rope_factor=2.0, block_size=64)),
+    # Llama 3.1's scaling (pairs kept, blended and divided over the 64-token original context), plain multi-head
+    # attention, and a head width that is not hidden / heads
+    "llama3_mha_head_dim": ("llama", dict(num_key_value_heads=4, head_dim=32, max_position_embeddings=512,
+                                          rope_parameters=LLAMA3, v4_layout=True),
+                            dict(rope_scaling="llama3", rope_factor=8.0, block_size=64, rope_original_context=64,
+                                 attn_head_dim=32, n_kv_head=0)),
+    "mistral_window": ("mistral", dict(sliding_window=8, v4_layout=True), dict(attn_window=8)),
+    "qwen2_bias_tied": ("qwen2", dict(tie_word_embeddings=True), dict(qkv_bias=True, tie_embeddings=True)),
+}
+PATHS = ("eager", "sdpa", "flex")
+MEASURED = {}  # (case, path) -> max relative logit difference, printed at the end (pytest -s)
+
+
+def relative(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return bpe_folder(str(tmp_path_factory.mktemp("tok") / "bpe"), vocab_size=300)
+
+
+def hf_folder(folder, family, tokenizer=None, seed=0, v4_layout=False, **config):
+    """A random model of `family` saved as transformers saves it, with norms and biases moved off their init
+    (1 and 0), so that a weight imported to the wrong place cannot go unnoticed; the tokenizer's files beside.
+    `v4_layout`: config.json as transformers 4 wrote it and published models have it (rope_theta at the top,
+    the scaling as rope_scaling)."""
+    config_cls, model_cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**BASE, **config}, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    if v4_layout:
+        raw = json.loads((folder / "config.json").read_text())
+        rope = raw.pop("rope_parameters")
+        raw["rope_theta"] = rope.pop("rope_theta")
+        raw["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+        (folder / "config.json").write_text(json.dumps(raw))
+    for name in os.listdir(tokenizer) if tokenizer else ():
+        shutil.copy(os.path.join(tokenizer, name), folder)
+    return model, str(folder)
+
+
+@pytest.fixture(scope="module")
+def imported(tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("imported")
+    made = {}
+    for name, (family, config, _) in CASES.items():
+        model, src = hf_folder(root / f"{name}_hf", family, tokenizer, **config)
+        out = str(root / name)
+        import_hf.main([src, out])
+        made[name] = (model, src, out)
+    yield made
+    print("\nmax relative logit difference, imported vs transformers (fp32):")
+    for (name, path), value in sorted(MEASURED.items()):
+        print(f"  {name:18s} {path:9s} {value:.2e}")
+
+
+def tokens(batch=2, length=24, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_imported_logits_equal_transformers_on_every_attention_path(name, path, imported):
+    hf_model, _, out = imported[name]
+    ours = load_model(out, attn_impl=path).eval()
+    for key, value in CASES[name][2].items():
+        assert getattr(ours.config, key) == value, key
+    if ours.config.tie_embeddings:
+        assert ours.lm_head.weight is ours.tok_emb.weight
+    hf_model.set_attn_implementation("sdpa" if path == "sdpa" else "eager")  # flex: against the eager reference
+    x = tokens()
+    with torch.no_grad():
+        want, got = hf_model(x).logits, ours(x)[0]
+    MEASURED[name, path] = relative(got, want)
+    assert MEASURED[name, path] < 1e-5
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_tokens_and_a_kv_cache_decode_equal_transformers(name, imported):
+    hf_model, _, out = imported[name]
+    hf_model.set_attn_implementation("eager")
+    ours = load_model(out).eval()
+    prompt = tokens(1, 7, seed=2)
+    want = hf_model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, 20, temperature=0), want)
+    x = tokens(2, 21, seed=3)  # 20 cached positions (past Mistral's window of 8), then one decoded
+    with torch.no_grad():
+        first = hf_model(x[:, :20], use_cache=True)
+        want = hf_model(x[:, 20:], cache=first.cache, use_cache=True).logits
+        cache = KVCache(ours.config, 2, 21, "cpu", torch.float32)
+        ours(x[:, :20], kv_cache=cache)
+        got = ours(x[:, 20:], kv_cache=cache, start_pos=20)[0]
+    assert relative(got, want) < 1e-5
+
+
+def test_the_scalings_and_the_window_change_the_logits_here(imported):
+    """The cases reach what they test: without its llama3 or linear scaling or its window, the model differs."""
+    x = tokens()
+    for name, setting in (("llama3_mha_head_dim", dict(rope_scaling="none", rope_factor=1.0)),
+                          ("llama_linear", dict(rope_scaling="none", rope_factor=1.0)),
+                          ("mistral_window", dict(attn_window=0))):
+        hf_model, _, out = imported[name]
+        with torch.no_grad():
+            assert relative(load_model(out, **setting).eval()(x)[0], hf_model(x).logits) > 1e-3, name
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_of_an_import_gives_the_original_logits_in_transformers(name, imported, tmp_path):
+    hf_model, _, out = imported[name]
+    hf_model.set_attn_implementation("eager")
+    export_hf.export(out, str(tmp_path / "hf"))
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    x = tokens()
+    with torch.no_grad():
+        assert relative(back(x).logits, hf_model(x).logits) < 1e-5
+
+
+def test_the_run_directory_is_like_any_other(imported, tokenizer):
+    _, src, out = imported["llama_tied_gqa"]
+    path, ckpt = load_checkpoint(out)
+    assert [os.path.basename(p) for p in step_checkpoints(out)] == ["step_00000000.pt"] and ckpt["step"] == 0
+    config = load_config(os.path.join(out, "config.toml"))
+    assert config.data.tokenizer == os.path.join(out, "tokenizer") == ckpt["tokenizer"]["name"]
+    assert ckpt["config"]["data"]["tokenizer"] == config.data.tokenizer
+    assert config.log.out_dir == out + "_tuned" and config.model == load_model(out).config
+    from bam.tokenizer import load_tokenizer
+    assert ckpt["tokenizer"]["sha256"] == load_tokenizer(tokenizer).identity.sha256  # the copy is the same tokenizer
+    assert json.load(open(os.path.join(out, "imported.json")))["source"] == src
+
+
+def refusal(tmp_path, capsys, src):
+    out = tmp_path / "out"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        run_cli(import_hf.main, [str(src), str(out)])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert not out.exists()
+    return err
+
+
+def config_folder(folder, family, architecture=None, **config):
+    config_cls, model_cls = FAMILIES[family]
+    cfg = config_cls(**{**BASE, **config})
+    cfg.architectures = [architecture or model_cls.__name__]
+    cfg.save_pretrained(folder)
+    return folder
+
+
+REFUSED = {  # name: (family, config, the words of the one line)
+    "gelu": ("llama", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
+    "o_proj_bias": ("llama", dict(attention_bias=True), "attention_bias = True"),
+    "mlp_bias": ("llama", dict(mlp_bias=True), "mlp_bias = True"),
+    "yarn": ("llama", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10_000.0)),
+             "rope_parameters.rope_type = 'yarn'"),
+    "qwen2_layer_windows": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                            "use_sliding_window = True"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_setting_model_py_cannot_honour_is_one_line_naming_it(name, tmp_path, capsys):
+    family, config, words = REFUSED[name]
+    err = refusal(tmp_path, capsys, config_folder(tmp_path / "src", family, **config))
+    assert words in err, err
+
+
+def test_another_architecture_remote_code_and_a_foreign_weight_are_one_line(tmp_path, capsys, tokenizer):
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    assert "architectures = ['GPT2LMHeadModel']: import_hf.py takes one of LlamaForCausalLM" in \
+        refusal(tmp_path, capsys, gpt2)
+    remote = config_folder(tmp_path / "remote", "llama")
+    raw = json.loads((remote / "config.json").read_text())
+    (remote / "config.json").write_text(json.dumps({**raw, "auto_map": {"AutoModelForCausalLM": "x.Model"}}))
+    err = refusal(tmp_path, capsys, remote)
+    assert "auto_map" in err and "trust_remote_code" in err, err
+    from safetensors.torch import load_file, save_file
+    _, src = hf_folder(tmp_path / "biased", "llama", tokenizer)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    weights["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(weights, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    assert "model.layers.0.self_attn.o_proj.bias has no place in model.py" in refusal(tmp_path, capsys, src)
+    bare = tmp_path / "no_tokenizer"  # a new folder: load_tokenizer keeps what it loaded by name
+    _, src = hf_folder(bare, "llama")
+    assert "tokenizer" in refusal(tmp_path, capsys, src)
+
+
+def test_import_evaluate_fine_tune_with_ssmax_and_export(imported, tmp_path, capsys):
+    """The whole road: an imported model through eval.passkey, eval.attention, eval.niah, eval.perplexity and
+    sample.py with its own tokenizer and context, fine-tuned
+    by train.py from its own config.toml with SSMax added (new parameters from the config's init), exported,
+    loaded in transformers."""
+    from eval.attention import evaluate_attention
+    from eval.niah import evaluate_niah
+    from eval.options import EvalOptions
+    from eval.passkey import evaluate_passkey
+    from eval.perplexity import evaluate_perplexity
+
+    _, _, out = imported["llama_tied_gqa"]
+    options = EvalOptions(out=str(tmp_path / "eval"), verbose=False, progress=False, device="cpu")
+    passkey = evaluate_passkey(out, options=options, lengths=[256, 512], samples=2)
+    assert [(r["length"], r["factor"]) for r in passkey["results"]] == [(256, 1.0), (512, 2.0)]  # 1x = its context
+    assert passkey["model"]["tokenizer"] == os.path.join(out, "tokenizer")
+    attention = evaluate_attention(out, options=options, prompts="passkey", lengths=[256], samples=1, queries=4)
+    assert attention["results"][0]["length"] == 256
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in training_text(60) if t.strip()))
+    shards = str(tmp_path / "shards")
+    prepare_fineweb.main(["--source", "local", "--input", str(docs), "--out_dir", shards, "--shard_size", "4096",
+                          "--workers", "1", "--tokenizer", os.path.join(out, "tokenizer")])
+    niah = evaluate_niah(out, options=options, lengths=[256], samples=1, tasks=["single_number"], data_dir=shards)
+    assert niah["results"] and niah["results"][0]["factor"] == 1.0
+    perplexity = evaluate_perplexity(out, options=options, length="2x", window="1x", num_seqs=1, data_dir=shards)
+    assert perplexity["settings"]["block_size"] == 256
+    capsys.readouterr()
+    sample.main([out, "--prompt", "The", "--max_new_tokens", "4", "--temperature", "0"])
+    assert capsys.readouterr().out.startswith("The")
+
+    config = os.path.join(out, "config.toml")
+    short = [f"--data.data_dir={shards}", "--train.max_steps=2", "--train.compile=false", "--train.dtype=float32",
+             "--train.val_tokens=256", "--log.log_every=1"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # the import is weights only: nothing to resume
+        train.main([config, "--resume", *short])
+    assert "holds weights only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # dropping RoPE, which the weights were trained with, needs the flag
+        train.main([config, f"--train.init_from={out}", "--model.pe=bam", *short])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pe = 'rope'" in err and "--train.init_change_pe=true" in err, err
+    train.main([config, f"--train.init_from={out}", "--model.ssmax=true", *short])
+    printed = capsys.readouterr().out
+    assert "changed: model.ssmax: False -> True" in printed
+    assert "start from this config's initialisation: blocks.*.attn.ssmax_scale (2 tensors)" in printed
+    tuned = out + "_tuned"
+    assert [os.path.basename(p) for p in step_checkpoints(out)] == ["step_00000000.pt"]  # the import is untouched
+    model = load_model(tuned).eval()
+    assert model.config.ssmax and model.config.tie_embeddings and model.lm_head.weight is model.tok_emb.weight
+    before = load_checkpoint(out)[1]["model"]["blocks.0.attn.wq.weight"]
+    assert not torch.equal(model.blocks[0].attn.wq.weight, before)  # it trained
+
+    export_hf.export(tuned, str(tmp_path / "hf"))
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    x = tokens()
+    with torch.no_grad():
+        assert relative(back(x).logits, model(x)[0]) < 1e-5
