@@ -25,7 +25,7 @@ import os
 import re
 import sys
 
-from bam.checkpoint import CONFIG
+from bam.checkpoint import CONFIG, METRICS
 from bam.cli import Parser, run_cli
 from bam.config import ConfigError, load_config, to_dict
 from bam.outputs import write_bytes, write_text
@@ -47,10 +47,12 @@ def eval_folder(path):
 
 
 def run_dir_of(path):
-    """The run directory of `path`: one with checkpoints, or one kept without them (its config.toml beside
-    its eval/ folder, as configs/repro/grid5.sh keeps finished runs under docs/repro/runs5)."""
-    if os.path.isdir(path) and (os.path.isdir(os.path.join(path, "checkpoints"))
-                                or os.path.isfile(os.path.join(path, CONFIG)) and os.path.isdir(os.path.join(path, "eval"))):
+    """The run directory of `path`: one with checkpoints, or one kept without them (its config.toml beside its
+    eval/ folder or its metrics.jsonl, as configs/repro/grid5.sh keeps finished runs under docs/repro/runs5; a
+    diverged run has no results, and git keeps no empty eval/ folder for it)."""
+    kept = os.path.isfile(os.path.join(path, CONFIG)) and (os.path.isdir(os.path.join(path, "eval"))
+                                                            or os.path.isfile(os.path.join(path, METRICS)))
+    if os.path.isdir(path) and (os.path.isdir(os.path.join(path, "checkpoints")) or kept):
         return path
     if os.path.isfile(path) and os.path.basename(os.path.dirname(os.path.abspath(path))) == "checkpoints":
         return os.path.dirname(os.path.dirname(os.path.abspath(path)))
