@@ -138,6 +138,8 @@ def model_config(arch, hf, path):
     unknown = sorted(set(rope) - ROPE_KEYS[rope_type] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     if rope_type != "default" and unknown:
         refuse(path, f"rope_parameters.{unknown[0]}", rope[unknown[0]], f"not a setting of model.py's {rope_type}")
+    for key in sorted(ROPE_KEYS[rope_type] - set(rope)):
+        refuse(path, f"rope_parameters.{key}", None, f"the {rope_type} scaling needs it")
     n_head, width = hf.num_attention_heads, hf.hidden_size
     head_dim = getattr(hf, "head_dim", None) or width // n_head
     kv_heads = hf.num_key_value_heads or n_head
@@ -358,7 +360,8 @@ def main(argv=None):
           + (f", rope_scaling {cfg.rope_scaling} x{cfg.rope_factor:g}" if cfg.rope_scaling != "none" else "")
           + (f", window {cfg.attn_window}" if cfg.attn_window else ""))
     print(f"fine-tune: python train.py {config_path(args.out_dir)} --train.init_from={args.out_dir} "
-          f"--data.data_dir=DATA (shards of {os.path.join(args.out_dir, 'tokenizer')}: prepare_fineweb.py --tokenizer)")
+          f"--data.data_dir=DATA (shards of its tokenizer: prepare_fineweb.py --source ... --tokenizer "
+          f"{os.path.join(args.out_dir, 'tokenizer')} --out_dir DATA)")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ CASES = {  # name: (family, config, what the import must make of it)
     "qwen2_bias_tied": ("qwen2", dict(tie_word_embeddings=True), dict(qkv_bias=True, tie_embeddings=True)),
 }
 PATHS = ("eager", "sdpa", "flex")
+# flex compiles one kernel per shape on a CPU (10-20 s each): every case shares the first one's (GQA, head width
+# 16) but this one, whose other shapes (multi-head, head width 32) run on eager and sdpa only
+NO_FLEX = {"llama3_mha_head_dim"}
 MEASURED = {}  # (case, path) -> max relative logit difference, printed at the end (pytest -s)
 
 
@@ -103,8 +106,7 @@ def tokens(batch=2, length=24, seed=1):
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,path", [(n, p) for n in CASES for p in PATHS if not (p == "flex" and n in NO_FLEX)])
 def test_imported_logits_equal_transformers_on_every_attention_path(name, path, imported):
     hf_model, _, out = imported[name]
     ours = load_model(out, attn_impl=path).eval()
