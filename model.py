@@ -1153,8 +1153,10 @@ class Transformer(nn.Module):
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
-        if isinstance(module, nn.Linear) and module.bias is not None:  # qkv_bias
-            nn.init.zeros_(module.bias)
+        if isinstance(module, Attention):  # qkv_bias starts at 0; a prior's own biases (FoX's gates) keep their init
+            for projection in (module.wq, module.wk, module.wv):
+                if projection.bias is not None:
+                    nn.init.zeros_(projection.bias)
 
     # -- forward, in the order data flows ------------------------------------------------------------
 

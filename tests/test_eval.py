@@ -433,11 +433,12 @@ def test_commands_on_tiny_checkpoints(workspace, tmp_path, capsys):
         assert os.path.isfile(os.path.join(os.path.dirname(out), link)), link
     assert_png(str(tmp_path / "report" / "report_passkey.png"))
     assert_png(str(tmp_path / "report" / "report_perplexity.png"))
+    assert_png(str(tmp_path / "report" / "report_priors.png"))  # BAM's shapes against the step (eval.priors)
     # For a report kept apart from its runs (docs/): no link into the run folders.
     alone = str(tmp_path / "docs" / "report.md")
     assert report.main([bam, rope, "--out", alone, "--no_run_plots"]) == 0
     links = [line for line in open(alone).read().splitlines() if "![](" in line]
-    assert links == ["![](report_passkey.png)", "![](report_perplexity.png)"]
+    assert links == ["![](report_passkey.png)", "![](report_perplexity.png)", "![](report_priors.png)"]
 
 
 def test_sample_generates_reproducibly(workspace, capsys):
