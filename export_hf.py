@@ -120,15 +120,8 @@ def check_target(out_dir, overwrite):
 
 
 def lock_target(out_dir):
-    """Hold .OUT_DIR.lock, then finish or undo what a killed export to OUT_DIR left (outputs.recover)."""
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    try:
-        outputs.lock(outputs.sibling(out_dir, "lock"), out_dir, "export_hf.py", remove=True)
-    except outputs.InUse as e:
-        raise ExportError(e) from None
-    done = outputs.recover(out_dir)
-    if done:
-        print(f"export_hf.py: {out_dir}: a killed export was cleaned up: {done}", file=sys.stderr)
+    """Hold .OUT_DIR.lock, then finish or undo what a killed export to OUT_DIR left (outputs.claim_folder)."""
+    outputs.claim_folder(out_dir, "export_hf.py", "export", refused=ExportError)
 
 
 def export(source, out_dir, overwrite=False):

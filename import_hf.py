@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import sys
 
 import torch
 
@@ -319,14 +318,7 @@ def import_model(src, out_dir, overwrite=False):
     model = build_model(state, cfg)
     del state
 
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    try:
-        outputs.lock(outputs.sibling(out_dir, "lock"), out_dir, "import_hf.py", remove=True)
-    except outputs.InUse as e:
-        raise ImportHFError(e) from None
-    done = outputs.recover(out_dir)
-    if done:
-        print(f"import_hf.py: {out_dir}: a killed import was cleaned up: {done}", file=sys.stderr)
+    outputs.claim_folder(out_dir, "import_hf.py", "import", refused=ImportHFError)
     check_target(out_dir, overwrite)  # again: the recovery may have put an earlier import back
     tmp = outputs.new_folder(out_dir)
     try:

@@ -9,6 +9,8 @@ shards, manifests, metrics, eval results) goes through atomic_file, every folder
                                 write_text); a failed write is one cli.WriteError line naming `path`
     check_writable(folder)      the OSError a later write would meet, now, before the work
     remove_temp_files(folder)   temp files and folder swaps of killed writers (call it holding the lock)
+    write_failure(error, path)  the OSError behind a library's failed write (torch.save, DCP, safetensors)
+    set_aside(path, suffix)     rename a file or folder out of every reader's way (*.rejected, *.damaged)
 
     lock(path, what, command)   an flock held while a command writes an output (train.py's run dir,
                                 prepare_fineweb.py's --out_dir, an export, an evaluator's results file); a
@@ -18,6 +20,8 @@ shards, manifests, metrics, eval results) goes through atomic_file, every folder
     swap_in(tmp, path)          put the finished folder at `path`, replacing an old one
     recover(path)               what a killed swap_in or writer of `path` left: finished or undone, and
                                 every leftover removed (call it holding the lock, before writing)
+    locked_folder(folder, ...)  FOLDER/.lock for a block; a refused command leaves no folder it made
+    claim_folder(path, ...)     .NAME.lock beside an output folder, then recover(path) (export, import)
     remove_stale(folder, glob)  temp files of killed writers (their rename never happened)
 
 How a folder is swapped (docs/INTERFACES.md, "Outputs after a kill"). A folder cannot be renamed over a
@@ -130,6 +134,21 @@ def locked_folder(folder, lock_name, what, command, refused=InUse):
     finally:
         unlock(key)
 
+
+
+def claim_folder(path, command, what, refused=InUse):
+    """Hold .NAME.lock beside the output folder `path` for the rest of the command (removed when it ends),
+    then finish or undo what a killed `command` writing `path` left (recover), saying so in one note:
+    "COMMAND: PATH: a killed WHAT was cleaned up: ...". `refused` (the caller's error type) if another
+    process holds the lock."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        lock(sibling(path, "lock"), path, command, remove=True)
+    except InUse as e:
+        raise refused(str(e)) from None
+    done = recover(path)
+    if done:
+        print(f"{command}: {path}: a killed {what} was cleaned up: {done}", file=sys.stderr)
 
 def _forget_in_child():
     """A forked child (a tokenizer worker, a data loader worker) must not keep its parent's locks: flock
