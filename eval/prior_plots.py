@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from eval.reporting import by_variant
-from eval.results import read_metrics
+from eval.results import rows_by_step
 
 GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
 
@@ -164,11 +164,8 @@ def plot_training(results, history, path, prior_cls):
 def shapes_in_training(metrics_path):
     """(steps, smallest shape b of any head, number of heads with b <= 0) of one run, from the BAM shapes its
     metrics.jsonl logs at every logged step (train.py's "prior" rows); None for a run without them."""
-    rows = {}
-    for row in read_metrics(metrics_path):
-        shapes = (row.get("prior") or {}).get("bam_shape")
-        if isinstance(row.get("step"), int) and shapes:
-            rows[row["step"]] = np.asarray(shapes, dtype=float)  # a resumed run's later row of a step wins
+    rows = {step: np.asarray(row["prior"]["bam_shape"], dtype=float)
+            for step, row in rows_by_step(metrics_path).items() if (row.get("prior") or {}).get("bam_shape")}
     if not rows:
         return None
     steps = sorted(rows)

@@ -38,8 +38,8 @@ from eval.contract import Evaluator
 from eval.loading import load_for_eval, output_dir
 from eval.options import EvalOptions, add_output_arguments
 from eval.prior_plots import group_colors, plot_curves, plot_gates, plot_shapes, plot_shapes_in_training, plot_training
+from eval.prior_report import section
 from eval.prompts import validation_tokens
-from eval.reporting import DASH, by_variant, table
 from eval.results import SCHEMA_VERSION, lock_results, read_json, read_metrics, writable_folder, write_json
 from eval.sweep import parse_length
 
@@ -266,67 +266,6 @@ def run(args, options):
         raise EvalError(f"--metrics {args.metrics} is not a file (give a run's metrics.jsonl)")
     evaluate_priors(args.source, options=options, max_distance=args.max_distance, metrics=args.metrics,
                     data_dir=args.data_dir)
-
-
-def longest_passkey(run):
-    """(length, accuracy %) of the run's plain passkey results at their longest length, or None."""
-    results = run.all("passkey").get("passkey")
-    if not results or not results["results"]:
-        return None
-    cell = max(results["results"], key=lambda x: x["length"])
-    return cell["length"], 100.0 * cell["correct"] / cell["samples"]
-
-
-def retrieval_heads(priors):
-    """How many BAM heads ended with b <= 0 (the retrieval and aggressive groups)."""
-    return priors["groups"]["retrieval"] + priors["groups"]["aggressive"]
-
-
-def seeds_lines(runs):
-    """Per BAM variant of several seeds: how many seeds grew a head with b <= 0, and the passkey accuracy at
-    the longest length of the seeds that did against those that did not (the question docs/repro.md asks of
-    the seed spread: is long retrieval the seeds that learned retrieval heads?)."""
-    rows, longest = [], set()
-    for variant, members in by_variant(runs).items():
-        seeds = [(retrieval_heads(r.get("priors")), longest_passkey(r)) for r in members
-                 if (r.get("priors") or {}).get("groups") and longest_passkey(r)]
-        if len(seeds) < 2:
-            continue
-        longest |= {at[0] for _, at in seeds}
-        grew = [at[1] for heads, at in seeds if heads > 0]
-        did_not = [at[1] for heads, at in seeds if heads == 0]
-        mean = lambda xs: f"{sum(xs) / len(xs):.0f} ({', '.join(f'{x:.0f}' for x in xs)})" if xs else DASH
-        rows.append([variant, len(seeds), len(grew), mean(grew), mean(did_not)])
-    if not rows:
-        return []
-    at = f"at {max(longest):,} tokens" if len(longest) == 1 else "at each run's longest length"
-    return ["", f"BAM variants by seed: the seeds that ended with a head of b <= 0 (retrieval or aggressive), and "
-                f"the mean passkey accuracy (%) {at} of the seeds that did and of those that did not (each seed's "
-                f"in brackets).", ""] + table(
-        ["variant", "seeds", "seeds with a b <= 0 head", "passkey, those seeds", "passkey, the others"], rows)
-
-
-def section(runs, report_options):
-    """BAM's head groups per run (with its passkey accuracy at the longest length, when it has one), then per
-    BAM variant of several seeds, the seeds that grew b <= 0 heads against their accuracy; other priors have
-    no shapes to group."""
-    rows = []
-    for r in runs:
-        p = r.get("priors")
-        if not p:  # no prior (NoPE, RoPE), or not evaluated: nothing to say here
-            continue
-        at = longest_passkey(r)
-        passkey = f"{at[1]:.0f} at {at[0]:,}" if at else DASH
-        if not p.get("groups"):
-            rows.append([r.name, DASH, DASH, DASH, f"{p['pe']}: no shapes", passkey])
-            continue
-        g = p["groups"]
-        shapes = sorted(h["shape"] for h in p["heads"])
-        rows.append([r.name, g["local"], g["retrieval"], g["aggressive"],
-                     f"{shapes[0]:.2f} / {shapes[len(shapes) // 2]:.2f} / {shapes[-1]:.2f}", passkey])
-    return ["BAM heads per shape group (docs/paper.md §2): local b > 0, retrieval -0.6 <= b <= 0, "
-            "aggressive b < -0.6; and the run's passkey accuracy (%) at its longest length.", ""] + table(
-        ["run", "local", "retrieval", "aggressive", "shape min / median / max", "passkey"], rows) + seeds_lines(runs)
 
 
 EVALUATOR = Evaluator(

@@ -180,3 +180,12 @@ def read_metrics(path):
         print(f"skipping {path}: {os_reason(e)}", file=sys.stderr)
     return rows
 
+
+def rows_by_step(path):
+    """{step: that step's rows of a metrics.jsonl merged, in order}: a run resumed from a checkpoint logs that
+    checkpoint's later steps again, and the later row of a step wins."""
+    rows = {}
+    for row in read_metrics(path):
+        if isinstance(row.get("step"), int):
+            rows.setdefault(row["step"], {}).update(row)
+    return rows

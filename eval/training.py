@@ -13,16 +13,13 @@ last tenth of the logged steps, so one noisy batch does not set it, and the last
 import numpy as np
 
 from eval.reporting import DASH, by_family, by_variant, table
-from eval.results import read_metrics
+from eval.results import read_metrics, rows_by_step
 
 
 def curves(path):
     """(steps, training losses), (steps, validation losses) of one metrics.jsonl; the last row of a step
     wins (a run resumed from a checkpoint logs that checkpoint's later steps again)."""
-    rows = {}
-    for row in read_metrics(path):
-        if isinstance(row.get("step"), int):
-            rows.setdefault(row["step"], {}).update(row)
+    rows = rows_by_step(path)
     steps = sorted(rows)
     train = [(s, rows[s]["loss"]) for s in steps if isinstance(rows[s].get("loss"), (int, float))]
     val = [(s, rows[s]["val_loss"]) for s in steps if isinstance(rows[s].get("val_loss"), (int, float))]

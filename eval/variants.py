@@ -64,8 +64,8 @@ def describe_setting(key, value, settings):
         return f"gate init bias {_number(value)}"
     if key == "train.max_steps":  # the training budget: "10,000 steps"
         return f"{value:,} steps"
-    if key == "train.prior_lr" and value and settings.get("train.lr"):
-        return f"prior lr x{_number(round(value / settings['train.lr'], 3))}"
+    if key == "train.prior_lr" and settings.get("train.lr"):  # unset: the prior trains at the base rate, x1
+        return f"prior lr x{_number(round((value or settings['train.lr']) / settings['train.lr'], 3))}"
     return f"{name.replace('_', ' ')} {_number(value)}"
 
 

@@ -150,6 +150,27 @@ def test_report_sets_bam_seeds_that_grew_retrieval_heads_against_their_accuracy(
     assert "| bam + ssmax, init uniform |" not in text.split("BAM variants by seed")[1]  # no priors evaluated
 
 
+def test_report_tables_bam_variants_along_one_setting_as_a_dose(grid, tmp_path):
+    """Three or more BAM variants that differ in one numeric setting only (the prior's learning rate at x1,
+    x3, x10) get one table against it, diverged seeds counted; variants that differ in more are not in it."""
+    root = tmp_path / "runs"
+    x3 = [fake_run(root, f"bam_ssmax_prior_lr3_seed{seed}", seed, [20, 15, 12], ["--train.prior_lr=9e-3"])
+          for seed in (1, 2)]
+    write_metrics(x3[1], [3.0] * 8, [])
+    diverge(x3[1], 90)
+    for run, retrieval in zip(grid[:3] + x3[:1], [0, 0, 2, 1]):
+        fake_priors(run, retrieval)
+    out = tmp_path / "report.md"
+    assert report.main([*dict.fromkeys(grid + x3), "--out", str(out), "--no_run_plots"]) == 0
+    text = out.read_text().split("BAM variants along one setting, prior lr")[1]
+    assert "| prior lr | variant | seeds | 512 (4x) | seeds with a b <= 0 head |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| prior lr x")]
+    assert rows == ["| prior lr x1 | bam + ssmax | 3 | 37 [50 20 40] | 1 of 3 | 0 0 2 | 1.50 1.50 -0.30 |",
+                    "| prior lr x3 | bam + ssmax, prior lr x3 | 1 (+1 diverged) | 60 [60] | 1 of 1 | 1 | -0.30 |",
+                    "| prior lr x10 | bam + ssmax, prior lr x10 | 1 | 85 [85] | — | — | — |"]
+    assert "init uniform" not in text and "along one setting" not in text  # one line only
+
+
 def write_metrics(run, losses, val):
     """RUN/metrics.jsonl as train.py logs it: a loss every 10 steps, validation losses at some steps, and the
     steps after step 20 logged twice, as after a resume (the second, later row of a step wins)."""

@@ -1,0 +1,148 @@
+"""
+eval.report's section of the learned priors (eval.priors): BAM's heads per shape group for every run; over
+the seeds of each BAM variant, whether the seeds that grew heads of b <= 0 are the ones that retrieve far;
+and, for BAM variants that differ in one numeric setting only (the prior's learning rate at 1x, 3x, 10x and
+30x in docs/repro.md), one table against that setting: a dose and its response.
+"""
+
+import json
+
+from eval import variants
+from eval.reporting import DASH, by_variant, length_label, table
+from eval.training import divergence
+
+
+def longest_passkey(run):
+    """(length, accuracy %) of the run's plain passkey results at their longest length, or None."""
+    results = run.all("passkey").get("passkey")
+    if not results or not results["results"]:
+        return None
+    cell = max(results["results"], key=lambda x: x["length"])
+    return cell["length"], 100.0 * cell["correct"] / cell["samples"]
+
+
+def retrieval_heads(priors):
+    """How many BAM heads ended with b <= 0 (the retrieval and aggressive groups)."""
+    return priors["groups"]["retrieval"] + priors["groups"]["aggressive"]
+
+
+def seeds_lines(runs):
+    """Per BAM variant of several seeds: how many seeds grew a head with b <= 0, and the passkey accuracy at
+    the longest length of the seeds that did against those that did not (the question docs/repro.md asks of
+    the seed spread: is long retrieval the seeds that learned retrieval heads?)."""
+    rows, longest = [], set()
+    for variant, members in by_variant(runs).items():
+        seeds = [(retrieval_heads(r.get("priors")), longest_passkey(r)) for r in members
+                 if (r.get("priors") or {}).get("groups") and longest_passkey(r)]
+        if len(seeds) < 2:
+            continue
+        longest |= {at[0] for _, at in seeds}
+        grew = [at[1] for heads, at in seeds if heads > 0]
+        did_not = [at[1] for heads, at in seeds if heads == 0]
+        mean = lambda xs: f"{sum(xs) / len(xs):.0f} ({', '.join(f'{x:.0f}' for x in xs)})" if xs else DASH
+        rows.append([variant, len(seeds), len(grew), mean(grew), mean(did_not)])
+    if not rows:
+        return []
+    at = f"at {max(longest):,} tokens" if len(longest) == 1 else "at each run's longest length"
+    return ["", f"BAM variants by seed: the seeds that ended with a head of b <= 0 (retrieval or aggressive), and "
+                f"the mean passkey accuracy (%) {at} of the seeds that did and of those that did not (each seed's "
+                f"in brackets).", ""] + table(
+        ["variant", "seeds", "seeds with a b <= 0 head", "passkey, those seeds", "passkey, the others"], rows)
+
+
+def section(runs, report_options):
+    """BAM's head groups per run (with its passkey accuracy at the longest length, when it has one), then per
+    BAM variant of several seeds, the seeds that grew b <= 0 heads against their accuracy; other priors have
+    no shapes to group."""
+    rows = []
+    for r in runs:
+        p = r.get("priors")
+        if not p:  # no prior (NoPE, RoPE), or not evaluated: nothing to say here
+            continue
+        at = longest_passkey(r)
+        passkey = f"{at[1]:.0f} at {at[0]:,}" if at else DASH
+        if not p.get("groups"):
+            rows.append([r.name, DASH, DASH, DASH, f"{p['pe']}: no shapes", passkey])
+            continue
+        g = p["groups"]
+        shapes = sorted(h["shape"] for h in p["heads"])
+        rows.append([r.name, g["local"], g["retrieval"], g["aggressive"],
+                     f"{shapes[0]:.2f} / {shapes[len(shapes) // 2]:.2f} / {shapes[-1]:.2f}", passkey])
+    return ["BAM heads per shape group (docs/paper.md §2): local b > 0, retrieval -0.6 <= b <= 0, "
+            "aggressive b < -0.6; and the run's passkey accuracy (%) at its longest length.", ""] + table(
+        ["run", "local", "retrieval", "aggressive", "shape min / median / max", "passkey"], rows) + seeds_lines(runs) + \
+        setting_lines(runs)
+
+
+def setting_value(key, settings):
+    """Where a variant sits along `key`: its value, except the prior's learning rate, as a multiple of the base
+    learning rate (unset: the prior trains at the base rate, x1)."""
+    value = settings.get(key)
+    if key == "train.prior_lr" and settings.get("train.lr"):
+        return (value or settings["train.lr"]) / settings["train.lr"]
+    return value
+
+
+def setting_lines_of(runs):
+    """[(key, [(value, variant name, its settings, its runs)])]: the BAM variants (as trained) in lines along one setting,
+    three or more variants whose settings differ in that one numeric key and in nothing else."""
+    found = {}
+    for variant, members in by_variant([r for r in runs if not r.overrides and r.config]).items():
+        settings = variants.experiment(members[0].config)
+        if settings.get("model.pe") == "bam":
+            found[variant] = (settings, members)
+    lines = []
+    for key in sorted({k for settings, _ in found.values() for k in settings}):
+        rest = {}
+        for variant, (settings, members) in found.items():
+            value = setting_value(key, settings)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                others = json.dumps({k: v for k, v in settings.items() if k != key}, sort_keys=True, default=str)
+                rest.setdefault(others, []).append((value, variant, settings, members))
+        lines += [(key, sorted(line, key=lambda entry: entry[0])) for line in rest.values()
+                  if len({entry[0] for entry in line}) >= 3]
+    return lines
+
+
+def accuracy_at(run, length):
+    """The run's plain passkey accuracy (%) at `length` tokens, or None where it was not asked there."""
+    results = run.all("passkey").get("passkey") or {}
+    cells = [c for c in results.get("results") or [] if c["length"] == length and c["samples"]]
+    return 100.0 * cells[0]["correct"] / cells[0]["samples"] if cells else None
+
+
+def setting_lines(runs):
+    """One table per line of BAM variants along a setting (setting_lines_of): per variant, its seeds that
+    trained to the end and those train.py's divergence guard stopped, the mean passkey accuracy at 16x and 64x
+    of the training context (or the longest length the line shares), and per seed its heads of b <= 0 and its
+    smallest shape."""
+    out = []
+    for key, line in setting_lines_of(runs):
+        evaluated = [r for *_, members in line for r in members if longest_passkey(r)]
+        if not evaluated:
+            continue
+        shared = set.intersection(*({c["length"] for c in r.get("passkey")["results"]} for r in evaluated))
+        context = evaluated[0].pretraining_context
+        lengths = [n for n in sorted(shared) if context and n / context in (16, 64)] or sorted(shared)[-1:]
+        rows = []
+        for _, variant, settings, members in line:
+            done = [r for r in members if longest_passkey(r)]
+            stopped = sum(1 for r in members if r.metrics and divergence(r.metrics))
+            cells = []
+            for n in lengths:
+                seen = [a for a in (accuracy_at(r, n) for r in done) if a is not None]
+                cells.append(f"{sum(seen) / len(seen):.0f} [{' '.join(f'{a:.0f}' for a in seen)}]" if seen else DASH)
+            priors = [r.get("priors") for r in done if (r.get("priors") or {}).get("groups")]
+            heads = [retrieval_heads(p) for p in priors]
+            smallest = [min(h["shape"] for h in p["heads"]) for p in priors]
+            seeds = f"{len(done)}" + (f" (+{stopped} diverged)" if stopped else "")
+            rows.append([variants.describe_setting(key, settings.get(key), settings), variant, seeds, *cells,
+                         f"{sum(h > 0 for h in heads)} of {len(heads)}" if heads else DASH,
+                         " ".join(map(str, heads)) or DASH, " ".join(f"{b:.2f}" for b in smallest) or DASH])
+        name = key.split(".", 1)[1].replace("_", " ")
+        out += ["", f"BAM variants along one setting, {name}: the seeds that trained to the end (and those the "
+                    f"divergence guard stopped), their mean passkey accuracy (%) with each seed's in brackets, the "
+                    f"seeds that ended with a head of b <= 0, and each seed's heads of b <= 0 and smallest shape b.",
+                ""] + table([name, "variant", "seeds", *(length_label(n, evaluated) for n in lengths),
+                             "seeds with a b <= 0 head", "b <= 0 heads, each seed", "smallest b, each seed"], rows)
+    return out
