@@ -196,8 +196,9 @@ def plot_shapes_in_training(runs, path):
     top.axhline(0, color="black", linewidth=0.8)
     top.set_ylabel("smallest shape b over all heads")
     top.set_title("BAM's shapes during training, one line per seed (below 0: a retrieval head)", fontsize=10)
-    top.legend(fontsize=7, loc="upper right")
+    top.legend(fontsize=7, loc="best")  # runs of several budgets leave different corners free
     bottom.set_ylabel("heads with b <= 0")
+    bottom.yaxis.set_major_locator(plt.MaxNLocator(integer=True))  # a count of heads
     bottom.set_xlabel("step")
     for ax in (top, bottom):
         ax.grid(True, alpha=0.3)

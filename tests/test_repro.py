@@ -132,6 +132,10 @@ def test_grid5_at_another_budget_keeps_its_runs_apart_and_reports_them_beside_th
     grid, results = tmp_path / "grid", tmp_path / "results"
     kept = os.path.join(ROOT, "docs", "repro", "runs5", "nope_seed1")
     shutil.copytree(kept, grid / "nope_seed1")
+    # every BAM run of the grid is reported too (one figure of every BAM run's shapes); its other runs are not
+    shutil.copytree(os.path.join(ROOT, "docs", "repro", "runs5", "bam_ssmax_prior_lr3_seed1"),
+                    grid / "bam_ssmax_prior_lr3_seed1")
+    shutil.copytree(os.path.join(ROOT, "docs", "repro", "runs5", "alibi_seed1"), grid / "alibi_seed1")
     shutil.copytree(kept, results / "nope_seed1")
     config = results / "nope_seed1" / "config.toml"
     config.write_text(config.read_text().replace("max_steps = 2000", "max_steps = 10000"))
@@ -143,3 +147,5 @@ def test_grid5_at_another_budget_keeps_its_runs_apart_and_reports_them_beside_th
     report = (tmp_path / "report.md").read_text()
     assert "| nope, 10,000 steps |" in report and "| nope, 2,000 steps |" in report, report
     assert "10,000 steps against the grid's 2,000" in report
+    assert "| bam_ssmax_prior_lr3_seed1 | bam + ssmax |" in report and "alibi" not in report
+    assert (tmp_path / "report_priors.png").stat().st_size > 10_000

@@ -26,7 +26,8 @@ export TOKENS=${TOKENS:-$(( (STEPS * 4096 + (1 << 20) - 1) / (1 << 20) * (1 << 2
 export DATA=${DATA:-data/repro5$SUFFIX} OUT=${OUT:-runs/repro5$SUFFIX}
 RESULTS=${RESULTS:-docs/repro/runs5$SUFFIX}
 REPORT=${REPORT:-docs/repro/report5$SUFFIX.md}   # aggregated over $RESULTS, its images beside it
-GRID=${GRID:-docs/repro/runs5}   # the 2,000-step grid's results, beside which another budget is reported
+GRID=${GRID:-docs/repro/runs5}   # the 2,000-step grid's results: its NoPE, RoPE and every BAM run are reported
+                                 # beside another budget's, so that one figure has every BAM run's shapes
 # 1x ... 64x of the 128-token pretraining context, in tokens: the YaRN fine-tune's own context is 512, so
 # "1x" would mean other lengths for it; 20 prompts per length. Exported: run.sh and rope_extensions.sh
 # evaluate at them, and a run is kept (or skipped) when its passkey is complete at them.
@@ -129,7 +130,7 @@ if [[ -n $SUFFIX ]]; then  # the budget beside the grid's 2,000 steps of the sam
   has "$RESULTS"/rope_seed*/eval/passkey.json && pair "rope, $budget" "rope, 2,000 steps"
   has "$RESULTS"/nope_seed*/eval/passkey.json && pair "nope, $budget" "nope, 2,000 steps"
   shopt -s nullglob
-  python -m eval.report "$RESULTS"/*/ "$GRID"/{nope,rope,bam_ssmax,bam_ssmax_prior_lr}_seed*/ --out "$REPORT" \
+  python -m eval.report "$RESULTS"/*/ "$GRID"/{nope,rope,bam*}_seed*/ --out "$REPORT" \
       --no_run_plots ${compare[@]+"${compare[@]}"} \
       --title "Passkey retrieval at 5-digit keys: $budget against the grid's 2,000 (CPU), seeds aggregated"
 else
