@@ -38,6 +38,7 @@ import re
 import shutil
 import warnings
 import zipfile
+from collections import Counter
 from contextlib import contextmanager
 
 import torch
@@ -140,9 +141,10 @@ def step_checkpoints(run_dir):
     """A run's step checkpoints, files and sharded folders, oldest first (temp, rejected and damaged ones never
     match). A step that exists twice (a sharded folder and a .pt file, after a run switched train.parallel)
     is ordered with its complete copy last, so that every reader of the newest takes that one."""
-    paths = glob.glob(os.path.join(glob.escape(checkpoint_dir(run_dir)), "step_*"))
-    return sorted((p for p in paths if STEP_NAME.fullmatch(os.path.basename(p))),
-                  key=lambda p: (checkpoint_step(p), looks_complete(p), p))
+    paths = [p for p in glob.glob(os.path.join(glob.escape(checkpoint_dir(run_dir)), "step_*"))
+             if STEP_NAME.fullmatch(os.path.basename(p))]
+    twice = {step for step, n in Counter(map(checkpoint_step, paths)).items() if n > 1}  # only these are opened
+    return sorted(paths, key=lambda p: (checkpoint_step(p), checkpoint_step(p) in twice and looks_complete(p), p))
 
 
 def looks_complete(path):

@@ -123,6 +123,23 @@ def sharded_folder(path, files=None):
     return path
 
 
+def test_a_step_saved_twice_is_ordered_with_its_complete_copy_last(tmp_path, monkeypatch):
+    """A sharded folder and a .pt file of one step (a run that switched train.parallel): the complete copy is the
+    newest, whichever it is, and only a step saved twice is opened to tell."""
+    run = str(tmp_path / "run")
+    sharded_folder(step_path(run, 4, sharded=True))
+    with open(step_path(run, 4), "wb") as f:
+        f.write(b"PK\x03\x04 a zip cut short by a kill")
+    os.makedirs(step_path(run, 9, sharded=True))  # a folder without DONE: the .pt of step 9 is whole
+    torch.save({"step": 9}, step_path(run, 9))
+    touch(step_path(run, 2))
+    real, opened = checkpoint.looks_complete, []
+    monkeypatch.setattr(checkpoint, "looks_complete", lambda p: opened.append(os.path.basename(p)) or real(p))
+    assert step_checkpoints(run) == [step_path(run, 2), step_path(run, 4), step_path(run, 4, True),
+                                     step_path(run, 9, True), step_path(run, 9)]
+    assert sorted(opened) == ["step_00000004", "step_00000004.pt", "step_00000009", "step_00000009.pt"]
+
+
 def test_sharded_folders_are_step_checkpoints_found_kept_and_set_aside_like_files(tmp_path):
     run = str(tmp_path / "run")
     for step in (3, 12):
