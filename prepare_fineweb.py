@@ -398,10 +398,10 @@ def parallel_map(fn, items, workers: int, chunk_size: int = CHUNK_DOCS, chunk_ch
             return value
 
         in_flight = collections.deque()  # the worker of each chunk sent and not yet received, oldest first
-        for number, chunk in enumerate(_chunks(items, chunk_size, chunk_chars)):
+        for index, chunk in enumerate(_chunks(items, chunk_size, chunk_chars)):
             if len(in_flight) == CHUNKS_PER_WORKER * workers:
                 yield from receive(in_flight.popleft())
-            send(number % workers, chunk)
+            send(index % workers, chunk)
             in_flight.append(number % workers)
         while in_flight:
             yield from receive(in_flight.popleft())

@@ -316,7 +316,7 @@ def load_config(path=None, overrides=()):
 
 def check(config, world_size=1):
     """Combinations that cannot run; with world_size, also those that cannot run on that many ranks."""
-    m, d, t, log = config.model, config.data, config.train, config.log
+    m, d, t = config.model, config.data, config.train
     for section, table in RANGES.items():
         check_ranges(section, getattr(config, section), table)
     if t.parallel == "fsdp" and m.tie_embeddings:

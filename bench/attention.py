@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import time
 
 import torch

@@ -12,13 +12,11 @@ Loader: ShardLoader.next_batch, one rank, on 10M-token shards and on the demo's 
 (where many batches cross a shard boundary), for a few batch shapes.
 """
 
-import argparse
 import json
 import os
 import platform
 import resource
 import shutil
-import sys
 import tempfile
 import time
 

@@ -17,9 +17,7 @@ On a GPU the same script runs with bf16 autocast and wall time; only numbers fro
 worth quoting in absolute terms.
 """
 
-import argparse
 import dataclasses
-import os
 import platform
 import statistics
 import sys

@@ -13,8 +13,6 @@ Results: docs/benchmarks.md.
 """
 
 import argparse
-import os
-import sys
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker

@@ -237,7 +237,7 @@ def write_report(sources, *, out="report.md", title="Evaluation report", run_plo
     assign_variants(runs)
     options = dict(options or {})
     check_comparisons(runs, options.get("compare") or [])
-    out_dir = writable_folder(os.path.dirname(os.path.abspath(out)))  # before any plot is drawn
+    writable_folder(os.path.dirname(os.path.abspath(out)))  # before any plot is drawn
     if os.path.isdir(out):
         raise EvalError(f"--out {out} is a directory; give the markdown file to write, e.g. {os.path.join(out, 'report.md')}")
     stem = os.path.splitext(os.path.abspath(out))[0]

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from bam import checkpoint, outputs
+from bam import checkpoint
 from bam.checkpoint import (best_path, checkpoint_dict, find_checkpoint, keep_last, save_atomic, step_checkpoints,
                             step_path)
 from bam.outputs import atomic_file, remove_temp_files, write_bytes, write_text

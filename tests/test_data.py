@@ -3,15 +3,13 @@
 import json
 import os
 import struct
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from bam import data, tokenizer
+from bam import tokenizer
 from bam.data import EOT, ShardError, ShardLoader, read_shard, write_shard
-from bam.tokenizer import load_tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # Shard format

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import train
-from bam import checkpoint, cli, outputs, parallel
+from bam import checkpoint, cli, parallel
 from bam.checkpoint import load_model
 from bam.config import TrainConfig, load_config
 from model import ENCODINGS, ModelConfig, Transformer

@@ -14,7 +14,6 @@ import glob
 import io
 import json
 import os
-import sys
 
 import numpy as np
 import pytest

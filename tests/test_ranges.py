@@ -17,7 +17,7 @@ import model
 import prepare_fineweb
 import sample
 import train
-from bam import checkpoint, cli, config, ranges
+from bam import checkpoint, config, ranges
 from bam.config import ConfigError, load_config
 from eval import report
 

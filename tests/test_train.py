@@ -306,7 +306,7 @@ def test_cli_error_is_one_line_without_traceback_and_existing_runs_are_kept(tmp_
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"error: [train] decay = 'exponential' (command line): choose one of: cosine, linear, constant"]
+        "error: [train] decay = 'exponential' (command line): choose one of: cosine, linear, constant"]
 
     run = str(tmp_path / "done")
     short = [f"--log.out_dir={run}", "--train.max_steps=1", "--train.warmup_steps=0"]
