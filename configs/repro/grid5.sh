@@ -113,6 +113,14 @@ for name in $RIVALS; do  # each rival with a passkey result against the BAM + SS
   label=${name/_ssmax/ + ssmax}  # the report's variant name: fox_ssmax -> "fox + ssmax"
   compare+=(--compare "$label" "bam + ssmax, prior lr x10" --compare "$label" "rope + YaRN auto")
 done
+# the prior's learning rate as a dose (x3 and x30, beside the core's x1 and x10): each against its neighbours
+for dose in 3 30; do
+  passkeys=("$RESULTS/bam_ssmax_prior_lr${dose}"_seed*/eval/passkey.json)
+  (( ${#passkeys[@]} )) || continue
+  lower=$([[ $dose == 3 ]] && echo "bam + ssmax" || echo "bam + ssmax, prior lr x10")
+  compare+=(--compare "bam + ssmax, prior lr x$dose" "$lower")
+  [[ $dose == 3 ]] && compare+=(--compare "bam + ssmax, prior lr x10" "bam + ssmax, prior lr x3")
+done
 if [[ -n $SUFFIX ]]; then  # the budget beside the grid's 2,000 steps of the same variants
   budget=$(python -c "print(f'{int($STEPS):,} steps')")
   shopt -s nullglob
