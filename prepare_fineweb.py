@@ -401,8 +401,9 @@ def parallel_map(fn, items, workers: int, chunk_size: int = CHUNK_DOCS, chunk_ch
         for index, chunk in enumerate(_chunks(items, chunk_size, chunk_chars)):
             if len(in_flight) == CHUNKS_PER_WORKER * workers:
                 yield from receive(in_flight.popleft())
-            send(index % workers, chunk)
-            in_flight.append(number % workers)
+            worker = index % workers
+            send(worker, chunk)
+            in_flight.append(worker)
         while in_flight:
             yield from receive(in_flight.popleft())
     finally:

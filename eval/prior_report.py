@@ -114,20 +114,20 @@ def accuracy_at(run, length):
 def setting_lines(runs):
     """One table per line of BAM variants along a setting (setting_lines_of): per variant, its seeds that
     trained to the end and those train.py's divergence guard stopped, the mean passkey accuracy at 16x and 64x
-    of the training context (or the longest length the line shares), and per seed its heads of b <= 0 and its
-    smallest shape."""
+    of the training context (or at the longest length asked; a seed not asked there is left out of the mean),
+    and per seed its heads of b <= 0 and its smallest shape."""
     out = []
     for key, line in setting_lines_of(runs):
         evaluated = [r for *_, members in line for r in members if longest_passkey(r)]
         if not evaluated:
             continue
-        shared = set.intersection(*({c["length"] for c in r.get("passkey")["results"]} for r in evaluated))
+        asked = sorted({c["length"] for r in evaluated for c in r.get("passkey")["results"]})
         context = evaluated[0].pretraining_context
-        lengths = [n for n in sorted(shared) if context and n / context in (16, 64)] or sorted(shared)[-1:]
+        lengths = [n for n in asked if context and n / context in (16, 64)] or asked[-1:]
         rows = []
         for _, variant, settings, members in line:
-            done = [r for r in members if longest_passkey(r)]
-            stopped = sum(1 for r in members if r.metrics and divergence(r.metrics))
+            stopped = [r for r in members if r.metrics and divergence(r.metrics)]
+            done = [r for r in members if longest_passkey(r) and r not in stopped]
             cells = []
             for n in lengths:
                 seen = [a for a in (accuracy_at(r, n) for r in done) if a is not None]
@@ -135,7 +135,7 @@ def setting_lines(runs):
             priors = [r.get("priors") for r in done if (r.get("priors") or {}).get("groups")]
             heads = [retrieval_heads(p) for p in priors]
             smallest = [min(h["shape"] for h in p["heads"]) for p in priors]
-            seeds = f"{len(done)}" + (f" (+{stopped} diverged)" if stopped else "")
+            seeds = f"{len(done)}" + (f" (+{len(stopped)} diverged)" if stopped else "")
             rows.append([variants.describe_setting(key, settings.get(key), settings), variant, seeds, *cells,
                          f"{sum(h > 0 for h in heads)} of {len(heads)}" if heads else DASH,
                          " ".join(map(str, heads)) or DASH, " ".join(f"{b:.2f}" for b in smallest) or DASH])

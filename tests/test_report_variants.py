@@ -168,7 +168,10 @@ def test_report_tables_bam_variants_along_one_setting_as_a_dose(grid, tmp_path):
     assert rows == ["| prior lr x1 | bam + ssmax | 3 | 37 [50 20 40] | 1 of 3 | 0 0 2 | 1.50 1.50 -0.30 |",
                     "| prior lr x3 | bam + ssmax, prior lr x3 | 1 (+1 diverged) | 60 [60] | 1 of 1 | 1 | -0.30 |",
                     "| prior lr x10 | bam + ssmax, prior lr x10 | 1 | 85 [85] | — | — | — |"]
-    assert "init uniform" not in text and "along one setting" not in text  # one line only
+    assert "init uniform" not in text and out.read_text().count("BAM variants along one setting") == 1
+    # two values are not a line: without x3, no table
+    assert report.main([*dict.fromkeys(grid), "--out", str(out), "--no_run_plots"]) == 0
+    assert "along one setting" not in out.read_text()
 
 
 def write_metrics(run, losses, val):
