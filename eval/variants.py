@@ -20,8 +20,11 @@ import json
 # only decide how often something is saved or measured.
 # train.init_from is in the list as the seed is: fine-tunes of two seeds' weights are two seeds of one
 # variant, which its name calls "fine-tuned".
+# The spike guard (train.spike_*) only decides whether a run stops: a run that trained to the end is the same run
+# under any of its settings, and they may change on resume.
 NOT_THE_EXPERIMENT = ("train.seed", "train.init_from", "data.data_dir", "log.", "model.attn_impl", "model.flex_prior",
-                      "train.compile", "train.ckpt_every", "train.keep_last", "train.val_every", "train.val_tokens")
+                      "train.compile", "train.ckpt_every", "train.keep_last", "train.val_every", "train.val_tokens",
+                      "train.spike_")
 
 
 def flatten(config):
