@@ -59,10 +59,13 @@ def grid(tmp_path):
 
 
 def test_seeds_are_one_variant_named_by_what_sets_it_apart(grid, tmp_path):
-    runs = [r for path in dict.fromkeys(grid) for r in report.load_runs(path)]
+    # a seed whose spike guard was turned off (as on resume after a false alarm) is still a seed of the variant
+    guard_off = fake_run(tmp_path / "runs", "bam_ssmax_seed4", 4, [20, 20, 20], ["--train.spike_threshold=0"])
+    runs = [r for path in dict.fromkeys(grid + [guard_off]) for r in report.load_runs(path)]
     report.assign_variants(runs)
     variant = {r.name: r.variant for r in runs}
     assert variant["bam_ssmax_seed1"] == variant["bam_ssmax_seed2"] == variant["bam_ssmax_seed3"] == "bam + ssmax"
+    assert variant["bam_ssmax_seed4"] == "bam + ssmax"
     assert variant["bam_ssmax_uniform_seed1"] == variant["bam_ssmax_uniform_seed2"] == "bam + ssmax, init uniform"
     assert variant["bam_ssmax_prior_lr_seed1"] == "bam + ssmax, prior lr x10"
     assert variant["bam_ssmax_seed1: bam-local + ssmax (W=64)"] == "bam-local + ssmax (W=64)"

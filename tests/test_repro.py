@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_repro_pipeline_smoke(tmp_path):
     # JOBS=2: the two runs train side by side, each logging to <run>.log
     env = dict(os.environ, OUT=str(tmp_path / "runs"), DATA=str(tmp_path / "data"), STEPS="2",
-               LENGTHS="128,256", SAMPLES="2", RUNS="rope bam_ssmax@2", JOBS="2", TOKENS="200000")
+               LENGTHS="128,256", SAMPLES="2", RUNS="rope bam_ssmax@2", JOBS="2", TOKENS="200000",
+               TRAIN_ARGS="--train.spike_threshold=0 --train.spike_window=50")  # passed to every train.py
     proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "run.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -23,7 +24,8 @@ def test_repro_pipeline_smoke(tmp_path):
         assert (runs / name / "eval" / "passkey.png").stat().st_size > 0
         assert "== passkey" in (runs / f"{name}.log").read_text()
     assert (runs / "bam_ssmax_seed2" / "eval" / "priors.png").exists()
-    assert "seed = 2" in (runs / "bam_ssmax_seed2" / "config.toml").read_text()
+    config = (runs / "bam_ssmax_seed2" / "config.toml").read_text()
+    assert "seed = 2" in config and "spike_threshold = 0.0" in config and "spike_window = 50" in config
     report = (runs / "report.md").read_text()
     assert "rope_seed1" in report and "bam_ssmax_seed2" in report
 
