@@ -135,7 +135,6 @@ def locked_folder(folder, lock_name, what, command, refused=InUse):
         unlock(key)
 
 
-
 def claim_folder(path, command, what, refused=InUse):
     """Hold .NAME.lock beside the output folder `path` for the rest of the command (removed when it ends),
     then finish or undo what a killed `command` writing `path` left (recover), saying so in one note:
@@ -149,6 +148,7 @@ def claim_folder(path, command, what, refused=InUse):
     done = recover(path)
     if done:
         print(f"{command}: {path}: a killed {what} was cleaned up: {done}", file=sys.stderr)
+
 
 def _forget_in_child():
     """A forked child (a tokenizer worker, a data loader worker) must not keep its parent's locks: flock

@@ -90,7 +90,7 @@ collect() {  # copy every finished run's small files to $RESULTS: a run is finis
 # others being kept: the status is returned at the end.
 status=0
 if [[ -n $RUNS ]]; then bash configs/repro/run.sh || status=$?; fi
-shopt -s nullglob
+shopt -s nullglob  # from here on a glob that matches nothing is empty, for every test of what exists below
 trained=("$OUT"/rope_seed*/checkpoints)
 if (( ${#trained[@]} )); then  # RoPE runs trained here: PI and YaRN on each, the fine-tune from seed 1's
   # FINE_TUNE=0 defers the fine-tune (a later call does it); by default it runs where seed 1's checkpoints
@@ -112,24 +112,21 @@ compare=(--compare "bam + ssmax, prior lr x10" "rope" --compare "bam + ssmax, pr
          --compare "bam + ssmax, init uniform" "bam + ssmax" --compare "bam, init uniform" "bam"
          --compare "bam" "bam + ssmax" --compare "bam + ssmax, init uniform" "bam, init uniform"
          --compare "alibi + ssmax" "alibi" --compare "sinusoidal" "nope")
+has() { local found=("$@"); (( ${#found[@]} )); }  # GLOB...: some file matches (a variant with a result)
 for name in $RIVALS; do  # each rival with a passkey result against the BAM + SSMax that extrapolates, and YaRN
-  passkeys=("$RESULTS/${name}"_seed*/eval/passkey.json)
-  (( ${#passkeys[@]} )) || continue
+  has "$RESULTS/${name}"_seed*/eval/passkey.json || continue
   label=${name/_ssmax/ + ssmax}  # the report's variant name: fox_ssmax -> "fox + ssmax"
   compare+=(--compare "$label" "bam + ssmax, prior lr x10" --compare "$label" "rope + YaRN auto")
 done
 # the prior's learning rate as a dose (x3 and x30, beside the core's x1 and x10): each against its neighbours
-for dose in 3 30; do
-  passkeys=("$RESULTS/bam_ssmax_prior_lr${dose}"_seed*/eval/passkey.json)
-  (( ${#passkeys[@]} )) || continue
-  lower=$([[ $dose == 3 ]] && echo "bam + ssmax" || echo "bam + ssmax, prior lr x10")
-  compare+=(--compare "bam + ssmax, prior lr x$dose" "$lower")
-  [[ $dose == 3 ]] && compare+=(--compare "bam + ssmax, prior lr x10" "bam + ssmax, prior lr x3")
-done
+if has "$RESULTS"/bam_ssmax_prior_lr3_seed*/eval/passkey.json; then
+  compare+=(--compare "bam + ssmax, prior lr x3" "bam + ssmax" --compare "bam + ssmax, prior lr x10" "bam + ssmax, prior lr x3")
+fi
+if has "$RESULTS"/bam_ssmax_prior_lr30_seed*/eval/passkey.json; then
+  compare+=(--compare "bam + ssmax, prior lr x30" "bam + ssmax, prior lr x10")
+fi
 if [[ -n $SUFFIX ]]; then  # the budget beside the grid's 2,000 steps of the same variants
   budget=$(python -c "print(f'{int($STEPS):,} steps')")
-  shopt -s nullglob
-  has() { local found=("$@"); (( ${#found[@]} )); }  # GLOB...: some file matches (a variant with a result)
   compare=()
   pair() { compare+=(--compare "$1" "$2"); }
   if has "$RESULTS"/bam_ssmax_seed*/eval/passkey.json; then
@@ -142,7 +139,6 @@ if [[ -n $SUFFIX ]]; then  # the budget beside the grid's 2,000 steps of the sam
   fi
   has "$RESULTS"/rope_seed*/eval/passkey.json && pair "rope, $budget" "rope, 2,000 steps"
   has "$RESULTS"/nope_seed*/eval/passkey.json && pair "nope, $budget" "nope, 2,000 steps"
-  shopt -s nullglob
   python -m eval.report "$RESULTS"/*/ "$GRID"/{nope,rope,bam*}_seed*/ --out "$REPORT" \
       --no_run_plots ${compare[@]+"${compare[@]}"} \
       --title "Passkey retrieval at 5-digit keys: $budget against the grid's 2,000 (CPU), seeds aggregated"

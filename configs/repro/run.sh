@@ -46,7 +46,8 @@ one_run() {  # name seed dir: train, then passkey and the learned priors; stops 
   local name=$1 seed=$2 dir=$3
   local extra=(--data.data_dir="$DATA" --train.seed="$seed" --log.out_dir="$dir")
   [[ -n $STEPS ]] && extra+=(--train.max_steps="$STEPS")
-  [[ -n $TRAIN_ARGS ]] && read -r -a more <<< "$TRAIN_ARGS" && extra+=("${more[@]}")
+  local more; read -r -a more <<< "$TRAIN_ARGS"
+  extra+=(${more[@]+"${more[@]}"})
   [[ -n $STEPS ]] && (( STEPS < 100 )) && extra+=(--train.warmup_steps=0)  # a smoke run: no warmup
   export OMP_NUM_THREADS=$THREADS
   # `|| return 1` on every step: bash ignores set -e inside a function called from an `if`.
