@@ -202,9 +202,7 @@ def test_bam_reduces_to_nope(setting):
 def test_negative_shape_prefers_distant_tokens():
     """b < 0: with no content signal, a head gives more weight to far keys than to near ones (docs/paper.md §2)."""
     from model import AttnContext, dense_mask, eager_attention
-    H, T, hd = 1, 64, 8
-    q = torch.zeros(1, H, T, hd)  # q.k = 0: attention is the prior alone
-    v = torch.eye(T)[None, None, :, :hd].expand(1, H, T, hd)  # unused
+    T = 64
     shape, log_scale, loc = torch.tensor([-0.6]), torch.tensor([0.0]), torch.tensor([0.0])
     dist = torch.arange(T, dtype=torch.float32)
     bias = ggd_bias(dist, 0, shape, log_scale, loc)
@@ -212,7 +210,8 @@ def test_negative_shape_prefers_distant_tokens():
     assert bias[0] == pytest.approx(-1e3, rel=1e-3)  # eps = 1e-5 ** -0.6 = 1000 (docs/paper.md §2)
     pos = torch.arange(T)
     ctx = AttnContext("eager", pos, pos, dense_mask(pos, pos), None, None)
-    # attention weights of the last query over its keys, via v = identity
+    # attention weights of the last query over its keys: q.k = 0 leaves the prior alone, and v = identity
+    # returns the weights themselves
     v = torch.eye(T)[None, None]
     w = eager_attention(torch.zeros(1, 1, T, T), torch.zeros(1, 1, T, T), v, ctx,
                         (ggd_bias, (shape, log_scale, loc)), None)[0, 0, -1]
