@@ -222,6 +222,19 @@ def check_comparisons(runs, pairs):
                             + "; ".join(repr(k) for k in known))
 
 
+def distinct_names(runs):
+    """Runs of one name told apart: two grids' bam_ssmax_seed1 by the folder above each (runs5/bam_ssmax_seed1,
+    runs5_10000/bam_ssmax_seed1), and where that is shared too (two checkpoints called "best") by their place
+    in the list."""
+    def repeated(name):
+        return sum(r.name == name for r in runs) > 1
+    for r in [r for r in runs if repeated(r.name)]:
+        parent = os.path.basename(os.path.dirname(os.path.abspath(os.path.normpath(r.path))))
+        r.name = f"{parent}/{r.name}" if parent else r.name
+    for i, r in [(i, r) for i, r in enumerate(runs) if repeated(r.name)]:
+        r.name = f"{r.name} ({i + 1})"
+
+
 def write_report(sources, *, out="report.md", title="Evaluation report", run_plots=True, options=None):
     """The report of `sources` (run directories, checkpoints or eval folders) in the markdown file `out`.
     `options`: the report options the evaluators' sections read (eval.report's command line, e.g.
@@ -230,10 +243,7 @@ def write_report(sources, *, out="report.md", title="Evaluation report", run_plo
     if not any(r.results for r in runs):
         raise EvalError(f"nothing to report: no evaluation results in {', '.join(r.folder for r in runs)}; "
                         f"run an evaluator first (python -m eval.passkey RUN)")
-    names = [r.name for r in runs]
-    for i, r in enumerate(runs):  # two runs called "eval" or "best" must still be told apart
-        if names.count(r.name) > 1:
-            r.name = f"{r.name} ({i + 1})"
+    distinct_names(runs)
     assign_variants(runs)
     options = dict(options or {})
     check_comparisons(runs, options.get("compare") or [])

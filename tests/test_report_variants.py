@@ -72,6 +72,19 @@ def test_seeds_are_one_variant_named_by_what_sets_it_apart(grid, tmp_path):
     assert {r.name: r.seed for r in runs}["bam_ssmax_seed2"] == 2  # the legacy config.toml was read too
 
 
+def test_runs_of_one_name_are_told_apart_by_their_folder_then_their_place(tmp_path):
+    # two grids' bam_ssmax_seed1 (docs/repro/runs5 and runs5_10000), then two runs whose folder names match too
+    runs = [r for path in (fake_run(tmp_path / "runs5", "bam_ssmax_seed1", 1, [20, 15, 10]),
+                           fake_run(tmp_path / "runs5_10000", "bam_ssmax_seed1", 1, [20, 20, 20]),
+                           fake_run(tmp_path / "a" / "grid", "nope_seed1", 1, [20, 10, 5]),
+                           fake_run(tmp_path / "b" / "grid", "nope_seed1", 1, [20, 12, 6]),
+                           fake_run(tmp_path / "runs5", "nope_seed2", 2, [20, 12, 6]))
+            for r in report.load_runs(path)]
+    report.distinct_names(runs)
+    assert [r.name for r in runs] == ["runs5/bam_ssmax_seed1", "runs5_10000/bam_ssmax_seed1",
+                                      "grid/nope_seed1 (3)", "grid/nope_seed1 (4)", "nope_seed2"]
+
+
 def test_a_fine_tune_is_its_own_variant_whichever_seed_it_started_from(tmp_path):
     # configs/repro/rope_extensions.sh's YaRN fine-tune: trained on at 512 tokens from a RoPE run's weights.
     # Two fine-tunes from two seeds' weights are two seeds of one variant, named by the method they were
