@@ -26,6 +26,19 @@ def retrieval_heads(priors):
     return priors["groups"]["retrieval"] + priors["groups"]["aggressive"]
 
 
+FAR = 1000  # tokens: where far_heads reads each head's prior (8x the grid's 128-token context)
+
+
+def far_heads(priors):
+    """How many heads cost a key FAR tokens back less than one logit (their prior there above -1, from
+    eval.priors' bias_at; SSMax's factor scales content and prior alike, so it leaves the comparison as it
+    is), or None where the prior was not drawn that far. BAM's prior is -scale x d^b: a head of b <= 0 is one
+    unless its scale is above 1, and so is a head of b > 0 whose scale shrank until its prior is nearly flat
+    (scale 0.025 and b = 0.04 cost 0.03 logits at 1,000 tokens)."""
+    heads = [h.get("bias_at", {}).get(str(FAR)) for h in priors["heads"]]
+    return None if None in heads else sum(b > -1 for b in heads)
+
+
 def seeds_lines(runs):
     """Per BAM variant of several seeds: how many seeds grew a head with b <= 0, and the passkey accuracy at
     the longest length of the seeds that did against those that did not (the question docs/repro.md asks of
@@ -66,12 +79,16 @@ def section(runs, report_options):
             continue
         g = p["groups"]
         shapes = sorted(h["shape"] for h in p["heads"])
+        far = far_heads(p)
         rows.append([r.name, g["local"], g["retrieval"], g["aggressive"],
-                     f"{shapes[0]:.2f} / {shapes[len(shapes) // 2]:.2f} / {shapes[-1]:.2f}", passkey])
+                     f"{shapes[0]:.2f} / {shapes[len(shapes) // 2]:.2f} / {shapes[-1]:.2f}",
+                     DASH if far is None else far, passkey])
     return ["BAM heads per shape group (docs/paper.md §2): local b > 0, retrieval -0.6 <= b <= 0, "
-            "aggressive b < -0.6; and the run's passkey accuracy (%) at its longest length.", ""] + table(
-        ["run", "local", "retrieval", "aggressive", "shape min / median / max", "passkey"], rows) + seeds_lines(runs) + \
-        setting_lines(runs)
+            f"aggressive b < -0.6; the heads whose prior costs a key {FAR:,} tokens back less than one logit "
+            "(most b <= 0 heads, and a b > 0 head whose scale shrank until its prior is nearly flat); and the "
+            "run's passkey accuracy (%) at its longest length.", ""] + table(
+        ["run", "local", "retrieval", "aggressive", "shape min / median / max", f"prior > -1 at {FAR:,}",
+         "passkey"], rows) + seeds_lines(runs) + setting_lines(runs)
 
 
 def setting_value(key, settings):

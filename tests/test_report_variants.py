@@ -142,11 +142,16 @@ def test_an_unknown_variant_to_compare_is_one_line_and_writes_nothing(grid, tmp_
     assert not os.path.exists(tmp_path / "report_passkey.png")
 
 
-def fake_priors(run, retrieval):
-    """RUN/eval/priors.json as eval.priors writes it for a BAM model: 6 heads, `retrieval` of them b <= 0."""
+def fake_priors(run, retrieval, flat=0, drawn=True):
+    """RUN/eval/priors.json as eval.priors writes it for a BAM model: 6 heads, `retrieval` of them b <= 0,
+    `flat` of the others b > 0 at so small a scale that their prior is nearly flat; with their bias (-scale x
+    d^b) at 1 to 1,000 tokens unless not `drawn` (a prior drawn to fewer than 1,000 tokens)."""
     shapes = [-0.3] * retrieval + [1.5] * (6 - retrieval)
-    heads = [{"layer": 0, "head": h, "shape": b, "group": "retrieval" if b <= 0 else "local"}
-             for h, b in enumerate(shapes)]
+    scales = [1.0] * retrieval + [1e-6] * flat + [1.0] * (6 - retrieval - flat)
+    heads = [{"layer": 0, "head": h, "shape": b, "scale": a, "group": "retrieval" if b <= 0 else "local"}
+             for h, (b, a) in enumerate(zip(shapes, scales))]
+    for h in heads:
+        h["bias_at"] = {str(d): -h["scale"] * d ** h["shape"] for d in (1, 10, 100, 1000)[:4 if drawn else 3]}
     results = {"schema": "priors", "schema_version": SCHEMA_VERSION, "model": {"name": os.path.basename(run)},
                "settings": {}, "pe": "bam", "ssmax": True, "shared_across_layers": False, "heads": heads,
                "groups": {"local": 6 - retrieval, "retrieval": retrieval, "aggressive": 0}}
@@ -155,12 +160,17 @@ def fake_priors(run, retrieval):
 
 
 def test_report_sets_bam_seeds_that_grew_retrieval_heads_against_their_accuracy(grid, tmp_path):
-    for run, retrieval in zip(grid[:3], [0, 0, 2]):  # bam_ssmax seeds 1-3: 50, 20 and 40 % at 512 tokens
-        fake_priors(run, retrieval)
+    fake_priors(grid[0], 0, flat=1)  # bam_ssmax seeds 1-3: 50, 20 and 40 % at 512 tokens
+    fake_priors(grid[1], 0, drawn=False)
+    fake_priors(grid[2], 2)
     out = tmp_path / "report.md"
     assert report.main([*dict.fromkeys(grid), "--out", str(out), "--no_run_plots"]) == 0
     text = out.read_text()
-    assert "| bam_ssmax_seed3 | 4 | 2 | 0 | -0.30 / 1.50 / 1.50 | 40 at 512 |" in text
+    # the heads whose prior at 1,000 tokens is above -1: the b <= 0 heads and a b > 0 head of tiny scale
+    assert "| local | retrieval | aggressive | shape min / median / max | prior > -1 at 1,000 | passkey |" in text
+    assert "| bam_ssmax_seed3 | 4 | 2 | 0 | -0.30 / 1.50 / 1.50 | 2 | 40 at 512 |" in text
+    assert "| bam_ssmax_seed1 | 6 | 0 | 0 | 1.50 / 1.50 / 1.50 | 1 | 50 at 512 |" in text
+    assert "| bam_ssmax_seed2 | 6 | 0 | 0 | 1.50 / 1.50 / 1.50 | — | 20 at 512 |" in text  # not drawn that far
     assert "mean passkey accuracy (%) at 512 tokens" in text
     assert "| bam + ssmax | 3 | 1 | 40 (40) | 35 (50, 20) |" in text
     assert "| bam + ssmax, init uniform |" not in text.split("BAM variants by seed")[1]  # no priors evaluated
