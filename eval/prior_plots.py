@@ -5,9 +5,12 @@
 import math
 
 import numpy as np
+import torch
 
+from eval.prior_report import FAR
 from eval.reporting import by_variant
 from eval.results import rows_by_step
+from model import ggd_bias
 
 GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
 
@@ -162,20 +165,36 @@ def plot_training(results, history, path, prior_cls):
 
 
 def shapes_in_training(metrics_path):
-    """(steps, smallest shape b of any head, number of heads with b <= 0) of one run, from the BAM shapes its
-    metrics.jsonl logs at every logged step (train.py's "prior" rows); None for a run without them."""
-    rows = {step: np.asarray(row["prior"]["bam_shape"], dtype=float)
-            for step, row in rows_by_step(metrics_path).items() if (row.get("prior") or {}).get("bam_shape")}
+    """(steps, smallest shape b of any head, number of heads with b <= 0, number of heads whose prior at FAR
+    tokens is above -1) of one run, from the BAM parameters its metrics.jsonl logs at every logged step
+    (train.py's "prior" rows; the last is None where a row lacks the scale or the location, as in logs older
+    than those); None for a run without shapes."""
+    rows = {step: row["prior"] for step, row in rows_by_step(metrics_path).items()
+            if (row.get("prior") or {}).get("bam_shape")}
     if not rows:
         return None
     steps = sorted(rows)
-    return steps, [float(rows[s].min()) for s in steps], [int((rows[s] <= 0).sum()) for s in steps]
+    shapes = [np.asarray(rows[s]["bam_shape"], dtype=float) for s in steps]
+    return (steps, [float(b.min()) for b in shapes], [int((b <= 0).sum()) for b in shapes],
+            [far_heads_logged(rows[s]) for s in steps])
+
+
+def far_heads_logged(prior):
+    """How many heads of one logged "prior" row cost a key FAR tokens back less than one logit, by model.py's
+    own bias (ggd_bias); None without the scale or the location."""
+    if "bam_log_scale" not in prior or "bam_loc" not in prior:
+        return None
+    shape, log_scale, loc = (torch.tensor(prior[k], dtype=torch.float64).flatten()
+                             for k in ("bam_shape", "bam_log_scale", "bam_loc"))
+    bias = ggd_bias(torch.tensor(float(FAR), dtype=torch.float64), torch.arange(len(shape)), shape, log_scale, loc)
+    return int((bias > -1).sum())
 
 
 def plot_shapes_in_training(runs, path):
     """eval.report's summary figure of BAM's shapes over training, every BAM run of the report: the smallest
-    shape b against the step (top) and how many heads have b <= 0, the paper's retrieval heads (bottom), one
-    line per run, a colour per variant. False (nothing drawn) when no run logged BAM shapes."""
+    shape b against the step (top), how many heads have b <= 0, the paper's retrieval heads (middle), and how
+    many heads' prior costs a key FAR tokens back less than one logit (bottom, where the runs logged their
+    scales); one line per run, a colour per variant. False (nothing drawn) when no run logged BAM shapes."""
     from eval.plotting import plt, save_figure
 
     variants = {}
@@ -186,22 +205,30 @@ def plot_shapes_in_training(runs, path):
             variants[variant] = found
     if not variants:
         return False
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
+    far_drawn = any(None not in far for members in variants.values() for _, (*_, far) in members)
+    fig, axes = plt.subplots(2 + far_drawn, 1, figsize=(9, 8 + 3.5 * far_drawn), sharex=True)
+    top, middle = axes[0], axes[1]
     for i, (variant, members) in enumerate(variants.items()):
         color, style = plt.get_cmap("tab10")(i % 10), ("-", "--", ":")[i // 10 % 3]
-        for j, (run, (steps, smallest, retrieval)) in enumerate(members):
+        for j, (run, (steps, smallest, retrieval, far)) in enumerate(members):
             label = f"{variant} ({len(members)} seed{'s' if len(members) > 1 else ''})" if j == 0 else None
-            top.plot(steps, smallest, color=color, linestyle=style, linewidth=1, alpha=0.85, label=label)
-            bottom.plot(steps, retrieval, color=color, linestyle=style, linewidth=1, alpha=0.85)
+            line = dict(color=color, linestyle=style, linewidth=1, alpha=0.85)
+            top.plot(steps, smallest, label=label, **line)
+            middle.plot(steps, retrieval, **line)
+            if far_drawn and None not in far:
+                axes[2].plot(steps, far, **line)
     top.axhline(0, color="black", linewidth=0.8)
     top.set_ylabel("smallest shape b over all heads")
     top.set_title("BAM's shapes during training, one line per seed (below 0: a retrieval head)", fontsize=10)
     top.legend(fontsize=7, loc="best")  # runs of several budgets leave different corners free
-    bottom.set_ylabel("heads with b <= 0")
-    bottom.yaxis.set_major_locator(plt.MaxNLocator(integer=True))  # a count of heads
-    bottom.set_xlabel("step")
-    for ax in (top, bottom):
+    middle.set_ylabel("heads with b <= 0")
+    if far_drawn:  # a head reaches far with b <= 0 or with a scale shrunk to a nearly flat prior
+        axes[2].set_ylabel(f"heads whose prior at {FAR:,}\ntokens is above -1")
+    for ax in axes:
         ax.grid(True, alpha=0.3)
+        if ax is not top:
+            ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))  # a count of heads
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     return True

@@ -264,3 +264,20 @@ def test_report_training_section_shows_where_a_seed_diverged_and_averages_the_ot
     assert "| bam + ssmax | 2 | 98 [100 95] (" in passkey and "| 512 (4x) | 35 (2) | 95 (2) |" in passkey
     assert "fox" not in passkey.split("## Plots")[0]
     assert (tmp_path / "report_training.png").stat().st_size > 10_000
+
+
+def test_shapes_in_training_counts_the_heads_that_reach_far_by_the_models_own_bias(tmp_path):
+    """The summary figure's series from metrics.jsonl: smallest b, heads of b <= 0, and heads whose prior at
+    1,000 tokens is above -1, checked against the prior written out by hand (-e^a (|d - 2 sinh l| + eps)^b)."""
+    import math
+    from eval.prior_plots import shapes_in_training
+    from model import GGD_EPS
+    shape, log_scale, loc = [[1.0, 0.5], [-0.2, 1.0]], [[0.0, -8.0], [0.0, -6.0]], [[0.0, 0.0], [0.0, 0.001]]
+    by_hand = sum(-math.exp(a) * (abs(1000 - 2 * math.sinh(l)) + GGD_EPS) ** b > -1
+                  for row in zip(shape, log_scale, loc) for b, a, l in zip(*row))
+    assert by_hand == 2  # (0, 1): 1000^0.5 e^-8 = 0.011, (1, 0): 1000^-0.2 = 0.25; the others cost 1,000 and 2.5
+    rows = [{"step": 10, "loss": 1.0, "prior": {"bam_shape": shape, "bam_log_scale": log_scale, "bam_loc": loc}},
+            {"step": 20, "loss": 1.0, "prior": {"bam_shape": [[0.9, -0.7], [0.1, 1.0]]}}]  # an older log
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert shapes_in_training(str(metrics)) == ([10, 20], [-0.2, -0.7], [1, 1], [by_hand, None])
