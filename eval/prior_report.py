@@ -75,7 +75,7 @@ def section(runs, report_options):
         at = longest_passkey(r)
         passkey = f"{at[1]:.0f} at {at[0]:,}" if at else DASH
         if not p.get("groups"):
-            rows.append([r.name, DASH, DASH, DASH, f"{p['pe']}: no shapes", passkey])
+            rows.append([r.name, DASH, DASH, DASH, f"{p['pe']}: no shapes", DASH, passkey])
             continue
         g = p["groups"]
         shapes = sorted(h["shape"] for h in p["heads"])

@@ -163,6 +163,9 @@ def test_report_sets_bam_seeds_that_grew_retrieval_heads_against_their_accuracy(
     fake_priors(grid[0], 0, flat=1)  # bam_ssmax seeds 1-3: 50, 20 and 40 % at 512 tokens
     fake_priors(grid[1], 0, drawn=False)
     fake_priors(grid[2], 2)
+    with open(os.path.join(grid[3], "eval", "priors.json"), "w") as f:  # a prior without shapes (ALiBi's)
+        json.dump({"schema": "priors", "schema_version": SCHEMA_VERSION, "model": {}, "settings": {}, "pe": "alibi",
+                   "ssmax": False, "groups": None, "heads": [{"layer": 0, "head": 0, "slope": 0.5}]}, f)
     out = tmp_path / "report.md"
     assert report.main([*dict.fromkeys(grid), "--out", str(out), "--no_run_plots"]) == 0
     text = out.read_text()
@@ -171,6 +174,7 @@ def test_report_sets_bam_seeds_that_grew_retrieval_heads_against_their_accuracy(
     assert "| bam_ssmax_seed3 | 4 | 2 | 0 | -0.30 / 1.50 / 1.50 | 2 | 40 at 512 |" in text
     assert "| bam_ssmax_seed1 | 6 | 0 | 0 | 1.50 / 1.50 / 1.50 | 1 | 50 at 512 |" in text
     assert "| bam_ssmax_seed2 | 6 | 0 | 0 | 1.50 / 1.50 / 1.50 | — | 20 at 512 |" in text  # not drawn that far
+    assert "| bam_ssmax_uniform_seed1 | — | — | — | alibi: no shapes | — | 100 at 512 |" in text
     assert "mean passkey accuracy (%) at 512 tokens" in text
     assert "| bam + ssmax | 3 | 1 | 40 (40) | 35 (50, 20) |" in text
     assert "| bam + ssmax, init uniform |" not in text.split("BAM variants by seed")[1]  # no priors evaluated
