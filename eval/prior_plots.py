@@ -5,12 +5,10 @@
 import math
 
 import numpy as np
-import torch
 
-from eval.prior_report import FAR
+from eval.prior_report import FAR, far_heads
 from eval.reporting import by_variant
 from eval.results import rows_by_step
-from model import ggd_bias
 
 GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
 
@@ -164,42 +162,33 @@ def plot_training(results, history, path, prior_cls):
     save_figure(fig, path, dpi=110, bbox_inches="tight")
 
 
-def shapes_in_training(metrics_path):
-    """(steps, smallest shape b of any head, number of heads with b <= 0, number of heads whose prior at FAR
-    tokens is above -1) of one run, from the BAM parameters its metrics.jsonl logs at every logged step
-    (train.py's "prior" rows; the last is None where a row lacks the scale or the location, as in logs older
-    than those); None for a run without shapes."""
+def shapes_in_training(metrics_path, far_distance=None):
+    """(steps, smallest shape b of any head, number of heads with b <= 0, number of heads whose prior at
+    `far_distance` tokens is above -1 (far_heads)) of one run, from the BAM parameters its metrics.jsonl logs
+    at every logged step (train.py's "prior" rows; the last is None without a distance, or where a row lacks
+    the log-scale or the location); None for a run without shapes."""
     rows = {step: row["prior"] for step, row in rows_by_step(metrics_path).items()
             if (row.get("prior") or {}).get("bam_shape")}
     if not rows:
         return None
     steps = sorted(rows)
     shapes = [np.asarray(rows[s]["bam_shape"], dtype=float) for s in steps]
-    return (steps, [float(b.min()) for b in shapes], [int((b <= 0).sum()) for b in shapes],
-            [far_heads_logged(rows[s]) for s in steps])
-
-
-def far_heads_logged(prior):
-    """How many heads of one logged "prior" row cost a key FAR tokens back less than one logit, by model.py's
-    own bias (ggd_bias); None without the scale or the location."""
-    if "bam_log_scale" not in prior or "bam_loc" not in prior:
-        return None
-    shape, log_scale, loc = (torch.tensor(prior[k], dtype=torch.float64).flatten()
-                             for k in ("bam_shape", "bam_log_scale", "bam_loc"))
-    bias = ggd_bias(torch.tensor(float(FAR), dtype=torch.float64), torch.arange(len(shape)), shape, log_scale, loc)
-    return int((bias > -1).sum())
+    far = [far_heads(p["bam_shape"], p["bam_log_scale"], p["bam_loc"], far_distance)
+           if far_distance and "bam_log_scale" in p and "bam_loc" in p else None for p in (rows[s] for s in steps)]
+    return steps, [float(b.min()) for b in shapes], [int((b <= 0).sum()) for b in shapes], far
 
 
 def plot_shapes_in_training(runs, path):
     """eval.report's summary figure of BAM's shapes over training, every BAM run of the report: the smallest
     shape b against the step (top), how many heads have b <= 0, the paper's retrieval heads (middle), and how
-    many heads' prior costs a key FAR tokens back less than one logit (bottom, where the runs logged their
-    scales); one line per run, a colour per variant. False (nothing drawn) when no run logged BAM shapes."""
+    many heads' prior costs a key FAR x the training context back less than one logit (bottom, where the runs
+    logged their scales); one line per run, a colour per variant. False (nothing drawn) when no run logged BAM shapes."""
     from eval.plotting import plt, save_figure
 
     variants = {}
     for variant, members in by_variant([r for r in runs if not r.overrides and r.metrics]).items():
-        found = [(r, shapes_in_training(r.metrics)) for r in members]
+        found = [(r, shapes_in_training(r.metrics, FAR * r.pretraining_context if r.pretraining_context else None))
+                 for r in members]
         found = [(r, s) for r, s in found if s is not None]
         if found:
             variants[variant] = found
@@ -223,7 +212,7 @@ def plot_shapes_in_training(runs, path):
     top.legend(fontsize=7, loc="best")  # runs of several budgets leave different corners free
     middle.set_ylabel("heads with b <= 0")
     if far_drawn:  # a head reaches far with b <= 0 or with a scale shrunk to a nearly flat prior
-        axes[2].set_ylabel(f"heads whose prior at {FAR:,}\ntokens is above -1")
+        axes[2].set_ylabel(f"heads whose prior at {FAR}x the\ncontext is above -1")
     for ax in axes:
         ax.grid(True, alpha=0.3)
         if ax is not top:

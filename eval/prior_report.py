@@ -7,9 +7,12 @@ and, for BAM variants that differ in one numeric setting only (the prior's learn
 
 import json
 
+import torch
+
 from eval import variants
 from eval.reporting import DASH, by_variant, length_label, table
 from eval.training import divergence
+from model import ggd_bias
 
 
 def longest_passkey(run):
@@ -26,17 +29,30 @@ def retrieval_heads(priors):
     return priors["groups"]["retrieval"] + priors["groups"]["aggressive"]
 
 
-FAR = 1000  # tokens: where far_heads reads each head's prior (8x the grid's 128-token context)
+FAR = 8  # far_heads reads each head's prior at 8x the training context (1,024 tokens in the 128-token grid)
 
 
-def far_heads(priors):
-    """How many heads cost a key FAR tokens back less than one logit (their prior there above -1, from
-    eval.priors' bias_at; SSMax's factor scales content and prior alike, so it leaves the comparison as it
-    is), or None where the prior was not drawn that far. BAM's prior is -scale x d^b: a head of b <= 0 is one
-    unless its scale is above 1, and so is a head of b > 0 whose scale shrank until its prior is nearly flat
-    (scale 0.025 and b = 0.04 cost 0.03 logits at 1,000 tokens)."""
-    heads = [h.get("bias_at", {}).get(str(FAR)) for h in priors["heads"]]
-    return None if None in heads else sum(b > -1 for b in heads)
+def far_heads(shape, log_scale, mu, distance):
+    """How many BAM heads cost a key `distance` tokens back less than one logit: model.py's own prior
+    (ggd_bias, -scale x (|d - mu| + eps)^b) above -1 there. SSMax's factor scales content and prior alike, so
+    it leaves the comparison as it is. A head of b <= 0 is one unless its scale is above 1, and so is a head
+    of b > 0 whose scale shrank until its prior is nearly flat (scale 0.025 and b = 0.04 cost 0.03 logits at
+    1,000 tokens). The parameters per head (any nesting: per layer, then head), as eval.priors' table and
+    train.py's metrics give them: the shape, the log-scale and the location mu = 2 sinh(l) itself."""
+    shape, log_scale, mu = (torch.tensor(x, dtype=torch.float64).flatten() for x in (shape, log_scale, mu))
+    bias = ggd_bias(torch.tensor(float(distance), dtype=torch.float64), torch.arange(len(shape)), shape, log_scale,
+                    torch.asinh(mu / 2))  # ggd_bias takes l, the parameter, not mu
+    return int((bias > -1).sum())
+
+
+def far_heads_of(run):
+    """far_heads of a run's eval.priors results at FAR x its training context, or None (no context, or heads
+    without a shape, a log-scale and a location)."""
+    heads, context = run.get("priors")["heads"], run.pretraining_context
+    if not context or not all(k in h for h in heads for k in ("shape", "log_scale", "loc")):
+        return None
+    return far_heads([h["shape"] for h in heads], [h["log_scale"] for h in heads], [h["loc"] for h in heads],
+                     FAR * context)
 
 
 def seeds_lines(runs):
@@ -79,15 +95,15 @@ def section(runs, report_options):
             continue
         g = p["groups"]
         shapes = sorted(h["shape"] for h in p["heads"])
-        far = far_heads(p)
+        far = far_heads_of(r)
         rows.append([r.name, g["local"], g["retrieval"], g["aggressive"],
                      f"{shapes[0]:.2f} / {shapes[len(shapes) // 2]:.2f} / {shapes[-1]:.2f}",
                      DASH if far is None else far, passkey])
     return ["BAM heads per shape group (docs/paper.md §2): local b > 0, retrieval -0.6 <= b <= 0, "
-            f"aggressive b < -0.6; the heads whose prior costs a key {FAR:,} tokens back less than one logit "
+            f"aggressive b < -0.6; the heads whose prior costs a key {FAR}x the training context back less than one logit "
             "(most b <= 0 heads, and a b > 0 head whose scale shrank until its prior is nearly flat); and the "
             "run's passkey accuracy (%) at its longest length.", ""] + table(
-        ["run", "local", "retrieval", "aggressive", "shape min / median / max", f"prior > -1 at {FAR:,}",
+        ["run", "local", "retrieval", "aggressive", "shape min / median / max", f"prior > -1 at {FAR}x",
          "passkey"], rows) + seeds_lines(runs) + setting_lines(runs)
 
 

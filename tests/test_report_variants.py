@@ -142,16 +142,17 @@ def test_an_unknown_variant_to_compare_is_one_line_and_writes_nothing(grid, tmp_
     assert not os.path.exists(tmp_path / "report_passkey.png")
 
 
-def fake_priors(run, retrieval, flat=0, drawn=True):
+def fake_priors(run, retrieval, flat=0, scales=True):
     """RUN/eval/priors.json as eval.priors writes it for a BAM model: 6 heads, `retrieval` of them b <= 0,
-    `flat` of the others b > 0 at so small a scale that their prior is nearly flat; with their bias (-scale x
-    d^b) at 1 to 1,000 tokens unless not `drawn` (a prior drawn to fewer than 1,000 tokens)."""
+    `flat` of the others b > 0 at so small a scale that their prior is nearly flat; without the log-scale and
+    location columns if not `scales`."""
     shapes = [-0.3] * retrieval + [1.5] * (6 - retrieval)
-    scales = [1.0] * retrieval + [1e-6] * flat + [1.0] * (6 - retrieval - flat)
-    heads = [{"layer": 0, "head": h, "shape": b, "scale": a, "group": "retrieval" if b <= 0 else "local"}
-             for h, (b, a) in enumerate(zip(shapes, scales))]
-    for h in heads:
-        h["bias_at"] = {str(d): -h["scale"] * d ** h["shape"] for d in (1, 10, 100, 1000)[:4 if drawn else 3]}
+    log_scales = [0.0] * retrieval + [-14.0] * flat + [0.0] * (6 - retrieval - flat)
+    heads = [{"layer": 0, "head": h, "shape": b, "group": "retrieval" if b <= 0 else "local"}
+             for h, b in enumerate(shapes)]
+    if scales:
+        for h, a in zip(heads, log_scales):
+            h.update(log_scale=a, loc=0.0)
     results = {"schema": "priors", "schema_version": SCHEMA_VERSION, "model": {"name": os.path.basename(run)},
                "settings": {}, "pe": "bam", "ssmax": True, "shared_across_layers": False, "heads": heads,
                "groups": {"local": 6 - retrieval, "retrieval": retrieval, "aggressive": 0}}
@@ -161,7 +162,7 @@ def fake_priors(run, retrieval, flat=0, drawn=True):
 
 def test_report_sets_bam_seeds_that_grew_retrieval_heads_against_their_accuracy(grid, tmp_path):
     fake_priors(grid[0], 0, flat=1)  # bam_ssmax seeds 1-3: 50, 20 and 40 % at 512 tokens
-    fake_priors(grid[1], 0, drawn=False)
+    fake_priors(grid[1], 0, scales=False)
     fake_priors(grid[2], 2)
     with open(os.path.join(grid[3], "eval", "priors.json"), "w") as f:  # a prior without shapes (ALiBi's)
         json.dump({"schema": "priors", "schema_version": SCHEMA_VERSION, "model": {}, "settings": {}, "pe": "alibi",
@@ -169,11 +170,12 @@ def test_report_sets_bam_seeds_that_grew_retrieval_heads_against_their_accuracy(
     out = tmp_path / "report.md"
     assert report.main([*dict.fromkeys(grid), "--out", str(out), "--no_run_plots"]) == 0
     text = out.read_text()
-    # the heads whose prior at 1,000 tokens is above -1: the b <= 0 heads and a b > 0 head of tiny scale
-    assert "| local | retrieval | aggressive | shape min / median / max | prior > -1 at 1,000 | passkey |" in text
+    # the heads whose prior at 8x the context (1,024 tokens) is above -1: the b <= 0 heads and a b > 0 head of
+    # tiny scale (e^-14 x 1024^1.5 = 0.03)
+    assert "| local | retrieval | aggressive | shape min / median / max | prior > -1 at 8x | passkey |" in text
     assert "| bam_ssmax_seed3 | 4 | 2 | 0 | -0.30 / 1.50 / 1.50 | 2 | 40 at 512 |" in text
     assert "| bam_ssmax_seed1 | 6 | 0 | 0 | 1.50 / 1.50 / 1.50 | 1 | 50 at 512 |" in text
-    assert "| bam_ssmax_seed2 | 6 | 0 | 0 | 1.50 / 1.50 / 1.50 | — | 20 at 512 |" in text  # not drawn that far
+    assert "| bam_ssmax_seed2 | 6 | 0 | 0 | 1.50 / 1.50 / 1.50 | — | 20 at 512 |" in text  # no scales: no count
     assert "| bam_ssmax_uniform_seed1 | — | — | — | alibi: no shapes | — | 100 at 512 |" in text
     assert "mean passkey accuracy (%) at 512 tokens" in text
     assert "| bam + ssmax | 3 | 1 | 40 (40) | 35 (50, 20) |" in text
@@ -271,17 +273,21 @@ def test_report_training_section_shows_where_a_seed_diverged_and_averages_the_ot
 
 
 def test_shapes_in_training_counts_the_heads_that_reach_far_by_the_models_own_bias(tmp_path):
-    """The summary figure's series from metrics.jsonl: smallest b, heads of b <= 0, and heads whose prior at
-    1,000 tokens is above -1, checked against the prior written out by hand (-e^a (|d - 2 sinh l| + eps)^b)."""
+    """The summary figure's series from metrics.jsonl: smallest b, heads of b <= 0, and heads whose prior at a
+    distance is above -1, checked against the prior written out by hand, -e^a (|d - mu| + eps)^b, where the
+    log holds mu = 2 sinh(l) itself."""
     import math
     from eval.prior_plots import shapes_in_training
     from model import GGD_EPS
-    shape, log_scale, loc = [[1.0, 0.5], [-0.2, 1.0]], [[0.0, -8.0], [0.0, -6.0]], [[0.0, 0.0], [0.0, 0.001]]
-    by_hand = sum(-math.exp(a) * (abs(1000 - 2 * math.sinh(l)) + GGD_EPS) ** b > -1
-                  for row in zip(shape, log_scale, loc) for b, a, l in zip(*row))
-    assert by_hand == 2  # (0, 1): 1000^0.5 e^-8 = 0.011, (1, 0): 1000^-0.2 = 0.25; the others cost 1,000 and 2.5
-    rows = [{"step": 10, "loss": 1.0, "prior": {"bam_shape": shape, "bam_log_scale": log_scale, "bam_loc": loc}},
+    shape, log_scale, mu = [[1.0, 0.5], [-0.2, 1.0]], [[0.0, -8.0], [0.0, -6.0]], [[0.0, 0.0], [0.0, 700.0]]
+    by_hand = sum(-math.exp(a) * (abs(1024 - m) + GGD_EPS) ** b > -1
+                  for row in zip(shape, log_scale, mu) for b, a, m in zip(*row))
+    # (0, 1): 1024^0.5 e^-8 = 0.011, (1, 0): 1024^-0.2 = 0.25, (1, 1): |1024 - 700| e^-6 = 0.8 (taken as l, a
+    # location of 2 sinh(700) would put it far out of reach); (0, 0) costs 1,024
+    assert by_hand == 3
+    rows = [{"step": 10, "loss": 1.0, "prior": {"bam_shape": shape, "bam_log_scale": log_scale, "bam_loc": mu}},
             {"step": 20, "loss": 1.0, "prior": {"bam_shape": [[0.9, -0.7], [0.1, 1.0]]}}]  # an older log
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert shapes_in_training(str(metrics)) == ([10, 20], [-0.2, -0.7], [1, 1], [by_hand, None])
+    assert shapes_in_training(str(metrics), 1024) == ([10, 20], [-0.2, -0.7], [1, 1], [by_hand, None])
+    assert shapes_in_training(str(metrics))[3] == [None, None]  # no distance (no training context known)
