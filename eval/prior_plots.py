@@ -163,39 +163,51 @@ def plot_training(results, history, path, prior_cls):
 
 
 def shapes_in_training(metrics_path, far_distance=None):
-    """(steps, smallest shape b of any head, number of heads with b <= 0, number of heads whose prior at
-    `far_distance` tokens is above -1 (far_heads)) of one run, from the BAM parameters its metrics.jsonl logs
-    at every logged step (train.py's "prior" rows; the last is None without a distance, or where a row lacks
-    the log-scale or the location); None for a run without shapes."""
+    """(steps, smallest shape b of any head, number of heads with b <= 0, number of far-reaching heads
+    (far_heads at `far_distance` tokens; NaN at a step whose row lacks the log-scale or the location, and at
+    every step without a distance)) of one run, from the BAM parameters its metrics.jsonl logs at every logged
+    step (train.py's "prior" rows); None for a run without shapes."""
     rows = {step: row["prior"] for step, row in rows_by_step(metrics_path).items()
             if (row.get("prior") or {}).get("bam_shape")}
     if not rows:
         return None
     steps = sorted(rows)
     shapes = [np.asarray(rows[s]["bam_shape"], dtype=float) for s in steps]
-    far = [far_heads(p["bam_shape"], p["bam_log_scale"], p["bam_loc"], far_distance)
-           if far_distance and "bam_log_scale" in p and "bam_loc" in p else None for p in (rows[s] for s in steps)]
-    return steps, [float(b.min()) for b in shapes], [int((b <= 0).sum()) for b in shapes], far
+    return (steps, [float(b.min()) for b in shapes], [int((b <= 0).sum()) for b in shapes],
+            [far_heads_logged(rows[s], far_distance) for s in steps])
+
+
+def far_heads_logged(prior, distance):
+    """far_heads of one logged "prior" row, or NaN without a distance, a log-scale or a location."""
+    if not distance or "bam_log_scale" not in prior or "bam_loc" not in prior:
+        return math.nan
+    return far_heads(prior["bam_shape"], prior["bam_log_scale"], prior["bam_loc"], distance)
+
+
+def training_context(run):
+    """The context a run's far-reaching heads are measured against: its results' (Run.pretraining_context),
+    else its config's, for a run without results (one the divergence guard stopped)."""
+    model = (run.config or {}).get("model") or {}
+    return run.pretraining_context or model.get("rope_original_context") or model.get("block_size")
 
 
 def plot_shapes_in_training(runs, path):
     """eval.report's summary figure of BAM's shapes over training, every BAM run of the report: the smallest
     shape b against the step (top), how many heads have b <= 0, the paper's retrieval heads (middle), and how
-    many heads' prior costs a key FAR x the training context back less than one logit (bottom, where the runs
-    logged their scales); one line per run, a colour per variant. False (nothing drawn) when no run logged BAM shapes."""
+    many heads' prior puts a key FAR x the training context back within one logit of its best key (bottom,
+    far_heads, where the runs logged their scales); one line per run, a colour per variant. False (nothing drawn) when no run logged BAM shapes."""
     from eval.plotting import plt, save_figure
 
     variants = {}
     for variant, members in by_variant([r for r in runs if not r.overrides and r.metrics]).items():
-        found = [(r, shapes_in_training(r.metrics, FAR * r.pretraining_context if r.pretraining_context else None))
-                 for r in members]
+        found = [(r, shapes_in_training(r.metrics, FAR * (training_context(r) or 0))) for r in members]
         found = [(r, s) for r, s in found if s is not None]
         if found:
             variants[variant] = found
     if not variants:
         return False
-    far_drawn = any(None not in far for members in variants.values() for _, (*_, far) in members)
-    fig, axes = plt.subplots(2 + far_drawn, 1, figsize=(9, 8 + 3.5 * far_drawn), sharex=True)
+    far_drawn = any(not all(map(math.isnan, series[3])) for found in variants.values() for _, series in found)
+    fig, axes = plt.subplots(3 if far_drawn else 2, 1, figsize=(9, 11.5 if far_drawn else 8), sharex=True)
     top, middle = axes[0], axes[1]
     for i, (variant, members) in enumerate(variants.items()):
         color, style = plt.get_cmap("tab10")(i % 10), ("-", "--", ":")[i // 10 % 3]
@@ -204,7 +216,7 @@ def plot_shapes_in_training(runs, path):
             line = dict(color=color, linestyle=style, linewidth=1, alpha=0.85)
             top.plot(steps, smallest, label=label, **line)
             middle.plot(steps, retrieval, **line)
-            if far_drawn and None not in far:
+            if far_drawn:  # NaN (a step logged without scales) leaves a gap
                 axes[2].plot(steps, far, **line)
     top.axhline(0, color="black", linewidth=0.8)
     top.set_ylabel("smallest shape b over all heads")
@@ -212,7 +224,7 @@ def plot_shapes_in_training(runs, path):
     top.legend(fontsize=7, loc="best")  # runs of several budgets leave different corners free
     middle.set_ylabel("heads with b <= 0")
     if far_drawn:  # a head reaches far with b <= 0 or with a scale shrunk to a nearly flat prior
-        axes[2].set_ylabel(f"heads whose prior at {FAR}x the\ncontext is above -1")
+        axes[2].set_ylabel(f"heads whose prior at {FAR}x the context\nis within 1 logit of its best")
     for ax in axes:
         ax.grid(True, alpha=0.3)
         if ax is not top:

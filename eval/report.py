@@ -224,7 +224,7 @@ def check_comparisons(runs, pairs):
 
 def distinct_names(runs):
     """Runs of one name told apart: two grids' bam_ssmax_seed1 by the folder above each (runs5/bam_ssmax_seed1,
-    runs5_10000/bam_ssmax_seed1), and where that is shared too (two checkpoints called "best") by their place
+    runs5_10000/bam_ssmax_seed1), and where that is shared too (two runs' checkpoints/best.pt) by their place
     in the list."""
     def repeated(name):
         return sum(r.name == name for r in runs) > 1

@@ -170,9 +170,9 @@ def test_report_sets_bam_seeds_that_grew_retrieval_heads_against_their_accuracy(
     out = tmp_path / "report.md"
     assert report.main([*dict.fromkeys(grid), "--out", str(out), "--no_run_plots"]) == 0
     text = out.read_text()
-    # the heads whose prior at 8x the context (1,024 tokens) is above -1: the b <= 0 heads and a b > 0 head of
-    # tiny scale (e^-14 x 1024^1.5 = 0.03)
-    assert "| local | retrieval | aggressive | shape min / median / max | prior > -1 at 8x | passkey |" in text
+    # the heads whose prior puts a key 8x the context (1,024 tokens) back within one logit of its best: the
+    # b <= 0 heads and a b > 0 head of tiny scale (e^-14 x 1024^1.5 = 0.03)
+    assert "| local | retrieval | aggressive | shape min / median / max | within 1 logit at 8x | passkey |" in text
     assert "| bam_ssmax_seed3 | 4 | 2 | 0 | -0.30 / 1.50 / 1.50 | 2 | 40 at 512 |" in text
     assert "| bam_ssmax_seed1 | 6 | 0 | 0 | 1.50 / 1.50 / 1.50 | 1 | 50 at 512 |" in text
     assert "| bam_ssmax_seed2 | 6 | 0 | 0 | 1.50 / 1.50 / 1.50 | — | 20 at 512 |" in text  # no scales: no count
@@ -273,21 +273,43 @@ def test_report_training_section_shows_where_a_seed_diverged_and_averages_the_ot
 
 
 def test_shapes_in_training_counts_the_heads_that_reach_far_by_the_models_own_bias(tmp_path):
-    """The summary figure's series from metrics.jsonl: smallest b, heads of b <= 0, and heads whose prior at a
-    distance is above -1, checked against the prior written out by hand, -e^a (|d - mu| + eps)^b, where the
-    log holds mu = 2 sinh(l) itself."""
+    """The summary figure's series from metrics.jsonl: smallest b, heads of b <= 0, and heads whose prior puts
+    a key 1,024 tokens back within one logit of their best key, checked against the prior written out by
+    hand, -e^a (|d - mu| + eps)^b (the log holds mu = 2 sinh(l) itself), maximised over every distance."""
     import math
     from eval.prior_plots import shapes_in_training
     from model import GGD_EPS
     shape, log_scale, mu = [[1.0, 0.5], [-0.2, 1.0]], [[0.0, -8.0], [0.0, -6.0]], [[0.0, 0.0], [0.0, 700.0]]
-    by_hand = sum(-math.exp(a) * (abs(1024 - m) + GGD_EPS) ** b > -1
+    bias = lambda d, b, a, m: -math.exp(a) * (abs(d - m) + GGD_EPS) ** b
+    by_hand = sum(bias(1024, b, a, m) - max(bias(d, b, a, m) for d in range(1025)) > -1
                   for row in zip(shape, log_scale, mu) for b, a, m in zip(*row))
-    # (0, 1): 1024^0.5 e^-8 = 0.011, (1, 0): 1024^-0.2 = 0.25, (1, 1): |1024 - 700| e^-6 = 0.8 (taken as l, a
-    # location of 2 sinh(700) would put it far out of reach); (0, 0) costs 1,024
+    # (0, 1): 1024^0.5 e^-8 = 0.011 below its best; (1, 0): b < 0, the far key is its best; (1, 1): |1024 - 700|
+    # e^-6 = 0.8 below its best at 700 (taken as l, the location 2 sinh(700) would make the head count 0); but
+    # (0, 0) costs 1,024
     assert by_hand == 3
     rows = [{"step": 10, "loss": 1.0, "prior": {"bam_shape": shape, "bam_log_scale": log_scale, "bam_loc": mu}},
             {"step": 20, "loss": 1.0, "prior": {"bam_shape": [[0.9, -0.7], [0.1, 1.0]]}}]  # an older log
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert shapes_in_training(str(metrics), 1024) == ([10, 20], [-0.2, -0.7], [1, 1], [by_hand, None])
-    assert shapes_in_training(str(metrics))[3] == [None, None]  # no distance (no training context known)
+    steps, smallest, retrieval, far = shapes_in_training(str(metrics), 1024)
+    assert (steps, smallest, retrieval, far[0]) == ([10, 20], [-0.2, -0.7], [1, 1], by_hand) and math.isnan(far[1])
+    assert all(map(math.isnan, shapes_in_training(str(metrics))[3]))  # no distance (no training context known)
+    # a uniform start (b = 0, a flat prior at any scale) reaches any distance, as b < 0 does
+    flat = {"bam_shape": [[0.0, 0.0]], "bam_log_scale": [[0.0, 3.0]], "bam_loc": [[0.0, 0.0]]}
+    metrics.write_text(json.dumps({"step": 0, "prior": flat}) + "\n")
+    assert shapes_in_training(str(metrics), 1024)[3] == [2]
+
+
+def test_far_heads_are_counted_once_for_a_shared_prior_and_from_the_config_without_results(tmp_path):
+    from eval.prior_plots import training_context
+    from eval.prior_report import far_heads_of
+    from eval.reporting import Run
+    stopped = Run(str(tmp_path), str(tmp_path / "eval"), "stopped", {}, config={"model": {"block_size": 128}})
+    assert training_context(stopped) == 128  # a diverged run has a config but no results to read it from
+    run = Run(str(tmp_path), str(tmp_path / "eval"), "shared", {}, model={"config": {"block_size": 128}})
+    heads = [{"layer": layer, "head": h, "shape": b, "log_scale": 0.0, "loc": 0.0}
+             for layer in range(3) for h, b in enumerate([-0.3, 1.0])]
+    run.results = {"priors": {"priors": {"shared_across_layers": True, "heads": heads}}}
+    assert far_heads_of(run) == 1  # eval.priors lists the one prior per layer; it has 1 far head, not 3
+    run.results["priors"]["priors"]["shared_across_layers"] = False
+    assert far_heads_of(run) == 3
