@@ -173,17 +173,21 @@ def setting_lines(runs):
             for n in lengths:
                 seen = [a for a in (accuracy_at(r, n) for r in done) if a is not None]
                 cells.append(f"{sum(seen) / len(seen):.0f} [{' '.join(f'{a:.0f}' for a in seen)}]" if seen else DASH)
-            priors = [r.get("priors") for r in done if (r.get("priors") or {}).get("groups")]
-            heads = [retrieval_heads(p) for p in priors]
-            smallest = [min(h["shape"] for h in p["heads"]) for p in priors]
+            shaped = [r for r in done if (r.get("priors") or {}).get("groups")]
+            heads = [retrieval_heads(r.get("priors")) for r in shaped]
+            smallest = [min(h["shape"] for h in r.get("priors")["heads"]) for r in shaped]
+            far = [far_heads_of(r) for r in shaped]
             seeds = f"{len(done)}" + (f" (+{len(stopped)} diverged)" if stopped else "")
             rows.append([variants.describe_setting(key, settings.get(key), settings), variant, seeds, *cells,
                          f"{sum(h > 0 for h in heads)} of {len(heads)}" if heads else DASH,
-                         " ".join(map(str, heads)) or DASH, " ".join(f"{b:.2f}" for b in smallest) or DASH])
+                         " ".join(map(str, heads)) or DASH, " ".join(f"{b:.2f}" for b in smallest) or DASH,
+                         " ".join(DASH if n is None else str(n) for n in far) or DASH])
         name = key.split(".", 1)[1].replace("_", " ")
         out += ["", f"BAM variants along one setting, {name}: the seeds that trained to the end (and those the "
                     f"divergence guard stopped), their mean passkey accuracy (%) with each seed's in brackets, the "
-                    f"seeds that ended with a head of b <= 0, and each seed's heads of b <= 0 and smallest shape b.",
+                    f"seeds that ended with a head of b <= 0, and each seed's heads of b <= 0, smallest shape b and heads "
+                    f"whose prior is within one logit of its best at {FAR}x the training context.",
                 ""] + table([name, "variant", "seeds", *(length_label(n, evaluated) for n in lengths),
-                             "seeds with a b <= 0 head", "b <= 0 heads, each seed", "smallest b, each seed"], rows)
+                             "seeds with a b <= 0 head", "b <= 0 heads, each seed", "smallest b, each seed",
+                             f"within 1 logit at {FAR}x, each seed"], rows)
     return out

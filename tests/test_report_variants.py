@@ -190,16 +190,16 @@ def test_report_tables_bam_variants_along_one_setting_as_a_dose(grid, tmp_path):
           for seed in (1, 2)]
     write_metrics(x3[1], [3.0] * 8, [])
     diverge(x3[1], 90)
-    for run, retrieval in zip(grid[:3] + x3[:1], [0, 0, 2, 1]):
-        fake_priors(run, retrieval)
+    for run, retrieval, flat in zip(grid[:3] + x3[:1], [0, 0, 2, 1], [1, 0, 0, 0]):
+        fake_priors(run, retrieval, flat)  # seed 1 of x1: no b <= 0 head, but one nearly flat prior
     out = tmp_path / "report.md"
     assert report.main([*dict.fromkeys(grid + x3), "--out", str(out), "--no_run_plots"]) == 0
     text = out.read_text().split("BAM variants along one setting, prior lr")[1]
     assert "| prior lr | variant | seeds | 512 (4x) | seeds with a b <= 0 head |" in text
     rows = [line for line in text.splitlines() if line.startswith("| prior lr x")]
-    assert rows == ["| prior lr x1 | bam + ssmax | 3 | 37 [50 20 40] | 1 of 3 | 0 0 2 | 1.50 1.50 -0.30 |",
-                    "| prior lr x3 | bam + ssmax, prior lr x3 | 1 (+1 diverged) | 60 [60] | 1 of 1 | 1 | -0.30 |",
-                    "| prior lr x10 | bam + ssmax, prior lr x10 | 1 | 85 [85] | — | — | — |"]
+    assert rows == ["| prior lr x1 | bam + ssmax | 3 | 37 [50 20 40] | 1 of 3 | 0 0 2 | 1.50 1.50 -0.30 | 1 0 2 |",
+                    "| prior lr x3 | bam + ssmax, prior lr x3 | 1 (+1 diverged) | 60 [60] | 1 of 1 | 1 | -0.30 | 1 |",
+                    "| prior lr x10 | bam + ssmax, prior lr x10 | 1 | 85 [85] | — | — | — | — |"]
     assert "init uniform" not in text and out.read_text().count("BAM variants along one setting") == 1
     # two values are not a line: without x3, no table
     assert report.main([*dict.fromkeys(grid), "--out", str(out), "--no_run_plots"]) == 0
