@@ -184,23 +184,17 @@ def far_heads_logged(prior, distance):
     return far_heads(prior["bam_shape"], prior["bam_log_scale"], prior["bam_loc"], distance)
 
 
-def training_context(run):
-    """The context a run's far-reaching heads are measured against: its results' (Run.pretraining_context),
-    else its config's, for a run without results (one the divergence guard stopped)."""
-    model = (run.config or {}).get("model") or {}
-    return run.pretraining_context or model.get("rope_original_context") or model.get("block_size")
-
-
 def plot_shapes_in_training(runs, path):
     """eval.report's summary figure of BAM's shapes over training, every BAM run of the report: the smallest
     shape b against the step (top), how many heads have b <= 0, the paper's retrieval heads (middle), and how
     many heads' prior puts a key FAR x the training context back within one logit of its best key (bottom,
-    far_heads, where the runs logged their scales); one line per run, a colour per variant. False (nothing drawn) when no run logged BAM shapes."""
+    far_heads, where the runs logged their scales); one line per run, a colour per variant. False (nothing
+    drawn) when no run logged BAM shapes."""
     from eval.plotting import plt, save_figure
 
     variants = {}
     for variant, members in by_variant([r for r in runs if not r.overrides and r.metrics]).items():
-        found = [(r, shapes_in_training(r.metrics, FAR * (training_context(r) or 0))) for r in members]
+        found = [(r, shapes_in_training(r.metrics, FAR * (r.pretraining_context or 0))) for r in members]
         found = [(r, s) for r, s in found if s is not None]
         if found:
             variants[variant] = found

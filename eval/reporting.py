@@ -45,8 +45,10 @@ class Run:
     def pretraining_context(self):
         """The context a length is a multiple of: for a model extended with a RoPE scaling, the one it was
         pretrained at (rope_original_context; a YaRN fine-tune from 128 to 512 tokens asked at 1,024 is at 8x),
-        else its block_size: model.ModelConfig.rope_context's rule, on the config dict the results hold."""
-        return ((self.model or {}).get("config") or {}).get("rope_original_context") or self.block_size
+        else its block_size: model.ModelConfig.rope_context's rule, on the config dict the results hold, or
+        on the run's config.toml for a run without results (one the divergence guard stopped)."""
+        config = ((self.model or {}).get("config") or ((self.config or {}).get("model")) or {})
+        return config.get("rope_original_context") or config.get("block_size")
 
     def plot_path(self, schema, suffix=""):
         """<results file stem><suffix>.png of the main results of `schema`, or None."""

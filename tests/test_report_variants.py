@@ -301,11 +301,10 @@ def test_shapes_in_training_counts_the_heads_that_reach_far_by_the_models_own_bi
 
 
 def test_far_heads_are_counted_once_for_a_shared_prior_and_from_the_config_without_results(tmp_path):
-    from eval.prior_plots import training_context
     from eval.prior_report import far_heads_of
     from eval.reporting import Run
     stopped = Run(str(tmp_path), str(tmp_path / "eval"), "stopped", {}, config={"model": {"block_size": 128}})
-    assert training_context(stopped) == 128  # a diverged run has a config but no results to read it from
+    assert stopped.pretraining_context == 128  # a diverged run has a config but no results to read it from
     run = Run(str(tmp_path), str(tmp_path / "eval"), "shared", {}, model={"config": {"block_size": 128}})
     heads = [{"layer": layer, "head": h, "shape": b, "log_scale": 0.0, "loc": 0.0}
              for layer in range(3) for h, b in enumerate([-0.3, 1.0])]
