@@ -159,7 +159,8 @@ def check_apart(source, out, refused=ValueError, source_name="SRC", out_name="OU
     folder that holds it), and writing it puts the command's files into the user's source folder. Call it
     before anything is written."""
     src, dst = os.path.realpath(source), os.path.realpath(out)
-    relation = "is" if dst == src else "contains" if _inside(src, dst) else "lies inside" if _inside(dst, src) else None
+    relation = "is" if dst == src else "contains" if _inside(src, dst) else \
+        "lies inside" if _inside(dst, src) else None
     if relation is None:
         return
     given = (os.path.abspath(source), os.path.abspath(out))

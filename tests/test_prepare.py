@@ -252,8 +252,9 @@ def test_any_hub_dataset_streams_through_the_same_call(tmp_path):
 
 
 def test_an_out_dir_that_holds_an_input_or_lies_in_the_dataset_folder_is_refused(tmp_path):
-    """Shards written in among the corpus would be read back as corpus by a later glob over that folder (or refused
-    as an unsupported file); the user's folder of text would fill with the command's files. One line, nothing written."""
+    """Shards written in among the corpus would be read back as corpus by a later glob over that folder (or
+    refused as an unsupported file); the user's folder of text would fill with the command's files. One line,
+    nothing written."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     source = write_jsonl(corpus / "c.jsonl", DOCS)
