@@ -341,7 +341,7 @@ def load_init_weights(cfg, master):
     if not source:
         return None
     try:
-        path, ckpt = load_checkpoint(source)
+        path, ckpt = load_checkpoint(source, warn=None if master else lambda line: None)
     except CheckpointError as e:
         raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({e})") from None
     check_checkpoint_tokenizer(ckpt, cfg, f"train.init_from = {source!r}")
