@@ -18,9 +18,11 @@ config field behave exactly as in training and evaluation here; nothing is re-im
 OUT_DIR is written in a temporary folder next to it and swapped in at the end (outputs.swap_in), so after
 a kill at any moment OUT_DIR is the old complete export or the new one, never half of one; the next export
 to OUT_DIR finishes or undoes a swap that a kill interrupted and removes what a killed export left
-(.OUT_DIR.tmp-*, .OUT_DIR.new, .OUT_DIR.old). An existing OUT_DIR is replaced only with --overwrite. While
-an export writes OUT_DIR it holds .OUT_DIR.lock beside it (removed at the end): a second export to the same
-folder is refused. Files and folders get the user's umask, as anything else the user writes.
+(.OUT_DIR.tmp-*, .OUT_DIR.new, .OUT_DIR.old). An existing OUT_DIR is replaced only with --overwrite, and an
+OUT_DIR that is the source, holds it or lies inside it (symlinks resolved) is refused before anything is
+written (outputs.check_apart). While an export writes OUT_DIR it holds .OUT_DIR.lock beside it (removed at
+the end): a second export to the same folder is refused. Files and folders get the user's umask, as anything
+else the user writes.
 """
 
 import argparse
@@ -127,6 +129,8 @@ def lock_target(out_dir):
 def export(source, out_dir, overwrite=False):
     """Write the folder; returns the checkpoint path it came from."""
     out_dir = os.path.abspath(out_dir)
+    # --overwrite swaps out the folder that holds the source; an OUT_DIR inside a run writes into the run
+    outputs.check_apart(source, out_dir, ExportError, "RUN_OR_CHECKPOINT", "OUT_DIR")
     check_target(out_dir, overwrite)
     check_self_contained(MODEL_SOURCE)
     cfg, state, path, enc = read_checkpoint(source)

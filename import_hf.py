@@ -20,7 +20,9 @@ rotates dimension i with i + head_dim / 2, as model.apply_rope does: the q and k
 they are (docs/export.md, "Importing a Hugging Face model").
 
 OUT is written in a temporary folder beside it and swapped in at the end (bam.outputs.swap_in), as export_hf.py
-writes its folders; an existing OUT is replaced only with --overwrite, and only if it is an earlier import.
+writes its folders; an existing OUT is replaced only with --overwrite, and only if it is an earlier import. OUT
+and SRC must lie apart, symlinks resolved (bam.outputs.check_apart): an OUT that is SRC, holds it or lies inside
+it is refused before anything is written.
 """
 
 import argparse
@@ -301,6 +303,7 @@ def check_target(out_dir, overwrite):
 def import_model(src, out_dir, overwrite=False):
     """Write the run directory; returns (its ModelConfig, the checkpoint's path)."""
     src, out_dir = os.path.abspath(os.path.expanduser(src)), os.path.abspath(out_dir)
+    outputs.check_apart(src, out_dir, ImportHFError)  # the swap would take SRC with it, or the run would go into SRC
     check_target(out_dir, overwrite)
     arch, hf, raw = read_hf_config(src)
     cfg = model_config(arch, hf, os.path.join(src, "config.json"))

@@ -802,6 +802,13 @@ def make_shards(args):
         source["retrieval"] = {k: getattr(args, k) for k in ("retrieval_fraction", "retrieval_length",
                                                               "retrieval_min_length", "retrieval_filler",
                                                               "key_digits", "seed")}
+    # The shards and manifest.json never go in among the inputs: a later glob over that folder would read
+    # them as corpus (or refuse them), and the user's folder of text would fill with the command's files.
+    inputs = files if args.source == "local" else \
+        [args.dataset] if args.source == "hub" and os.path.isdir(os.path.expanduser(args.dataset)) else []
+    for path in inputs:
+        name = "--input file" if args.source == "local" else "--dataset"
+        outputs.check_apart(os.path.expanduser(path), args.out_dir, PrepareError, name, "--out_dir")
     # Refuse an incompatible or unwritable out_dir before touching the network (a Hugging Face tokenizer's
     # shards are compared once it is loaded: only then is its hash known).
     manifest = _read_manifest(args.out_dir)

@@ -50,7 +50,7 @@ from bam.cli import Parser, UserError, os_reason, user_errors
 from bam.config import (PARAMETER_ADDING_MODEL_KEYS, SHAPE_FREE_MODEL_KEYS, ConfigError, check, checkpoint_differences,
                         describe, load_config, to_dict, to_toml)
 from bam.data import ShardLoader, check_shard_tokens, check_token_ids
-from bam.outputs import remove_temp_files, write_text
+from bam.outputs import check_apart, remove_temp_files, write_text
 from bam.parallel import (clip_grad_norm, init_distributed, load_fsdp_checkpoint, load_whole_optimizer, micro_step,
                           prepare, prior_summary, rank_rng_state, save_fsdp_checkpoint, wrap)
 from bam.recovery import (Diverged, LauncherWatch, Stopped, StopRequest, check_step, follow_moved_run_dir, interrupted,
@@ -341,7 +341,7 @@ def load_init_weights(cfg, master):
     if not source:
         return None
     try:
-        path, ckpt = load_checkpoint(source)
+        path, ckpt = load_checkpoint(source, warn=None if master else lambda line: None)
     except CheckpointError as e:
         raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({e})") from None
     check_checkpoint_tokenizer(ckpt, cfg, f"train.init_from = {source!r}")
@@ -496,6 +496,9 @@ def build_run(args, overrides, procs, held):
     too_big = check_training_fits(cfg, procs.world_size, device, bf16)
     if too_big:
         raise UserError(too_big)
+    if t.init_from and not (args.resume and step_checkpoints(cfg.log.out_dir)):  # a resume ignores init_from
+        # A fresh run writes config.toml, metrics.jsonl and best.pt over those of a source it lies in or holds
+        check_apart(t.init_from, cfg.log.out_dir, UserError, "train.init_from", "log.out_dir")
     train_loader, val_loader, val_batches = build_data(cfg, procs)
     if procs.master:
         lock_run_dir(cfg.log.out_dir, held)

@@ -26,7 +26,9 @@ checkpoints (the evaluators, sample.py, export_hf.py, train.init_from) takes an 
 run. `python -m bam.checkpoint SOURCE OUT.pt` writes any checkpoint as one .pt file.
 
 Checkpoints are written atomically (outputs.atomic_file, outputs.swap_in): a reader sees a whole one or none;
-the temp file of a killed writer never matches a checkpoint name and is removed by the next run.
+the temp file of a killed writer never matches a checkpoint name and is removed by the next run. A run read while
+it trains may prune (keep_last) or replace (best) the checkpoint a reader chose: load_checkpoint then reads the
+run's newest complete one again, and says so.
 """
 
 import dataclasses
@@ -36,6 +38,8 @@ import logging
 import os
 import re
 import shutil
+import stat
+import sys
 import warnings
 import zipfile
 from collections import Counter
@@ -202,25 +206,85 @@ class CheckpointNotFound(CheckpointError, FileNotFoundError):
     """No checkpoint at that path (also a FileNotFoundError, as find_checkpoint's)."""
 
 
-def load_checkpoint(path, mmap=True, optimizer=False, join_shards=True):
+READ_TRIES = 3  # reads of a run's newest checkpoint, each chosen again after a prune or a save took the one before
+
+
+def load_checkpoint(path, mmap=True, optimizer=False, join_shards=True, warn=None):
     """(file, checkpoint dict) of a checkpoint or of a run directory's newest checkpoint (find_checkpoint):
     the one place the repository reads the format. With mmap the tensors of a .pt file stay on disk until
     read, so loading the weights of a training checkpoint never pages its optimizer state in; a resume that
     keeps the tensors (the optimizer state) loads without it. A sharded folder is joined into whole tensors
     in this process; its optimizer state (twice the weights) is read only with optimizer=True, and with
     join_shards=False no tensor is read (train.py loads them into its sharded model). Anything unusable is a
-    CheckpointError of one line."""
-    try:
-        file = find_checkpoint(path)
-    except FileNotFoundError as e:
-        raise CheckpointNotFound(str(e)) from None
-    if os.path.isdir(file):
-        ckpt = load_sharded_whole(file, optimizer) if join_shards else check_sharded(file)
-    else:
-        ckpt = _load_file(file, mmap)
+    CheckpointError of one line.
+
+    A run that trains while it is read removes its older step checkpoints (keep_last) and replaces best/: the
+    one chosen may go, or change, during the read. For a run directory the newest complete checkpoint is then
+    chosen and read again, up to READ_TRIES times, each time said in one line through `warn` (stderr by
+    default); a checkpoint named itself that is removed mid-read is a CheckpointNotFound saying so, and one
+    replaced whole (best/) is read again."""
+    path = os.fspath(path)
+    warn = warn or (lambda line: print(line, file=sys.stderr))
+    run = os.path.isdir(path) and not is_sharded(path)
+    for _ in range(READ_TRIES):
+        try:
+            file = find_checkpoint(path)
+        except FileNotFoundError as e:
+            raise CheckpointNotFound(str(e)) from None
+        before = _identity(file)
+        try:
+            ckpt, failure = _read(file, mmap, optimizer, join_shards), None
+        except CheckpointError as e:
+            ckpt, failure = None, e
+        after = _identity(file)
+        if before is not None and after == before:
+            if failure is not None:
+                raise failure  # the checkpoint is as it was: what failed is the checkpoint itself
+            return file, _upgraded(ckpt)
+        removed = after is None or after[1] is None
+        if failure is None and before is not None and removed:
+            return file, _upgraded(ckpt)  # removed once everything was read: what was read is one checkpoint
+        if not run and removed:
+            raise CheckpointNotFound(
+                f"{file} was removed during the read (a training run's keep_last prunes its older checkpoints); "
+                f"give the run directory to read its newest checkpoint", "removed during the read")
+        warn(f"warning: {file} was {'removed' if removed else 'replaced'} during the read (a training run's "
+             f"keep_last or its next save); reading {'the newest checkpoint of ' + path if run else 'it'} again")
+    raise CheckpointError(f"{path}: the checkpoint changed under each of {READ_TRIES} reads (a run that saves "
+                          f"faster than a checkpoint is read); copy one out of the run and read the copy",
+                          "changed during every read")
+
+
+def _upgraded(ckpt):
     if "config" in ckpt:  # train.py's run config, with the keys older versions kept elsewhere moved
         ckpt["config"] = upgrade(ckpt["config"])
-    return file, ckpt
+    return ckpt
+
+
+def _read(file, mmap, optimizer, join_shards):
+    if os.path.isdir(file):
+        return load_sharded_whole(file, optimizer) if join_shards else check_sharded(file)
+    return _load_file(file, mmap)
+
+
+def _identity(path):
+    """What tells the checkpoint at `path` from one written there later, or None when nothing is there: a file's
+    inode, size and mtime (and () after them); a folder's inode, then its DONE's (None without a DONE). A read
+    that overlaps a replacement may mix the two: torch.load with mmap opens a .pt file twice by name, and a
+    folder's files are opened one by one."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # unreadable: the read fails the same way, which then says why
+        return ("unreadable", e.errno), ()
+    if not stat.S_ISDIR(st.st_mode):
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), ()
+    try:
+        done = os.stat(os.path.join(path, DONE))
+    except OSError:
+        return (st.st_dev, st.st_ino), None
+    return (st.st_dev, st.st_ino), (done.st_ino, done.st_size, done.st_mtime_ns)
 
 
 def _load_file(file, mmap):
@@ -415,7 +479,7 @@ def load_newest(paths, warn=print, join_shards=True, set_aside=False):
     skipped = []
     for path in reversed(paths):
         try:
-            found = load_checkpoint(path, mmap=False, optimizer=True, join_shards=join_shards)
+            found = load_checkpoint(path, mmap=False, optimizer=True, join_shards=join_shards, warn=warn)
         except CheckpointError as e:
             warn(f"warning: cannot load {path} ({e.reason}); trying the one before it")
             skipped.append(path)

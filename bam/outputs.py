@@ -22,6 +22,8 @@ shards, manifests, metrics, eval results) goes through atomic_file, every folder
                                 every leftover removed (call it holding the lock, before writing)
     locked_folder(folder, ...)  FOLDER/.lock for a block; a refused command leaves no folder it made
     claim_folder(path, ...)     .NAME.lock beside an output folder, then recover(path) (export, import)
+    check_apart(source, out)    refuse an output that is its source, holds it or lies inside it (symlinks
+                                resolved), before anything is written
     remove_stale(folder, glob)  temp files of killed writers (their rename never happened)
 
 How a folder is swapped (docs/INTERFACES.md, "Outputs after a kill"). A folder cannot be renamed over a
@@ -148,6 +150,28 @@ def claim_folder(path, command, what, refused=InUse):
     done = recover(path)
     if done:
         print(f"{command}: {path}: a killed {what} was cleaned up: {done}", file=sys.stderr)
+
+
+def check_apart(source, out, refused=ValueError, source_name="SRC", out_name="OUT"):
+    """Refuse, as `refused` (the caller's error type) with one line naming both, an output `out` that is
+    `source`, contains it or lies inside it, both resolved (os.path.realpath: symlinks followed, a part of
+    `out` not made yet kept as written). Swapping in such an output removes the source (it replaces the
+    folder that holds it), and writing it puts the command's files into the user's source folder. Call it
+    before anything is written."""
+    src, dst = os.path.realpath(source), os.path.realpath(out)
+    relation = "is" if dst == src else "contains" if _inside(src, dst) else \
+        "lies inside" if _inside(dst, src) else None
+    if relation is None:
+        return
+    given = (os.path.abspath(source), os.path.abspath(out))
+    resolved = f" (resolved: {out_name} {dst}, {source_name} {src})" if given != (src, dst) else ""
+    raise refused(f"{out_name} {out} {relation} {source_name} {source}{resolved}: an output and its source must "
+                  f"lie apart, neither inside the other; choose another {out_name}")
+
+
+def _inside(path, folder):
+    """Whether `path` lies strictly inside `folder` (resolved paths, compared by component)."""
+    return path != folder and os.path.commonpath([path, folder]) == folder
 
 
 def _forget_in_child():

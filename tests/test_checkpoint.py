@@ -183,3 +183,83 @@ def test_an_incomplete_or_damaged_sharded_folder_is_refused_and_skipped(tmp_path
     assert warnings == [f"warning: cannot load {unfinished} (incomplete: DONE is missing); trying the one before it",
                         f"warning: cannot load {cut} (damaged: __0_0.distcp has 2 bytes, not 7); trying the one "
                         "before it"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A run read while it trains: the chosen checkpoint pruned (keep_last) or replaced during the read
+
+
+def tiny(seed):
+    from model import ModelConfig, Transformer
+
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=8))
+
+
+def trainer_saves_during_the_first_read(monkeypatch, save, times=1):
+    """Wrap the reader of a .pt file so that its first `times` calls run `save(file)` (what a live run does between
+    the reader's choice and its read: a new step saved and the older ones pruned, or best.pt replaced) before
+    reading. Returns the files it was called with."""
+    real, calls = checkpoint._load_file, []
+
+    def reading(file, mmap):
+        calls.append(file)
+        if len(calls) <= times:
+            save(file)
+        return real(file, mmap)
+    monkeypatch.setattr(checkpoint, "_load_file", reading)
+    return calls
+
+
+def test_a_run_pruned_during_the_read_is_read_again_at_its_newest_checkpoint(tmp_path, monkeypatch, capsys):
+    run = str(tmp_path / "run")
+    for step in (1, 2):
+        checkpoint.save_model(tiny(step), step_path(run, step))
+
+    def next_save(file):  # steps 3 and 4 saved, keep_last = 2: the chosen step 2 is gone
+        for step in (3, 4):
+            checkpoint.save_model(tiny(step), step_path(run, step))
+        keep_last(run, 2)
+    calls = trainer_saves_during_the_first_read(monkeypatch, next_save)
+    capsys.readouterr()
+    model = checkpoint.load_model(run)
+    assert calls == [step_path(run, 2), step_path(run, 4)]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), tiny(4).state_dict().values()))
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {step_path(run, 2)} was removed during the read (a training run's keep_last or its next save); "
+        f"reading the newest checkpoint of {run} again"]
+
+    # A run that saves and prunes during every read: a bounded number of tries, then one line
+    def prune_newest(file):
+        step = checkpoint.checkpoint_step(file) + 1
+        checkpoint.save_model(tiny(step), step_path(run, step))
+        keep_last(run, 1)
+    trainer_saves_during_the_first_read(monkeypatch, prune_newest, times=checkpoint.READ_TRIES)
+    with pytest.raises(checkpoint.CheckpointError, match=f"changed under each of {checkpoint.READ_TRIES} reads"):
+        checkpoint.load_checkpoint(run, warn=lambda line: None)
+
+
+def test_a_named_checkpoint_removed_during_the_read_is_one_line_saying_so(tmp_path, monkeypatch, capsys):
+    from bam.cli import run_cli
+
+    run = str(tmp_path / "run")
+    for step in (1, 2):
+        checkpoint.save_model(tiny(step), step_path(run, step))
+    trainer_saves_during_the_first_read(monkeypatch, os.remove)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        run_cli(checkpoint.main, [step_path(run, 1), str(tmp_path / "out.pt")])  # python -m bam.checkpoint
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and err.splitlines() == [
+        f"error: {step_path(run, 1)} was removed during the read (a training run's keep_last prunes its older "
+        "checkpoints); give the run directory to read its newest checkpoint"], err
+    assert not os.path.exists(tmp_path / "out.pt")
+
+    # best.pt replaced whole during the read (a new best saved): read again, the new one
+    checkpoint.save_model(tiny(5), best_path(run))
+    trainer_saves_during_the_first_read(monkeypatch, lambda file: checkpoint.save_model(tiny(6), file))
+    warned = []
+    file, ckpt = checkpoint.load_checkpoint(best_path(run), warn=warned.append)
+    assert torch.equal(ckpt["model"]["tok_emb.weight"], tiny(6).tok_emb.weight)
+    assert warned == [f"warning: {best_path(run)} was replaced during the read (a training run's keep_last or its "
+                      "next save); reading it again"]

@@ -220,6 +220,27 @@ def test_overwrite_replaces_an_earlier_export(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "again.pt", "second.pt"]
 
 
+def files_under(folder):
+    return {os.path.relpath(os.path.join(root, name), folder): open(os.path.join(root, name), "rb").read()
+            for root, _, names in os.walk(folder) for name in names}
+
+
+def test_an_out_dir_that_holds_or_lies_in_the_source_is_refused_with_nothing_written(tmp_path, capsys):
+    """A checkpoint kept inside an earlier export: --overwrite would swap out the folder and the checkpoint with it.
+    An OUT_DIR inside the run it exports would be written into the run. One line naming both, nothing changed."""
+    _, out = export_case(tmp_path, "hf", pe="rope")
+    shutil.copy(tmp_path / "hf.pt", out / "mine.pt")
+    run = tmp_path / "run"
+    save_model(tiny_model(), str(run / "checkpoints" / "step_00000001.pt"))
+    for args, words in (((out / "mine.pt", out, "--overwrite"), f"OUT_DIR {out} contains RUN_OR_CHECKPOINT {out}/"),
+                        ((run, run / "hf"), f"OUT_DIR {run}/hf lies inside RUN_OR_CHECKPOINT {run}")):
+        before = files_under(tmp_path)
+        capsys.readouterr()
+        line = export_error(capsys, *args)
+        assert words in line and "lie apart" in line, line
+        assert files_under(tmp_path) == before and not (run / "hf").exists()
+
+
 def test_model_py_must_be_self_contained(tmp_path):
     export_hf.check_self_contained(os.path.join(REPO, "model.py"))
     bad = tmp_path / "model.py"

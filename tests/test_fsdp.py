@@ -279,6 +279,50 @@ def test_a_checkpoint_whose_metadata_is_zeros_is_one_line_without_torchs_traceba
         line for line in err.splitlines() if line.startswith("error: cannot load the checkpoint")], err[-3000:]
 
 
+def test_a_sharded_checkpoint_pruned_during_the_read_is_read_again_or_named_as_removed(fsdp2, tmp_path, monkeypatch,
+                                                                                         capsys):
+    """An evaluator reads a live FSDP run: once it has the newest folder's state.json, the trainer saves two more
+    steps and keep_last = 2 removes the folder (DCP's read of it then fails). The reader takes the newest complete
+    folder, saying so in one line; a folder named itself says that it was removed, not that it is incomplete."""
+    from eval.loading import load_for_eval
+    from eval.options import EvalOptions
+
+    run = shutil.copytree(fsdp2, str(tmp_path / "run"))
+    chosen = checkpoint.step_path(run, 6, sharded=True)
+    newest = checkpoint.step_path(run, 8, sharded=True)
+    want = checkpoint.load_checkpoint(chosen)[1]["model"]
+    real = checkpoint.check_sharded
+
+    def trainer_prunes_after_the_state_is_read(path):
+        state = real(path)
+        if path == chosen and os.path.isdir(chosen):
+            for step in (7, 8):  # the same shards under newer names: a whole folder each, as save_sharded leaves it
+                shutil.copytree(chosen, checkpoint.step_path(run, step, sharded=True))
+            checkpoint.keep_last(run, 2)
+        return state
+    monkeypatch.setattr(checkpoint, "check_sharded", trainer_prunes_after_the_state_is_read)
+    capsys.readouterr()
+    evaluated = load_for_eval(run, EvalOptions(device="cpu"))
+    assert evaluated.info["checkpoint"] == newest and not os.path.exists(chosen)
+    assert all(torch.equal(t, want[name]) for name, t in evaluated.model.state_dict().items())
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {chosen} was removed during the read (a training run's keep_last or its next save); reading "
+        f"the newest checkpoint of {run} again"]
+
+    def removed_after_the_state_is_read(path):
+        state = real(path)
+        shutil.rmtree(path)
+        return state
+    monkeypatch.setattr(checkpoint, "check_sharded", removed_after_the_state_is_read)
+    with pytest.raises(SystemExit) as info:
+        cli.run_cli(checkpoint.main, [newest, str(tmp_path / "out.pt")])  # python -m bam.checkpoint FOLDER OUT.pt
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and err.splitlines() == [
+        f"error: {newest} was removed during the read (a training run's keep_last prunes its older checkpoints); "
+        "give the run directory to read its newest checkpoint"], err
+    assert not os.path.exists(tmp_path / "out.pt")
+
+
 def limit_file_size(limit):
     def set_limit():
         import resource

@@ -234,6 +234,44 @@ def test_another_architecture_remote_code_and_a_foreign_weight_are_one_line(tmp_
     assert "tokenizer" in refusal(tmp_path, capsys, src)
 
 
+def snapshot(folder):
+    """Every file under `folder` with its bytes, links as where they point: what must not change."""
+    found = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, folder)] = os.readlink(path) if os.path.islink(path) else \
+                open(path, "rb").read() if os.path.isfile(path) else None
+    return found
+
+
+def test_an_out_that_is_holds_or_lies_in_src_is_refused_with_nothing_written(tmp_path, capsys, tokenizer):
+    """The source downloaded into an earlier import (`OUT/model OUT --overwrite`: the swap would replace OUT and the
+    source with it), OUT inside SRC (the run would be written into the model folder), the two the same, and the
+    first through a link: one line naming both, exit 1, not a byte changed or added anywhere."""
+    _, first = hf_folder(tmp_path / "download", "llama", tokenizer)
+    out = str(tmp_path / "OUT")
+    import_hf.main([first, out])
+    shutil.copytree(first, os.path.join(out, "model"))
+    src = str(tmp_path / "SRC")
+    shutil.copytree(first, src)
+    os.symlink(out, tmp_path / "link")
+    cases = [([os.path.join(out, "model"), out, "--overwrite"], f"OUT {out} contains SRC {out}/model"),
+             ([src, os.path.join(src, "run")], f"OUT {src}/run lies inside SRC {src}"),
+             ([src, src, "--overwrite"], f"OUT {src} is SRC {src}"),
+             ([str(tmp_path / "link" / "model"), out, "--overwrite"],
+              f"OUT {out} contains SRC {tmp_path}/link/model (resolved: OUT {out}, SRC {out}/model)")]
+    for args, words in cases:
+        before = snapshot(tmp_path)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            run_cli(import_hf.main, args)
+        err = capsys.readouterr().err
+        assert info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert words in err and "lie apart" in err, err
+        assert snapshot(tmp_path) == before, args
+
+
 def test_import_evaluate_fine_tune_with_ssmax_and_export(imported, tmp_path, capsys):
     """The whole road: an imported model through eval.passkey, eval.attention, eval.niah, eval.perplexity and
     sample.py with its own tokenizer and context, fine-tuned

@@ -251,6 +251,26 @@ def test_any_hub_dataset_streams_through_the_same_call(tmp_path):
     assert not any(os.path.exists(tmp_path / o) for o in ("o3", "o4", "o5"))
 
 
+def test_an_out_dir_that_holds_an_input_or_lies_in_the_dataset_folder_is_refused(tmp_path):
+    """Shards written in among the corpus would be read back as corpus by a later glob over that folder (or
+    refused as an unsupported file); the user's folder of text would fill with the command's files. One line,
+    nothing written."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    source = write_jsonl(corpus / "c.jsonl", DOCS)
+    for argv, words in (
+            (["--source", "local", "--input", source, "--out_dir", str(corpus)],
+             f"--out_dir {corpus} contains --input file {source}"),
+            (["--source", "local", "--input", str(corpus / "*.jsonl"), "--out_dir", str(tmp_path)],
+             f"--out_dir {tmp_path} contains --input file {source}"),
+            (["--source", "hub", "--dataset", str(corpus), "--out_dir", str(corpus / "shards")],
+             f"--out_dir {corpus}/shards lies inside --dataset {corpus}")):
+        before = sorted(os.listdir(tmp_path)), sorted(os.listdir(corpus))
+        message = run_error([*argv, "--workers", "1"])
+        assert words in message and "lie apart" in message, message
+        assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(corpus))) == before
+
+
 def test_hub_errors_are_one_line_and_out_dir_is_checked_first(tmp_path, monkeypatch):
     import datasets
 

@@ -439,8 +439,9 @@ def test_init_from_loads_weights_only_and_refuses_other_shapes(tmp_path, synthet
         assert info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
         assert "other parameter shapes" in err and named in err and not os.path.exists(run)
     # A path without checkpoints is one line too.
+    os.makedirs(tmp_path / "empty")
     with pytest.raises(SystemExit):
-        train.main([cfg, f"--log.out_dir={tmp_path / 'refused'}", f"--train.init_from={tmp_path}", *short])
+        train.main([cfg, f"--log.out_dir={tmp_path / 'refused'}", f"--train.init_from={tmp_path / 'empty'}", *short])
     err = capsys.readouterr().err
     assert err.startswith("error: train.init_from") and err.count("\n") == 1, err
 
@@ -449,3 +450,30 @@ def test_init_from_loads_weights_only_and_refuses_other_shapes(tmp_path, synthet
                 "--train.max_steps=3", "--train.warmup_steps=0", "--train.val_every=0"])
     out = capsys.readouterr().out
     assert newest(tuned)["step"] == 3 and "resuming at step 2" in out and "initialised from" not in out
+
+
+def test_an_out_dir_that_holds_or_lies_in_init_from_is_refused_with_nothing_written(tmp_path, synthetic, capsys):
+    """A fresh run from a checkpoint of its own log.out_dir (a run dir that kept only best.pt) would write its
+    config.toml, metrics.jsonl and best.pt over the source's; a log.out_dir inside the init_from run would be
+    written into that run. One line naming both, before the lock file or anything else is written."""
+    cfg = small_config(tmp_path, synthetic)
+    base = str(tmp_path / "base")
+    train.main([cfg, f"--log.out_dir={base}", "--train.max_steps=2", "--train.warmup_steps=0"])
+    for step in checkpoint.step_checkpoints(base):
+        os.remove(step)
+    best = checkpoint.best_path(base)
+
+    def files():
+        return {p: open(p, "rb").read() for p in glob.glob(os.path.join(tmp_path, "**"), recursive=True)
+                if os.path.isfile(p)}
+    for out, source, words in ((base, best, f"log.out_dir {base} contains train.init_from {best}"),
+                               (os.path.join(base, "tuned"), base, f"log.out_dir {base}/tuned lies inside "
+                                                                   f"train.init_from {base}")):
+        before = files()
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            train.main([cfg, f"--log.out_dir={out}", f"--train.init_from={source}", "--train.max_steps=2"])
+        err = capsys.readouterr().err
+        assert info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert words in err and "lie apart" in err, err
+        assert files() == before
