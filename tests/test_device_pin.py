@@ -36,8 +36,8 @@ def test_unmarked_test_sees_the_cpu():
     assert pick_device("auto") == torch.device("cpu")
     assert torch.get_float32_matmul_precision() == "highest"  # train.py's TF32 is for a GPU only
     for env in (None, ENV):  # what a subprocess, torchrun and its ranks inherit
-        child = subprocess.run([sys.executable, "-c", "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"],
-                               env=env, capture_output=True, text=True, check=True)
+        show = "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"
+        child = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
         assert child.stdout.strip() == "''"
 
 
@@ -63,8 +63,9 @@ def run_probe(tmp_path, pretend_gpu):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": "0" if pretend_gpu else ""}
     args = ["-p", "pretend_gpu"] if pretend_gpu else []
-    return subprocess.run([sys.executable, "-m", "pytest", *args, "--strict-markers", "-rs", "-p", "no:cacheprovider",
-                           "test_probe.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "pytest", *args, "--strict-markers", "-rs",
+                           "-p", "no:cacheprovider", "test_probe.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_on_a_gpu_machine_only_marked_tests_see_the_gpu(tmp_path):
@@ -74,5 +75,6 @@ def test_on_a_gpu_machine_only_marked_tests_see_the_gpu(tmp_path):
 
 def test_on_a_cpu_machine_marked_tests_skip_with_a_reason(tmp_path):
     done = run_probe(tmp_path, pretend_gpu=False)
-    assert done.returncode == 0 and "2 passed, 1 skipped" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    output = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "2 passed, 1 skipped" in done.stdout, output
     assert "needs a CUDA GPU" in done.stdout
