@@ -99,7 +99,11 @@ def next_batch(loader, loss_on, device, vocab_size=None):
             raise UserError(e) from None
     if loss_on == "passkey_answers":
         y = passkey_answer_targets(x, y, load_tokenizer(loader.tokenizer.name))
-    return tuple(v.to(device, non_blocking=True) for v in (x, y, doc_ids))
+    if torch.device(device).type == "cuda":
+        # From page-locked memory the copy is queued behind the GPU's work and the host goes on; from pageable
+        # memory the driver may first wait for the stream (the previous step's kernels) to stage it.
+        return tuple(v.pin_memory().to(device, non_blocking=True) for v in (x, y, doc_ids))
+    return tuple(v.to(device) for v in (x, y, doc_ids))
 
 
 def loss_of(model, batch, doc_mask, loss_on):
@@ -438,7 +442,7 @@ def restore(run, path, ckpt):
         run.train_loader.load_state_dict(ckpt["loader"])
     except ValueError as e:  # the shards changed since the checkpoint
         raise UserError(f"cannot resume from step {ckpt['step']}: {e}") from None
-    set_rng_state(rank_rng_state(ckpt, run.procs.rank))
+    set_rng_state(rank_rng_state(ckpt, run.procs.rank), run.procs.device)
     run.state = TrainState(step=ckpt["step"], tokens_seen=ckpt["tokens_seen"], best_val_loss=ckpt["best_val_loss"],
                            wandb_id=ckpt.get("wandb_id"), recent=ckpt.get("recent", []))
 
@@ -592,7 +596,7 @@ def save_checkpoint(run):
     s, run_dir = run.state, run.cfg.log.out_dir
     state = dict(step=s.step, tokens_seen=s.tokens_seen, best_val_loss=s.best_val_loss, config=to_dict(run.cfg),
                  tokenizer=run.train_loader.tokenizer.to_dict(),
-                 loader=run.train_loader.state_dict(), rng=rng_state(), wandb_id=s.wandb_id, recent=s.recent)
+                 loader=run.train_loader.state_dict(), rng=rng_state(run.procs.device), wandb_id=s.wandb_id, recent=s.recent)
     path = step_path(run_dir, s.step, run.sharded)
     with writes_to(path):
         if run.sharded:

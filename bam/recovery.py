@@ -286,24 +286,34 @@ def follow_moved_run_dir(cfg, path, overrides, master):
         cfg.log.out_dir = run_dir
 
 
-def rng_state():
-    # Plain lists and tensors only, so that checkpoints load with torch.load(weights_only=True).
+def rng_state(device):
+    """Every generator a run draws from, as plain lists and tensors (checkpoints load with
+    torch.load(weights_only=True)). On a GPU, the generator of this rank's device only: each rank owns one
+    device, and a resume may see another number of them."""
     _, key, pos, has_gauss, gauss = np.random.get_state()
+    device = torch.device(device)
     return {"python": random.getstate(), "numpy": [key.tolist(), pos, has_gauss, gauss],
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
-def set_rng_state(state):
-    """rng_state()'s state back; also as a sharded checkpoint's state.json holds it (lists for tuples and
-    byte tensors)."""
+def set_rng_state(state, device):
+    """rng_state()'s state back, `device`'s generator included; also as a sharded checkpoint's state.json holds it
+    (lists for tuples and byte tensors). Checkpoints written before rng_state kept one device's generator hold
+    a list of every visible device's: this rank's local device takes its own entry where the list has one,
+    else the first (a resume on fewer visible GPUs)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     key, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    device, cuda = torch.device(device), state.get("cuda")
+    if device.type != "cuda" or cuda is None or len(cuda) == 0:
+        return
+    if not isinstance(cuda, torch.Tensor) and not isinstance(cuda[0], int):  # one state per device (older)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cuda = cuda[index] if index < len(cuda) else cuda[0]
+    torch.cuda.set_rng_state(torch.as_tensor(cuda, dtype=torch.uint8), device)
 
 
 def metrics_rows_until(path, step):

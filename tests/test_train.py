@@ -132,6 +132,99 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, synthetic, monkeypatc
     assert a["loader"] == b["loader"] and a["step"] == b["step"] == 6 and a["tokens_seen"] == 6 * ACCUM * 64
 
 
+class FakeGPUs:
+    """torch.cuda's generator functions on `visible` pretend devices, each with its own 16-byte state; asking
+    for a device past them fails as CUDA does."""
+
+    def __init__(self, monkeypatch, visible):
+        self.visible, self.restored = visible, []
+        self.states = {i: torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(visible)}
+        for name in ("is_available", "device_count", "current_device", "get_rng_state", "get_rng_state_all",
+                     "set_rng_state", "set_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def index(self, device):
+        index = device if isinstance(device, int) else torch.device(device).index or 0
+        if index >= self.visible:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        return index
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return self.visible
+
+    def current_device(self):
+        return 0
+
+    def get_rng_state(self, device="cuda"):
+        return self.states[self.index(device)].clone()
+
+    def get_rng_state_all(self):
+        return [self.get_rng_state(i) for i in range(self.visible)]
+
+    def set_rng_state(self, state, device="cuda"):
+        self.restored.append((self.index(device), state.tolist()))
+
+    def set_rng_state_all(self, states):
+        for i, state in enumerate(states):
+            self.set_rng_state(state, i)
+
+
+def test_rng_state_of_a_rank_on_8_gpus_resumes_on_1(tmp_path, monkeypatch):
+    """A torchrun rank on a machine with 8 visible GPUs keeps its own device's generator; resumed where one
+    GPU is visible, that state goes to the one device, in a .pt file and in a sharded checkpoint's state.json."""
+    saving = FakeGPUs(monkeypatch, visible=8)
+    state = recovery.rng_state(torch.device("cuda", 3))  # LOCAL_RANK 3
+    assert torch.equal(state["cuda"], saving.states[3])
+    torch.save(state, tmp_path / "rng.pt")
+    as_json = json.loads(json.dumps(state, default=torch.Tensor.tolist))
+    for saved in (torch.load(tmp_path / "rng.pt", weights_only=True), as_json):
+        resuming = FakeGPUs(monkeypatch, visible=1)
+        recovery.set_rng_state(saved, torch.device("cuda", 0))
+        assert resuming.restored == [(0, [13] * 16)]
+
+
+def test_rng_state_of_every_visible_gpu_from_older_checkpoints_still_resumes(monkeypatch):
+    """Checkpoints written before hold every visible device's generator: the rank's local device takes its
+    own entry, or the first where the list is shorter; on the CPU the list is ignored."""
+    FakeGPUs(monkeypatch, visible=8)
+    older = {**recovery.rng_state("cpu"), "cuda": torch.cuda.get_rng_state_all()}
+    for saved in (older, json.loads(json.dumps(older, default=torch.Tensor.tolist))):
+        for visible, device, entry in ((1, 0, 0), (8, 3, 3), (2, 1, 1)):
+            gpus = FakeGPUs(monkeypatch, visible=visible)
+            recovery.set_rng_state(saved, torch.device("cuda", device))
+            assert gpus.restored == [(device, [10 + entry] * 16)]
+        gpus = FakeGPUs(monkeypatch, visible=1)
+        recovery.set_rng_state(saved, torch.device("cpu"))
+        assert gpus.restored == []
+
+
+def test_batches_reach_a_gpu_from_page_locked_memory(synthetic, monkeypatch):
+    """A copy from pageable memory may wait for the GPU's queued work before it starts; next_batch pins the
+    batch first and copies asynchronously. On the CPU the loader's own tensors are returned, untouched."""
+    loader = data.ShardLoader(synthetic, "train", 2, 32)
+    x, y, doc_ids = loader.next_batch()
+    loader.reset()
+    same = train.next_batch(loader, "all", torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(same, (x, y, doc_ids)))
+
+    pinned, copies = set(), []
+
+    def pin_memory(self):
+        pinned.add(id(self))
+        return self
+
+    def to(self, device, non_blocking=False):
+        copies.append((id(self) in pinned, torch.device(device).type, non_blocking))
+        return self
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    train.next_batch(loader, "all", torch.device("cuda", 0))
+    assert copies == [(True, "cuda", True)] * 3
+
+
 def test_an_old_run_with_train_doc_mask_resumes_initialises_and_reads_as_a_new_one(tmp_path, synthetic, capsys):
     """Runs written before data.doc_mask kept it as train.doc_mask, in config.toml and in every checkpoint."""
     cfg = small_config(tmp_path, synthetic)
