@@ -11,8 +11,19 @@
 Results land in RUN/eval/<name>.json (+ .png) unless --out says otherwise; docs/evaluation.md
 describes the protocols and the JSON files.
 
-An evaluator is one module that declares itself with an `eval.contract.Evaluator` named EVALUATOR,
-and one line below: eval.report finds its results, section, tables and plots through this list.
+An evaluator is one module (or one package, as priors) that declares itself with an
+`eval.contract.Evaluator` named EVALUATOR, and one line below: eval.report finds its results, section,
+tables and plots through this list. What the evaluators share:
+
+    contract, options  what an evaluator declares; the options every evaluator reads (EvalOptions)
+    loading            a run, checkpoint or model object made ready to evaluate, overrides applied
+    prompts, scoring   the text fed to a model; retrieval answers graded teacher-forced
+    sweep, memory      the loop over lengths; what a length needs in memory, and running out of it
+    results            the results files, written as results come in
+    plotting           the one module that imports matplotlib
+    tables, stats      markdown tables and their cells; intervals and tests over prompts and seeds
+    runs, variants     the report's runs read from their folders; runs grouped into named variants
+    training_section   the report's section of each variant's training loss
 """
 
 import importlib

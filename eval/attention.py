@@ -51,7 +51,7 @@ from eval.memory import plan_batch, stop_when_out_of_memory
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
 from eval.passkey import PasskeyPrompts
 from eval.prompts import validation_tokens
-from eval.reporting import DASH, length_label, table
+from eval.tables import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_factor, format_length,
                         length_arguments, sweep, sweep_lengths)

@@ -1,6 +1,6 @@
-"""The contract between an evaluator and the rest of the house.
+"""What an evaluator declares, and what the command line and eval.report then do with it.
 
-An evaluator is one module, eval/NAME.py, that ends with
+An evaluator is a module eval/NAME.py that ends with
 
     EVALUATOR = Evaluator(name="NAME", title=..., description=..., add_arguments=..., run=...,
                           table=..., plot=..., section=...)
@@ -9,10 +9,11 @@ An evaluator is one module, eval/NAME.py, that ends with
     if __name__ == "__main__":
         EVALUATOR.cli()
 
-and one line in eval.EVALUATORS. Then `python -m eval.NAME` parses its command line (its own options plus
-the shared ones it asks for, eval.options and eval.sweep) into an EvalOptions and calls `run`; its results
-files (schema NAME) are found by eval.report, which puts `section` under its `title`, links each run's
-plots (`run_plots`) and draws `summary_plot` next to the report.
+and is listed in eval.EVALUATORS; one too large for a file is a package, eval/NAME/, whose __init__.py
+declares EVALUATOR and whose __main__.py calls EVALUATOR.cli() (eval.priors). `python -m eval.NAME` then
+reads its own options and the shared ones it asks for (eval.options, eval.sweep) into an EvalOptions and
+calls `run`. eval.report finds its results files (schema NAME), puts `section` under `title`, links each
+run's plots (`run_plots`) and draws `summary_plot` beside the report.
 """
 
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ class Evaluator:
     run: Callable  # (args, options: EvalOptions): what the command does with the parsed command line
     table: Callable  # (results) -> str: printed on stdout
     plot: Callable | None  # (results, path): the PNG beside the results file; None if it draws its own (priors)
-    section: Callable  # (runs: [eval.reporting.Run], report_options: dict) -> [markdown lines]
+    section: Callable  # (runs: [eval.runs.Run], report_options: dict) -> [markdown lines]
     summary_plot: Callable | None = None  # (runs, path) -> bool (drawn or not): one figure over every run
     run_plots: tuple = ()  # ((label, suffix), ...): each run's plots the report links; () = ((name, ""),)
     report_arguments: Callable | None = None  # (parser): options of eval.report that its section reads

@@ -28,9 +28,9 @@ from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval, model_device
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments
-from eval.reporting import DASH, table
 from eval.results import Output, new_results
 from eval.sweep import progress_bar
+from eval.tables import DASH, table
 
 PAPER_TASKS = "hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai"
 # The metric a task's row shows first (lm-eval reports several; all are kept in the JSON).

@@ -40,11 +40,11 @@ from eval.contract import Evaluator
 from eval.loading import load_for_eval
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
 from eval.prompts import Haystack, encode_template, repeat_haystack, validation_tokens
-from eval.reporting import length_label, rate, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_factor, format_length,
                         length_arguments, sweep, sweep_lengths)
+from eval.tables import length_label, rate, table
 
 # (value kind, needles, of which distractors, keys asked for)
 TASKS = {

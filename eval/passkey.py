@@ -34,12 +34,13 @@ from eval.contract import Evaluator
 from eval.loading import load_for_eval
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments, add_prompt_arguments
 from eval.prompts import encode_template, repeat_haystack
-from eval.reporting import DASH, binomial_interval, by_family, by_variant, length_label, rate, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.scoring import Sample, score_length
-from eval.stats import difference_bootstrap, permutation_test, seed_bootstrap
+from eval.stats import binomial_interval, difference_bootstrap, permutation_test, seed_bootstrap
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_factor, format_length,
                         length_arguments, sweep, sweep_lengths)
+from eval.tables import DASH, length_label, rate, table
+from eval.variants import by_family, by_variant
 
 DEPTH_MODES = ("equidistant", "beginning", "end", "random")
 

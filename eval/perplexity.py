@@ -34,9 +34,9 @@ from eval.loading import load_for_eval
 from eval.memory import OutOfMemory, plan_batch, stop_when_out_of_memory
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments
 from eval.prompts import SOURCES, validation_sequences
-from eval.reporting import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, writable_folder
 from eval.sweep import check_lengths, format_factor, format_length, parse_length, progress_bar
+from eval.tables import DASH, length_label, table
 
 HEAD_CHUNK = 1024  # positions per LM-head call: B x 1024 x vocab fp32 logits at a time
 

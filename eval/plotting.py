@@ -53,7 +53,7 @@ def log2_length_axis(ax):
 
 def family_panels(families, height=4.2):
     """(fig, axes, [(ax, family, its variants)]): one panel per family of encodings, two per row, sharing
-    the y axis (the report's small multiples, eval.reporting.by_family)."""
+    the y axis (the report's small multiples, eval.variants.by_family)."""
     columns = min(2, len(families))
     rows = -(-len(families) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(7.0 * columns, height * rows), squeeze=False, sharey=True)

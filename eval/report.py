@@ -4,8 +4,8 @@ One markdown report comparing runs, from the results their evaluators saved (not
     python -m eval.report runs/bam_ssmax_512 runs/rope_512 runs/alibi_512 --out report.md
 
 Reads RUN/eval/*.json of each run (the results of every evaluator in eval.EVALUATORS) and RUN/metrics.jsonl
-for the tokens trained and the loss curves, and writes: the runs (encoding, size, parameters, tokens), the
-loss each variant reached (eval.training, with <name>_training.png), then one section per
+for the tokens trained and the loss curves (eval.runs), and writes: the runs (encoding, size, parameters,
+tokens), the loss each variant reached (eval.training_section, with <name>_training.png), then one section per
 evaluator in the registry's order (passkey accuracy by length, NIAH by length and task, perplexity at chosen
 positions, downstream task scores, the prior shape groups, attention by prompt length), and every run's plots
 side by side (relative links, so the report can be moved together with the run folders). Evaluators with a
@@ -19,139 +19,16 @@ interval and the number of trials, e.g. "45 (26-66, n=20)", so a difference betw
 from noise.
 """
 
-import glob
-import json
 import os
 import re
-import sys
 
-from bam.checkpoint import CONFIG, METRICS
 from bam.cli import Parser, run_cli
-from bam.config import ConfigError, load_config, to_dict
 from bam.outputs import write_bytes, write_text
-from eval import EvalError, evaluators, training, variants
-from eval.loading import output_dir
-from eval.options import overrides_label, overrides_suffix
-from eval.reporting import DASH, Run, human, table
-from eval.results import SCHEMA_VERSION, read_json, read_metrics, writable_folder
-
-
-def eval_folder(path):
-    """A run's eval folder: RUN/eval, a checkpoint's eval/<name>/, or an eval folder given directly."""
-    if not os.path.exists(path):
-        raise EvalError(f"no run directory, checkpoint or eval folder at {path}")
-    is_eval_folder = not os.path.isdir(os.path.join(path, "eval")) and glob.glob(os.path.join(path, "*.json"))
-    if os.path.isdir(path) and is_eval_folder:
-        return path
-    return output_dir(path)
-
-
-def run_dir_of(path):
-    """The run directory of `path`: one with checkpoints, or one kept without them (its config.toml beside its
-    eval/ folder or its metrics.jsonl, as configs/repro/grid5.sh keeps finished runs under docs/repro/runs5; a
-    diverged run has no results, and git keeps no empty eval/ folder for it)."""
-    kept = os.path.isfile(os.path.join(path, CONFIG)) and (os.path.isdir(os.path.join(path, "eval"))
-                                                            or os.path.isfile(os.path.join(path, METRICS)))
-    if os.path.isdir(path) and (os.path.isdir(os.path.join(path, "checkpoints")) or kept):
-        return path
-    if os.path.isfile(path) and os.path.basename(os.path.dirname(os.path.abspath(path))) == "checkpoints":
-        return os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    return None
-
-
-def load_runs(path):
-    """The columns one run contributes: its plain evaluations, then one per set of model overrides."""
-    folder = eval_folder(path)
-    name = os.path.basename(os.path.normpath(path))
-    variants = {}
-    for file, results in results_files(folder):
-        overrides = results.get("settings", {}).get("model_overrides") or {}
-        run = variants.setdefault(json.dumps(overrides, sort_keys=True), Run(path, folder, name, overrides))
-        stem = os.path.splitext(os.path.basename(file))[0]
-        suffix = overrides_suffix(overrides)
-        if suffix and stem.endswith("_" + suffix):  # passkey_yarn_x16 sits in the table of passkey
-            stem = stem[:-len(suffix) - 1]
-        run.results.setdefault(results["schema"], {})[stem] = results
-        run.model = run.model or results.get("model")
-    runs = [variants.pop(json.dumps({}), None)] + [variants[k] for k in sorted(variants)]
-    runs = [r for r in runs if r] or [Run(path, folder, name, {})]
-    config = run_config(path)
-    for run in runs:
-        run.config = config
-        if run.overrides:
-            run.name = f"{name}: {overrides_label((run.model or {}).get('config') or {}, run.overrides)}"
-        add_training_state(run, path)
-    if not any(r.results for r in runs):
-        stop = training.divergence(runs[0].metrics) if runs[0].metrics else None
-        if stop:  # nothing to evaluate: the report's training section shows where it stopped
-            print(f"report: {path} diverged at step {stop[0]}; it is in the training section only", file=sys.stderr)
-        else:
-            print(f"report: no evaluation results in {folder} (run python -m eval.passkey {path} first)",
-                  file=sys.stderr)
-    return runs
-
-
-def results_files(folder):
-    """(path, results) of every registered evaluator's JSON in the folder, in a schema version this reads."""
-    known = evaluators()
-    for file in sorted(glob.glob(os.path.join(folder, "*.json"))):
-        try:
-            results = read_json(file)
-        except (OSError, ValueError):
-            print(f"report: skipping {file}: not readable JSON", file=sys.stderr)
-            continue
-        if not isinstance(results, dict) or results.get("schema") not in known:
-            continue
-        if results.get("schema_version") != SCHEMA_VERSION:
-            print(f"report: skipping {file}: schema version {results.get('schema_version')}, this report reads "
-                  f"{SCHEMA_VERSION}", file=sys.stderr)
-            continue
-        results["_file"] = file
-        yield file, results
-
-
-def run_config(path):
-    """The resolved config of the run at `path` (RUN/config.toml) as a run started today reads it: old key
-    names moved, settings newer than the file at their defaults. None for a checkpoint or eval folder
-    outside a run directory (its variant is then told by its model config alone)."""
-    run_dir = run_dir_of(path)
-    file = os.path.join(run_dir, CONFIG) if run_dir else None
-    if not file or not os.path.isfile(file):
-        return None
-    try:
-        return to_dict(load_config(file))
-    except ConfigError as e:
-        print(f"report: {e}; {path} is grouped with other runs by its model config alone", file=sys.stderr)
-        return None
-
-
-def assign_variants(runs):
-    """Name every run's variant (eval.variants): the runs that differ only in seed and folder share one."""
-    def config_of(run):
-        return run.config or (run.model or {}).get("config") or {}
-
-    groups = variants.group(runs, config_of, lambda r: r.overrides)
-    # the model config its results recorded, or its config.toml's (a run kept without results: one that diverged)
-    labels = [overrides_label((g[0].model or {}).get("config") or (g[0].config or {}).get("model") or {},
-                              g[0].overrides) for g in groups]
-    defaults = variants.flatten(to_dict(load_config()))  # what a config file that sets nothing gets
-    for group, name in zip(groups, variants.names(labels, [config_of(g[0]) for g in groups], defaults)):
-        for run in group:
-            run.variant = name
-            run.seed = variants.flatten(config_of(run)).get("train.seed")
-
-
-def add_training_state(run, path):
-    """The step and tokens trained, from the results or else from the run's metrics.jsonl."""
-    if run.model:
-        run.step, run.tokens = run.model.get("step"), run.model.get("tokens_seen")
-    run_dir = run_dir_of(path)
-    metrics = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
-    if metrics and os.path.isfile(metrics):
-        run.metrics = metrics
-        rows = read_metrics(metrics)
-        if rows and run.tokens is None:
-            run.tokens, run.step = rows[-1].get("tokens"), run.step or rows[-1].get("step")
+from eval import EvalError, evaluators, training_section
+from eval.results import writable_folder
+from eval.runs import load_runs
+from eval.tables import DASH, human, table
+from eval.variants import assign_variants
 
 
 def tokenizer_label(model_block):
@@ -168,7 +45,7 @@ def tokenizer_label(model_block):
 def runs_section(runs):
     rows = []
     for r in runs:
-        c = (r.model or {}).get("config") or {}
+        c = r.model_config
         shape = f"{c['n_layer']} x {c['n_embd']}, {c['n_head']} heads" if c else DASH
         m = r.model or {}
         rows.append([r.name, r.variant or DASH, DASH if r.seed is None else r.seed, shape, c.get("block_size", DASH),
@@ -252,7 +129,7 @@ def write_report(sources, *, out="report.md", title="Evaluation report", run_plo
         raise EvalError(f"--out {out} is a directory; give the markdown file to write, e.g. {os.path.join(out, 'report.md')}")
     stem = os.path.splitext(os.path.abspath(out))[0]
     summary = []
-    if training.plot(runs, f"{stem}_training.png"):
+    if training_section.plot(runs, f"{stem}_training.png"):
         summary.append(f"{stem}_training.png")
     for evaluator in evaluators().values():
         path = f"{stem}_{evaluator.name}.png"
@@ -261,8 +138,8 @@ def write_report(sources, *, out="report.md", title="Evaluation report", run_plo
     listed = ", ".join(f"`{s}`" for s in sources)
     lines = [f"# {title}", "", f"Runs: {listed}. Built by `python -m eval.report` from the "
              f"saved results (`RUN/eval/*.json`); rerun an evaluator to refresh its numbers.", ""]
-    sections = [runs_section(runs), training.section(runs)] + [evaluator_section(e, runs, options)
-                                                                for e in evaluators().values()]
+    sections = [runs_section(runs), training_section.section(runs)] + [evaluator_section(e, runs, options)
+                                                                        for e in evaluators().values()]
     for section in sections + [plots_section(runs, out, summary, run_plots)]:
         lines += section + [""]
     write_text(out, "\n".join(lines))

@@ -4,8 +4,8 @@ How sure a retrieval number is, when it comes from a few training seeds and a fe
 A variant (one config, several seeds) is scored per seed as `correct / prompts` at each length. Two sources
 of noise sit in the mean over seeds: which prompts were drawn (binomial noise within a seed) and which seed
 was drawn (the run-to-run spread of training, often the larger one on small models). The Wilson interval of
-one run (eval.reporting.binomial_interval) sees only the first. The intervals here see both, and the test
-compares variants at the level where they are independent, the seed:
+one run (`binomial_interval`, a single run's cell in the report) sees only the first. The seed-level
+intervals see both, and the test compares variants at the level where they are independent, the seed:
 
 - `seed_bootstrap`: a two-level bootstrap of the mean accuracy over seeds. Draw the seeds again with
   replacement; for each drawn seed, draw its accuracy from what its prompts say about it, the Jeffreys
@@ -32,6 +32,18 @@ import numpy as np
 
 DRAWS = 20_000  # bootstrap and random-permutation draws: the percentiles move by < 1 point between seeds
 EXACT_LIMIT = 20_000  # relabellings enumerated exactly up to this many (4 + 4 seeds: 70; 8 + 8: 12,870)
+
+
+def binomial_interval(successes, trials, z=1.959963984540054):
+    """Wilson's 95% score interval (low, high) for a success rate seen as successes / trials: unlike the
+    normal approximation it stays inside [0, 1] and is not empty at 0% or 100%, where short passkey
+    sweeps often sit. (None, None) without trials."""
+    if not trials:
+        return None, None
+    p, n = successes / trials, trials
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _counts(seeds):

@@ -1,6 +1,8 @@
 """
 Runs as variants: the runs whose resolved configs differ only in the seed (and in where they were written)
-are one variant, the experiment that eval.report aggregates over seeds.
+are one variant, the experiment that eval.report aggregates over seeds. Here a variant is found
+(`assign_variants`), named (`names`), and its runs gathered (`by_variant`) and sorted into the encoding
+families of the report's small multiples (`by_family`).
 
 Evaluator overrides (`--window`, `--rope_scaling yarn --rope_factor auto`, ...) make variants of their own:
 "rope + YaRN auto" evaluated on four RoPE seeds is a variant of four seeds, next to plain "rope".
@@ -14,6 +16,10 @@ Folder names never enter a name.
 """
 
 import json
+
+from bam.config import load_config, to_dict
+from eval.options import overrides_label
+from model import ENCODINGS
 
 # Settings that do not change what a run learns: the seed (what a variant averages over), where its files
 # go and how it logs, and implementation choices that are proven equal (attention paths, compilation) or
@@ -85,3 +91,38 @@ def names(labels, configs, defaults):
             parts.append("fine-tuned")
         out.append(", ".join([label] + parts))
     return out
+
+
+def assign_variants(runs):
+    """Name every run's variant and seed (eval.runs.Run): the runs that differ only in seed and folder share
+    one variant."""
+    def config_of(run):
+        return run.config or run.model_config
+
+    groups = group(runs, config_of, lambda r: r.overrides)
+    labels = [overrides_label(g[0].model_config, g[0].overrides) for g in groups]
+    defaults = flatten(to_dict(load_config()))  # what a config file that sets nothing gets
+    for members, name in zip(groups, names(labels, [config_of(g[0]) for g in groups], defaults)):
+        for run in members:
+            run.variant = name
+            run.seed = flatten(config_of(run)).get("train.seed")
+
+
+def by_variant(runs):
+    """{variant name: [its runs, one per seed]}, in the order the variants first appear."""
+    variants = {}
+    for run in runs:
+        variants.setdefault(run.variant or run.name, []).append(run)
+    return variants
+
+
+def by_family(variants):
+    """{family: [variant names]} of {variant: [its runs]}, by the encoding's family (model.ENCODINGS), for
+    small multiples: RoPE and its extensions in one panel, additive priors in another, ..., the families in
+    the registry's order."""
+    families = {}
+    for variant, members in variants.items():
+        pe = members[0].model_config.get("pe")
+        families.setdefault(getattr(ENCODINGS.get(pe), "family", "other"), []).append(variant)
+    order = list(dict.fromkeys(e.family for e in ENCODINGS.values()))  # baselines, RoPE, ..., as the registry
+    return dict(sorted(families.items(), key=lambda f: order.index(f[0]) if f[0] in order else len(order)))

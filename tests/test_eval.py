@@ -23,8 +23,9 @@ from eval.contract import Evaluator
 from eval.loading import autocast
 from eval.options import EvalOptions, overrides_label, overrides_suffix, results_name
 from eval.prompts import encode_template, validation_tokens
-from eval.reporting import binomial_interval
 from eval.results import SCHEMA_VERSION, Output, new_results
+from eval.runs import load_runs
+from eval.stats import binomial_interval
 from eval.sweep import parse_lengths, sweep
 from model import ModelConfig, Transformer, ggd_bias
 
@@ -600,5 +601,5 @@ def test_report_names_a_factor_by_the_runs_own_scaling_method(tmp_path):
             "settings": {"model_overrides": overrides, "samples": 2, "depth_mode": "equidistant",
                          "given_tokens": 0},
             "results": [{"length": 1024, "correct": 1, "samples": 2}]}))
-    runs = report.load_runs(str(tmp_path / "rope_yarn_ft"))
+    runs = load_runs(str(tmp_path / "rope_yarn_ft"))
     assert [r.name for r in runs] == ["rope_yarn_ft", "rope_yarn_ft: rope + YaRN auto"]

@@ -19,8 +19,8 @@ from bam.checkpoint import save_model
 from bam.tokenizer import load_tokenizer
 from eval import attention, report
 from eval.options import EvalOptions
-from eval.reporting import length_label
 from eval.sweep import format_factor
+from eval.tables import length_label
 from model import ENCODINGS, ModelConfig, Transformer
 
 CONTEXT = 16  # the training context of the test models: distances from 16 on count as far

@@ -29,8 +29,8 @@ TOY_EVALUATOR = '''
 from eval.contract import Evaluator
 from eval.loading import load_for_eval
 from eval.options import EvalOptions, add_model_arguments, add_output_arguments
-from eval.reporting import table
 from eval.results import Output, new_results
+from eval.tables import table
 
 
 def evaluate_toy(source, *, options=None, scale=1.0):

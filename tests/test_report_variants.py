@@ -12,6 +12,8 @@ from bam.cli import run_cli
 from bam.config import load_config, to_toml
 from eval import report
 from eval.results import SCHEMA_VERSION
+from eval.runs import load_runs
+from eval.variants import assign_variants
 
 LENGTHS = [128, 256, 512]
 
@@ -61,8 +63,8 @@ def grid(tmp_path):
 def test_seeds_are_one_variant_named_by_what_sets_it_apart(grid, tmp_path):
     # a seed whose spike guard was turned off (as on resume after a false alarm) is still a seed of the variant
     guard_off = fake_run(tmp_path / "runs", "bam_ssmax_seed4", 4, [20, 20, 20], ["--train.spike_threshold=0"])
-    runs = [r for path in dict.fromkeys(grid + [guard_off]) for r in report.load_runs(path)]
-    report.assign_variants(runs)
+    runs = [r for path in dict.fromkeys(grid + [guard_off]) for r in load_runs(path)]
+    assign_variants(runs)
     variant = {r.name: r.variant for r in runs}
     assert variant["bam_ssmax_seed1"] == variant["bam_ssmax_seed2"] == variant["bam_ssmax_seed3"] == "bam + ssmax"
     assert variant["bam_ssmax_seed4"] == "bam + ssmax"
@@ -79,7 +81,7 @@ def test_runs_of_one_name_are_told_apart_by_their_folder_then_their_place(tmp_pa
                            fake_run(tmp_path / "a" / "grid", "nope_seed1", 1, [20, 10, 5]),
                            fake_run(tmp_path / "b" / "grid", "nope_seed1", 1, [20, 12, 6]),
                            fake_run(tmp_path / "runs5", "nope_seed2", 2, [20, 12, 6]))
-            for r in report.load_runs(path)]
+            for r in load_runs(path)]
     report.distinct_names(runs)
     assert [r.name for r in runs] == ["runs5/bam_ssmax_seed1", "runs5_10000/bam_ssmax_seed1",
                                       "grid/nope_seed1 (3)", "grid/nope_seed1 (4)", "nope_seed2"]
@@ -96,8 +98,8 @@ def test_a_fine_tune_is_its_own_variant_whichever_seed_it_started_from(tmp_path)
     paths = [fake_run(root, "rope_seed1", 1, [20, 10, 0], rope), fake_run(root, "rope_seed2", 2, [19, 9, 0], rope),
              fake_run(root, "ft_seed1", 7, [20, 20, 18], [*yarn, f"--train.init_from={root / 'rope_seed1'}"]),
              fake_run(root, "ft_seed2", 7, [20, 19, 17], [*yarn, f"--train.init_from={root / 'rope_seed2'}"])]
-    runs = [r for path in paths for r in report.load_runs(path)]
-    report.assign_variants(runs)
+    runs = [r for path in paths for r in load_runs(path)]
+    assign_variants(runs)
     assert {r.name: r.variant for r in runs} == {"rope_seed1": "rope", "rope_seed2": "rope",
                                                  "ft_seed1": "rope + YaRN x4, fine-tuned",
                                                  "ft_seed2": "rope + YaRN x4, fine-tuned"}
@@ -218,7 +220,7 @@ def write_metrics(run, losses, val):
 
 
 def test_report_training_section_means_the_last_tenth_over_seeds_and_draws_the_curves(grid, tmp_path):
-    from eval import training
+    from eval import training_section
 
     for run, offset in zip(grid[:3], [0.0, 0.3, 0.6]):  # bam_ssmax seeds 1-3: 20 losses, the last two 1+offset
         write_metrics(run, [3.0] * 18 + [1.0 + offset] * 2, [(100, 2.0 + offset), (200, 0.5 + offset)])
@@ -229,7 +231,7 @@ def test_report_training_section_means_the_last_tenth_over_seeds_and_draws_the_c
     assert "| bam + ssmax | 3 | 200 | 1.300 [1.000 1.300 1.600] | 0.800 [0.500 0.800 1.100] |" in text
     section = text[text.index("## Training"):text.index("## Passkey")]
     assert "bam-local" not in section and "init uniform" not in section  # an override; no metrics.jsonl
-    (train_steps, losses), (val_steps, val) = training.curves(os.path.join(grid[0], "metrics.jsonl"))
+    (train_steps, losses), (val_steps, val) = training_section.curves(os.path.join(grid[0], "metrics.jsonl"))
     assert train_steps == list(range(10, 210, 10)) and 99.0 not in losses  # a step's last row wins
     assert val_steps == [0, 100, 200] and val == [10.0, 2.0, 0.5]
     assert "![](report_training.png)" in text and (tmp_path / "report_training.png").stat().st_size > 10_000
@@ -277,7 +279,7 @@ def test_shapes_in_training_counts_the_heads_that_reach_far_by_the_models_own_bi
     a key 1,024 tokens back within one logit of their best key, checked against the prior written out by
     hand, -e^a (|d - mu| + eps)^b (the log holds mu = 2 sinh(l) itself), maximised over every distance."""
     import math
-    from eval.prior_plots import shapes_in_training
+    from eval.priors.plots import shapes_in_training
     from model import GGD_EPS
     shape, log_scale, mu = [[1.0, 0.5], [-0.2, 1.0]], [[0.0, -8.0], [0.0, -6.0]], [[0.0, 0.0], [0.0, 700.0]]
     bias = lambda d, b, a, m: -math.exp(a) * (abs(d - m) + GGD_EPS) ** b
@@ -301,8 +303,8 @@ def test_shapes_in_training_counts_the_heads_that_reach_far_by_the_models_own_bi
 
 
 def test_far_heads_are_counted_once_for_a_shared_prior_and_from_the_config_without_results(tmp_path):
-    from eval.prior_report import far_heads_of
-    from eval.reporting import Run
+    from eval.priors.section import far_heads_of
+    from eval.runs import Run
     stopped = Run(str(tmp_path), str(tmp_path / "eval"), "stopped", {}, config={"model": {"block_size": 128}})
     assert stopped.pretraining_context == 128  # a diverged run has a config but no results to read it from
     run = Run(str(tmp_path), str(tmp_path / "eval"), "shared", {}, model={"config": {"block_size": 128}})

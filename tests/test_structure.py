@@ -2,7 +2,8 @@
 importing only modules on its own floor or below (docs/INTERFACES.md, "Layout"), with no import cycle; a
 module imports our own modules at its top, never inside a function (that only hides a cycle), except for the
 few reasons in ALLOWED_LATE_IMPORTS; the root holds the commands and the model, the library lives in bam/;
-nothing edits sys.path at module level; the evaluators stay small."""
+nothing edits sys.path at module level; the evaluators stay small, and no two modules of one eval/ folder have
+names that a reader could take for each other."""
 
 import ast
 import os
@@ -33,7 +34,7 @@ ALLOWED_LATE_IMPORTS = {
 }
 
 ROOT_COMMANDS = 8  # at most this many .py files at the root: the commands and the model beside its wrapper
-EVALUATOR_LINES = 400  # an evaluator (eval/*.py) stays readable in one sitting (issue 19)
+EVALUATOR_LINES = 400  # a module of eval/ (an evaluator's package included) reads in one sitting (issue 19)
 
 
 def source_files():
@@ -196,6 +197,25 @@ def test_every_evaluator_is_under_its_line_budget():
     long = {m: n for m, p in MODULES.items() if m.startswith("eval.")
             for n in [sum(1 for _ in open(p, encoding="utf-8"))] if n > EVALUATOR_LINES}
     assert not long, long
+
+
+def name_clashes(names):
+    """Pairs of module names of one folder where one, less a plural s, begins the other (report and reporting,
+    priors and prior_plots): two names that say the same thing."""
+    stems = {name: name.removesuffix("s") for name in names}
+    return sorted((a, b) for a in names for b in names if a != b and b.startswith(stems[a]))
+
+
+def test_no_two_modules_of_an_eval_folder_share_a_name():
+    folders = {}
+    for module in MODULES:
+        if module.startswith("eval.") and not module.endswith(".__main__"):
+            folder, _, name = module.rpartition(".")
+            folders.setdefault(folder, []).append(name)
+    clashes = {folder: name_clashes(names) for folder, names in folders.items() if name_clashes(names)}
+    assert not clashes, clashes
+    assert name_clashes(["report", "reporting", "priors", "prior_plots", "runs"]) == [
+        ("priors", "prior_plots"), ("report", "reporting")]
 
 
 def test_the_checker_sees_a_late_import_and_a_floor_above(tmp_path, monkeypatch):

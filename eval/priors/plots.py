@@ -1,14 +1,15 @@
 """eval.priors' plots: the prior's bias curves by layer and head (priors.png), its learned parameters
 (priors_shapes.png), how they moved in training (priors_training.png) and FoX's forget gates
-(priors_gates.png). Apart from the evaluator (eval/priors.py), which reads the priors and writes these."""
+(priors_gates.png), and the report's summary figure of BAM's shapes over training. The evaluator
+(eval/priors/__init__.py) reads the priors and writes these."""
 
 import math
 
 import numpy as np
 
-from eval.prior_report import FAR, far_heads
-from eval.reporting import by_variant
+from eval.priors.section import FAR, far_heads
 from eval.results import rows_by_step
+from eval.variants import by_variant
 
 GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
 

@@ -22,6 +22,9 @@ Outputs: priors.json, priors.png (bias curves), priors_shapes.png (BAM: shape hi
 scale; otherwise a histogram of each learned parameter) and priors_training.png (parameters against
 training step) in RUN/eval. NoPE, RoPE and sinusoidal models have no prior; without SSMax there is
 nothing to show and the command says so and exits 0.
+
+The evaluator is a package: this file reads the priors and writes the results, eval/priors/plots.py draws
+the figures, eval/priors/section.py is its section of eval.report, and __main__.py runs the command.
 """
 import glob
 import math
@@ -37,8 +40,9 @@ from eval import EvalError
 from eval.contract import Evaluator
 from eval.loading import load_for_eval, output_dir
 from eval.options import EvalOptions, add_output_arguments
-from eval.prior_plots import group_colors, plot_curves, plot_gates, plot_shapes, plot_shapes_in_training, plot_training
-from eval.prior_report import section
+from eval.priors.plots import (group_colors, plot_curves, plot_gates, plot_shapes, plot_shapes_in_training,
+                               plot_training)
+from eval.priors.section import section
 from eval.prompts import validation_tokens
 from eval.results import SCHEMA_VERSION, lock_results, read_json, read_metrics, writable_folder, write_json
 from eval.sweep import parse_length
@@ -275,6 +279,3 @@ EVALUATOR = Evaluator(
     run_plots=(("prior per head", ""), ("prior shapes", "_shapes"), ("priors during training", "_training"),
                ("forget gates", "_gates")))
 main = EVALUATOR.main
-
-if __name__ == "__main__":
-    EVALUATOR.cli()

@@ -12,8 +12,9 @@ last tenth of the logged steps, so one noisy batch does not set it, and the last
 
 import numpy as np
 
-from eval.reporting import DASH, by_family, by_variant, table
-from eval.results import read_metrics, rows_by_step
+from eval.results import rows_by_step
+from eval.tables import DASH, table
+from eval.variants import by_family, by_variant
 
 
 def curves(path):
@@ -26,20 +27,12 @@ def curves(path):
     return tuple(map(list, zip(*train))) or ([], []), tuple(map(list, zip(*val))) or ([], [])
 
 
-def divergence(path):
-    """(step, why) where train.py's divergence guard stopped the run (the last row of its metrics.jsonl
-    says so, see recovery.diverged), or None for a run that did not diverge."""
-    rows = read_metrics(path)
-    last = rows[-1] if rows else {}
-    return (last["step"], last["diverged"]) if "diverged" in last else None
-
-
 def trained(runs):
     """{variant: [(run, curves, divergence)]} of the runs as trained (no overrides) whose metrics.jsonl has a
     loss; divergence is None for a run that did not diverge."""
     found = {}
     for variant, members in by_variant([r for r in runs if not r.overrides and r.metrics]).items():
-        kept = [(r, curves(r.metrics), divergence(r.metrics)) for r in members]
+        kept = [(r, curves(r.metrics), r.divergence) for r in members]
         kept = [(r, c, stop) for r, c, stop in kept if c[0][0]]
         if kept:
             found[variant] = kept

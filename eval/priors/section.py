@@ -10,8 +10,8 @@ import json
 import torch
 
 from eval import variants
-from eval.reporting import DASH, by_variant, length_label, table
-from eval.training import divergence
+from eval.tables import DASH, length_label, table
+from eval.variants import by_variant
 from model import ggd_bias
 
 
@@ -167,7 +167,7 @@ def setting_lines(runs):
         lengths = [n for n in asked if context and n / context in (16, 64)] or asked[-1:]
         rows = []
         for _, variant, settings, members in line:
-            stopped = [r for r in members if r.metrics and divergence(r.metrics)]
+            stopped = [r for r in members if r.divergence]
             done = [r for r in members if longest_passkey(r) and r not in stopped]
             cells = []
             for n in lengths:
