@@ -404,17 +404,32 @@ def _from_dcp(record):
     return "torch/distributed/checkpoint" not in record.pathname.replace(os.sep, "/")
 
 
+def _dcp_loggers():
+    """Every logger torch.distributed.checkpoint logs on: the root logger (its loader's warnings), its module
+    loggers, and its event logger (c10d_logger's "c10d-<handler>-dcp_logger", which does not propagate)."""
+    from torch.distributed.checkpoint import logger as dcp_logger
+
+    named = [logger for name, logger in logging.Logger.manager.loggerDict.items()
+             if name.startswith("torch.distributed.checkpoint") and isinstance(logger, logging.Logger)]
+    return [logging.getLogger(), dcp_logger._dcp_logger, *named]
+
+
 @contextmanager
 def dcp_quiet():
     """torch.distributed.checkpoint's loader logs each failed read of a damaged folder's metadata, traceback and
-    all, on the root logger (before it raises), once per attempt and rank: four tracebacks before the one line
-    that says which checkpoint to move away. For the block, the root logger drops what that package logs."""
-    root = logging.getLogger()
-    root.addFilter(_from_dcp)
+    all (before it raises), once per attempt and rank: four tracebacks before the one line that says which
+    checkpoint to move away. For the block, every logger that package logs on drops its records. The filter sits
+    on each of those loggers, not on the root alone: a logger's filters see only the records created on it, and a
+    handler attached to a non-propagating logger (pytest's log capture attaches one to each) would still get
+    them."""
+    loggers = _dcp_loggers()
+    for logger in loggers:
+        logger.addFilter(_from_dcp)
     try:
         yield
     finally:
-        root.removeFilter(_from_dcp)
+        for logger in loggers:
+            logger.removeFilter(_from_dcp)
 
 
 def load_sharded_whole(path, optimizer=False):

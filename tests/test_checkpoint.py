@@ -263,3 +263,43 @@ def test_a_named_checkpoint_removed_during_the_read_is_one_line_saying_so(tmp_pa
     assert torch.equal(ckpt["model"]["tok_emb.weight"], tiny(6).tok_emb.weight)
     assert warned == [f"warning: {best_path(run)} was replaced during the read (a training run's keep_last or its "
                       "next save); reading it again"]
+
+
+def test_dcp_quiet_drops_torch_distributed_checkpoint_records_on_every_logger_it_logs_on():
+    """torch.distributed.checkpoint logs on the root logger, on its module loggers and on its event logger, which
+    does not propagate: a handler on any of them (a user's, or pytest's log capture, which attaches to each
+    non-propagating logger) must see none of its records inside the block, and the rest as before."""
+    import logging
+
+    from torch.distributed.checkpoint import default_planner
+    from torch.distributed.checkpoint import logger as dcp_logger
+
+    dcp_file = dcp_logger.__file__
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append((record.name, record.pathname))
+
+    handler = Keep(logging.DEBUG)
+    loggers = [logging.getLogger(), dcp_logger._dcp_logger, default_planner.logger]
+    names = {logger.name for logger in loggers}
+    for logger in loggers:
+        logger.addHandler(handler)
+
+    def log_everywhere(pathname):
+        for logger in loggers:
+            logger.handle(logger.makeRecord(logger.name, logging.ERROR, pathname, 1, "read failed", None, None))
+
+    try:
+        with checkpoint.dcp_quiet():
+            log_everywhere(dcp_file)
+            assert seen == []
+            log_everywhere(__file__)  # not torch.distributed.checkpoint's: kept
+            assert {name for name, _ in seen} == names
+        seen.clear()
+        log_everywhere(dcp_file)  # after the block, nothing is dropped
+        assert {name for name, _ in seen} == names
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
