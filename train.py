@@ -15,7 +15,8 @@ The run directory (log.out_dir) gets config.toml (the resolved config), metrics.
 object per logged step, including every head's prior parameters) and checkpoints/ (the last
 train.keep_last step checkpoints, each enough to resume exactly, and best.pt, the weights with the
 lowest validation loss; folders of shards instead under train.parallel = "fsdp", bam/parallel.py).
-`python train.py --help` lists every config key and its default.
+`python train.py --help` lists every config key and its default. The file reads top-down: main, build_run,
+train_loop, train_step, then what they call.
 
 Exit status: 0 when max_steps are done; 1 for a mistake the user can fix (one `error: ...` line),
 including a diverged run (non-finite loss or a loss spike: the line says which checkpoint to resume
