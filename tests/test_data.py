@@ -303,6 +303,7 @@ def test_a_loader_given_the_vocabulary_refuses_a_batch_with_a_token_outside_it(t
     _, y, _ = ShardLoader(str(tmp_path), "train", 2, 16, rank=1, world_size=2).next_batch()
     assert int(y.max()) == 60_000
 
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_loader_keeps_no_shard_mapped_between_batches(tmp_path):
     _write_stream(tmp_path, np.arange(20_000), [5000, 5000])
