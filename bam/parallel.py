@@ -94,14 +94,17 @@ def shard(model, device, bf16, reshard_after_forward):
 
 
 def wrap(model, train, procs, compile_backend="inductor"):
-    """What the training step calls: under DDP the model compiled whole and wrapped in DDP; under FSDP the
-    model itself (prepare did it all)."""
+    """What the training step calls: under DDP the model wrapped in DDP, then compiled whole; under FSDP the
+    model itself (prepare did it all). DDP first is torch's documented order: dynamo then sees the DDP module
+    and splits the graph at its gradient buckets (DDPOptimizer), so that the all-reduce of one bucket overlaps
+    the backward of the next; the other way round, DDP's hooks wait for the whole compiled backward. The
+    compiled module passes attribute reads on to DDP (micro_step's no_sync)."""
     if train.parallel == "fsdp":
         return model
-    if train.compile:
-        model = torch.compile(model, backend=compile_backend)
     if procs.distributed:
         model = DDP(model, device_ids=[procs.local_rank] if procs.device.type == "cuda" else None)
+    if train.compile:
+        model = torch.compile(model, backend=compile_backend)
     return model
 
 
