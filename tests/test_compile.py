@@ -264,10 +264,12 @@ def test_per_block_compile_makes_at_most_two_block_graphs_whatever_the_depth(fre
 
 @needs_counter
 @pytest.mark.slow
-def test_the_whole_model_compiles_once_per_grad_mode_over_validation_and_training(fresh_dynamo, flex_backward_on_cpu):
+def test_the_whole_model_compiles_once_per_grad_mode_over_validation_and_training(fresh_dynamo, flex_backward_on_cpu,
+                                                                                  monkeypatch):
     """train.compile under DDP compiles the whole model: the step-0 validation, three training steps and the
     next validation must reuse their two graphs. A kernel cache filled during the first trace changes what
     that trace's guards saw, so the training step and the next validation would compile the model again."""
+    monkeypatch.setattr(model_module, "_FLEX_KERNELS", {})  # as in a fresh process: no kernel of earlier tests
     model = flex_everywhere(bam_ssmax())
     counter = CompileCounterWithBackend("eager")
     compiled = parallel.wrap(model, TrainConfig(compile=True), PROCESS, compile_backend=counter)
