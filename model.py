@@ -186,6 +186,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("wo.weight", "w2.weight")):
                 nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+        self.build_flex_kernels()
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -216,8 +217,14 @@ class Transformer(nn.Module):
                       if doc_ids is None else positions_in_documents(doc_ids))
         x = self._embed(idx, pos_in_doc)
         ctx = self._attention_context(start_pos, T, pos_in_doc, doc_ids, kv_cache)
+        # Each layer's table is picked here, outside the Block that FSDP compiles, so that one Block
+        # graph serves every layer
+        tables = None
+        if ctx.flex_tables:
+            tables = self._flex_prior_tables(ctx.mask.seq_lengths[0], idx.device)
         for layer, block in enumerate(self.blocks):
-            x = block(x, ctx, self._prior_of_layer(layer), layer, kv_cache)
+            x = block(x, ctx, self._prior_of_layer(layer), layer, kv_cache,
+                      prior_table=None if tables is None else tables[layer])
         return self._logits_and_loss(x, targets, last_k, sparse_targets)
 
     def _check_doc_ids(self, doc_ids, shape, start_pos):
@@ -250,10 +257,8 @@ class Transformer(nn.Module):
         rotation = self.encoding.rotation
         rope = rotation(q_pos, cfg, length=start_pos + T) if rotation is not None else None
         mask = self._mask(impl, q_pos, k_pos, doc_ids)
-        tables = None
-        if impl == "flex" and cfg.flex_prior == "table":
-            tables = self._flex_prior_tables(mask.seq_lengths[0], device)
-        return AttnContext(impl, q_pos, k_pos, mask, log_n, rope, pos_in_doc, tables)
+        flex_tables = impl == "flex" and cfg.flex_prior == "table"
+        return AttnContext(impl, q_pos, k_pos, mask, log_n, rope, pos_in_doc, flex_tables)
 
     def _flex_prior_tables(self, length, device):
         """Per layer, the distance_table of its prior over the kernel's `length` tokens, built once
@@ -264,6 +269,20 @@ class Transformer(nn.Module):
                  else None for p in self.priors]
         return tuple(built[layer if len(built) > 1 else 0] if built else None
                      for layer in range(n_layer))
+
+    def build_flex_kernels(self):
+        """Every flex kernel a forward of this model can ask for (flex_kernel), on a CPU or a GPU,
+        with either flex_prior: made before any trace, so that a compiled forward only reads them.
+        Making one costs nothing (it compiles at its first call)."""
+        use_ssmax = self.config.ssmax
+        for prior in self.priors or [None]:
+            bias_fn = None if prior is None else prior.bias_fn
+            has_features = prior is not None and not prior.DISTANCE_ONLY
+            for cpu in (False, True):
+                if not has_features:  # read from its table (table_bias), or SSMax's table alone
+                    tabled = None if prior is None else table_bias
+                    flex_kernel(flex_variant(tabled, use_ssmax, False, True, cpu))
+                flex_kernel(flex_variant(bias_fn, use_ssmax, has_features, False, cpu))
 
     def _plain_causal(self, T_q, T_k, has_docs):
         """Nothing positional in attention but causality, which sdpa's flash kernel does alone."""
@@ -421,10 +440,11 @@ class AttnContext:
     log_n: torch.Tensor | None  # (B or 1, Tq) log of how many keys each query sees (SSMax)
     rope: tuple | None  # (cos, sin) of the queries' positions
     pos_in_doc: torch.Tensor | None = None  # (B or 1, Tq) the queries' positions in their documents
-    # flex with flex_prior = "table": per layer, its prior's distance_table, or None
-    # where the layer's prior is absent or not distance-only; SSMax is then tabulated
-    # too. None: formulas in the kernel.
-    prior_tables: tuple | None = None
+    # flex with flex_prior = "table": each layer's distance-only prior comes as its distance_table
+    # (the prior_table argument of Block and Attention, chosen per layer outside them) and SSMax is
+    # tabulated too. A flag, not the tables: a per-layer lookup inside a compiled Block would guard
+    # on the layer's index.
+    flex_tables: bool = False
 
 
 def positions_in_documents(doc_ids):
@@ -450,8 +470,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, ctx, prior_module, layer, kv_cache=None):
-        x = x + self.attn(self.attn_norm(x), ctx, prior_module, layer, kv_cache)
+    def forward(self, x, ctx, prior_module, layer, kv_cache=None, prior_table=None):
+        x = x + self.attn(self.attn_norm(x), ctx, prior_module, layer, kv_cache, prior_table)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -480,15 +500,14 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
         return q, k, v
 
-    def forward(self, x, ctx: AttnContext, prior_module, layer, kv_cache=None):
+    def forward(self, x, ctx: AttnContext, prior_module, layer, kv_cache=None, prior_table=None):
+        """`prior_table`: this layer's prior as its distance_table (ctx.flex_tables), or None."""
         B, T, _ = x.shape
         q, k, v = self.project(x, ctx)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, int(ctx.q_pos[0]), k, v)
-        table = None if ctx.prior_tables is None else ctx.prior_tables[layer]
-        # read from the table built once for this forward (Transformer._flex_prior_tables)
-        if table is not None:
-            prior, features = (table_bias, (table,)), None
+        if prior_table is not None:  # built once for this forward (Transformer._flex_prior_tables)
+            prior, features = (table_bias, (prior_table,)), None
         else:
             prior, features = layer_prior(prior_module, x, ctx, layer, kv_cache)
         y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale, features)
@@ -1380,7 +1399,7 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
     """FlexAttention: the prior as score_mod, the mask as a sparse BlockMask; never
     materialises Tq x Tk. Queries and keys are the same positions 0..T-1 (no KV cache), so
     the token features at the queries are those at the keys (layer_prior). With prior tables
-    (ctx.prior_tables) a tabulated prior, (table_bias, (table,)), and SSMax are gathered from
+    (ctx.flex_tables) a tabulated prior, (table_bias, (table,)), and SSMax are gathered from
     tables; any other prior (one with token features included), and everything with
     flex_prior = "formula", is evaluated by its formula per score."""
     log_n = None
@@ -1388,15 +1407,10 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
         log_n = (ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1
                  else ctx.log_n)
     bias_fn, tensors = (None, ()) if prior is None else prior
-    tabulated = ctx.prior_tables is not None and bias_fn in (None, table_bias)
-    if tabulated:
-        variant = ("table", bias_fn is not None, ssmax_scale is not None, q.device.type == "cpu")
-    else:
-        gathers = ssmax_scale is not None or features is not None  # per-query tensors in score_mod
-        variant = (bias_fn, ssmax_scale is not None, q.device.type == "cpu" and gathers)
-    if variant not in _FLEX_KERNELS:
-        _FLEX_KERNELS[variant] = (_make_flex_table_kernel(*variant[1:]) if tabulated
-                                  else _make_flex_kernel(*variant))
+    tabulated = ctx.flex_tables and bias_fn in (None, table_bias)
+    cpu = q.device.type == "cpu"
+    kernel = flex_kernel(flex_variant(bias_fn, ssmax_scale is not None, features is not None,
+                                      tabulated, cpu))
     T, padded = q.shape[2], ctx.mask.seq_lengths[0]
     if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
         features = tuple(t.expand(q.shape[0], q.shape[1], T).contiguous() for t in features[0])
@@ -1412,9 +1426,8 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
             raise ValueError(f"a prior table covers distances 0..{bias_table.shape[-1] - 1}, the "
                              f"kernel runs {padded} tokens: build it at ctx.mask.seq_lengths[0]")
         factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, q.shape[0])
-        return _FLEX_KERNELS[variant](q, k, v, ctx.mask, bias_table, factor_table)[:, :, :T]
-    y = _FLEX_KERNELS[variant](q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)
-    return y[:, :, :T]
+        return kernel(q, k, v, ctx.mask, bias_table, factor_table)[:, :, :T]
+    return kernel(q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)[:, :, :T]
 
 
 # The attention paths by name (ModelConfig.attn_impl after `auto`):
@@ -1523,10 +1536,10 @@ def check_doc_ids(doc_ids):
 
 # --------------------------------------------------------------------------------------------------
 # Flex runtime: what FlexAttention needs around the math above. The BlockMasks (written down
-# directly, and the causal ones kept in a small cache), one compiled kernel per variant (kept
-# in _FLEX_KERNELS, with dynamo's recompile budget raised at the first compile), and torch
-# 2.13's CPU workarounds (static shapes for the kernels that gather per-query tensors,
-# sequences padded to whole blocks).
+# directly, and the causal ones kept in a small cache), one compiled kernel per variant (kept in
+# _FLEX_KERNELS, built outside any trace, where dynamo's recompile budget is raised), and torch
+# 2.13's CPU workarounds (static shapes for the kernels that gather per-query tensors, sequences
+# padded to whole blocks).
 
 
 # FlexAttention's BlockMask says which 128 x 128 blocks of the score grid to visit at all (in full,
@@ -1622,6 +1635,40 @@ def window_block_mask(T, window, device, block=128):
 _FLEX_KERNELS = {}
 
 
+def flex_kernel(variant):
+    """The compiled FlexAttention of `variant` (flex_variant), built at its first request. Building
+    writes module state (this cache, and dynamo's recompile budget), which a traced region must not
+    do: inside an activation-checkpointed Block dynamo refuses it (an unsafe side effect), elsewhere
+    it breaks the graph and changes what the graph's guards saw, so the next call compiles the model
+    again. Transformer therefore builds every kernel it can ask for when it is made
+    (build_flex_kernels), and traced code only reads."""
+    kernel = _FLEX_KERNELS.get(variant)
+    if kernel is not None:
+        return kernel
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"no flex kernel for {variant} was built before torch.compile traced "
+                           "the model; call its build_flex_kernels() after changing its priors")
+    # dynamo's recompile budget (8) is per code object, and every variant, sequence length and mask
+    # shape of a kernel shares one: an evaluation sweep over lengths, or a test comparing encodings,
+    # would exhaust it and fail under fullgraph. Raised here, outside any trace (never lowering a
+    # user's setting).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    tabulated = variant[0] == "table"
+    kernel = _make_flex_table_kernel(*variant[1:]) if tabulated else _make_flex_kernel(*variant)
+    _FLEX_KERNELS[variant] = kernel
+    return kernel
+
+
+def flex_variant(bias_fn, use_ssmax, has_features, tabulated, cpu):
+    """The key of the compiled kernel that serves a layer: ("table", prior?, SSMax?, CPU?) for a
+    prior read from its table (bias_fn table_bias or None), else (bias_fn, SSMax?, static shapes?),
+    static shapes being the CPU's workaround for a score_mod that gathers per-query tensors
+    (_make_flex_kernel)."""
+    if tabulated:
+        return ("table", bias_fn is not None, use_ssmax, cpu)
+    return (bias_fn, use_ssmax, cpu and (use_ssmax or has_features))
+
+
 def _make_flex_kernel(bias_fn, use_ssmax, static_shapes):
     """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
     captured from a module, so every layer (and every model of that variant) reuses one compiled
@@ -1647,11 +1694,6 @@ def _make_flex_kernel(bias_fn, use_ssmax, static_shapes):
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                               enable_gqa=k.shape[1] != q.shape[1])
 
-    # dynamo's recompile budget (8) is per code object, and every variant, sequence length and mask
-    # shape of the kernel above shares one: an evaluation sweep over lengths, or a test comparing
-    # encodings, would exhaust it and fail under fullgraph. Raise it at the first flex compile
-    # (never lower a user's setting).
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
 
 
@@ -1671,6 +1713,4 @@ def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes):
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                               enable_gqa=k.shape[1] != q.shape[1])
 
-    # as _make_flex_kernel
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)

@@ -20,9 +20,12 @@ logged and checkpointed.
 
 Either way train.activation_checkpointing = "full" wraps each Block in checkpoint_wrapper (its activations
 are recomputed in the backward, from the Block's input), and train.compile compiles each Block under FSDP
-(after checkpointing and before sharding, as torchtitan does: FSDP's hooks stay outside the graphs) and the
-whole model under DDP. Under FSDP the weights are DTensors: read them through this module (prior_summary,
-clip_grad_norm, the checkpoint functions), never with .tolist() or .item() on a parameter.
+(after checkpointing and before sharding, as torchtitan does: FSDP's hooks stay outside the graphs; each
+layer's prior table is an argument, so one graph per grad mode serves every Block) and the whole model under
+DDP (after DDP wraps it, torch's documented order: see wrap). Nothing inside a compiled region writes module
+state: the flex kernels are built when the model is made (model.Transformer.build_flex_kernels). Under FSDP
+the weights are DTensors: read them through this module (prior_summary, clip_grad_norm, the checkpoint
+functions), never with .tolist() or .item() on a parameter.
 """
 
 import dataclasses
@@ -49,7 +52,7 @@ def init_distributed(procs, parallel):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Wrapping the model: activation checkpointing, then compile, then DDP or FSDP
+# Wrapping the model: activation checkpointing, then per-Block compile and FSDP, or DDP and then compile
 
 
 def prepare(model, train, procs, bf16, compile_backend="inductor"):
@@ -94,14 +97,17 @@ def shard(model, device, bf16, reshard_after_forward):
 
 
 def wrap(model, train, procs, compile_backend="inductor"):
-    """What the training step calls: under DDP the model compiled whole and wrapped in DDP; under FSDP the
-    model itself (prepare did it all)."""
+    """What the training step calls: under DDP the model wrapped in DDP, then compiled whole; under FSDP the
+    model itself (prepare did it all). DDP first is torch's documented order: dynamo then sees the DDP module
+    and splits the graph at its gradient buckets (DDPOptimizer), so that the all-reduce of one bucket overlaps
+    the backward of the next; the other way round, DDP's hooks wait for the whole compiled backward. The
+    compiled module passes attribute reads on to DDP (micro_step's no_sync)."""
     if train.parallel == "fsdp":
         return model
-    if train.compile:
-        model = torch.compile(model, backend=compile_backend)
     if procs.distributed:
         model = DDP(model, device_ids=[procs.local_rank] if procs.device.type == "cuda" else None)
+    if train.compile:
+        model = torch.compile(model, backend=compile_backend)
     return model
 
 

@@ -105,7 +105,7 @@ def attention_call(encoding, impl, T, device, dtype, backward, window=0, batch=1
             length = mask.seq_lengths[0] if impl == "flex" else T  # flex's padded length on a CPU
             table = None if prior is None else distance_table(call_prior, H, length, device)
             call_prior = None if prior is None else (table_bias, (table,))
-            call_ctx = dataclasses.replace(ctx, prior_tables=(table,))
+            call_ctx = dataclasses.replace(ctx, flex_tables=True)
         y = attend(qq, kk, v, call_ctx, call_prior, scale, features)
         if backward:
             y.float().sum().backward()

@@ -176,15 +176,20 @@ class NotDistanceOnlyPrior(AdditivePrior):
 
 @pytest.fixture
 def recorded_kernels(monkeypatch):
-    """Which flex kernels a forward builds, and how many distance tables; no kernel is compiled (a fake one
-    returns zeros), so routing is checked without FlexAttention's half a minute of C++ compilation on a CPU."""
-    built, tables = [], []
+    """Which flex kernels a forward calls (each once in the list, in the order of their first call), and how many
+    distance tables it builds; no kernel is compiled (a fake one returns zeros), so routing is checked without
+    FlexAttention's half a minute of C++ compilation on a CPU. The model builds its kernels when it is made
+    (Transformer.build_flex_kernels), so what counts is which one each layer calls."""
+    called, tables = [], []
     real_table = model_module.distance_table
 
     def fake(kind):
         def make(*variant):
-            built.append((kind, variant))
-            return lambda q, *args: torch.zeros_like(q)
+            def kernel(q, *args):
+                if (kind, variant) not in called:
+                    called.append((kind, variant))
+                return torch.zeros_like(q)
+            return kernel
         return make
 
     def counting_table(*args):
@@ -196,7 +201,7 @@ def recorded_kernels(monkeypatch):
     monkeypatch.setattr(model_module, "_make_flex_table_kernel", fake("table"))
     monkeypatch.setattr(model_module, "distance_table", counting_table)
     monkeypatch.setitem(model_module.ENCODINGS, "not_distance_only", NotDistanceOnlyPrior)
-    return built, tables
+    return called, tables
 
 
 def flex_forward(model, flex_prior="table"):
@@ -208,13 +213,13 @@ def flex_forward(model, flex_prior="table"):
 
 @pytest.mark.parametrize("ssmax", [False, True])
 def test_a_prior_that_is_not_distance_only_is_not_routed_to_a_table(recorded_kernels, ssmax):
-    built, tables = recorded_kernels
+    called, tables = recorded_kernels
     flex_forward(make_model("not_distance_only", ssmax))
     # True: its token features are gathered by query, so on a CPU its kernel has static shapes too
-    assert built == [("formula", (NotDistanceOnlyPrior.bias_fn, ssmax, True))] and tables == []
-    built.clear()
+    assert called == [("formula", (NotDistanceOnlyPrior.bias_fn, ssmax, True))] and tables == []
+    called.clear()
     flex_forward(make_model("alibi", ssmax))  # the control: the same formula, distance-only, is tabulated
-    assert built == [("table", (True, ssmax, True))] and len(tables) == 1  # True: static shapes on a CPU
+    assert called == [("table", (True, ssmax, True))] and len(tables) == 1  # True: static shapes on a CPU
 
 
 @pytest.mark.parametrize("pe,kw,expected", [
@@ -224,7 +229,7 @@ def test_a_prior_that_is_not_distance_only_is_not_routed_to_a_table(recorded_ker
     ("kerple_log", {}, 3),
 ])
 def test_a_table_is_built_once_per_forward_and_prior_module(recorded_kernels, monkeypatch, pe, kw, expected):
-    built, tables = recorded_kernels
+    called, tables = recorded_kernels
     seen = []
     real_flex = model_module.ATTENTION["flex"]
 
@@ -240,7 +245,7 @@ def test_a_table_is_built_once_per_forward_and_prior_module(recorded_kernels, mo
     tables.clear()
     flex_forward(model, "formula")  # the formula path builds none
     assert tables == []
-    assert [kind for kind, _ in built] == ["table", "formula"]
+    assert [kind for kind, _ in called] == ["table", "formula"]
 
 
 def test_a_table_too_short_for_the_kernel_is_one_clear_error():
@@ -249,7 +254,7 @@ def test_a_table_too_short_for_the_kernel_is_one_clear_error():
     q = torch.randn(1, 4, 40, 8)
     mask = model_module.make_block_mask(None, 40, "cpu")
     short = distance_table((prior.bias_fn, prior.tensors()), 4, 40, "cpu")  # the kernel runs 128 on a CPU
-    ctx = AttnContext("flex", pos, pos, mask, None, None, prior_tables=(short,))
+    ctx = AttnContext("flex", pos, pos, mask, None, None, flex_tables=True)
     with pytest.raises(ValueError, match="prior table covers distances 0..39, the kernel runs 128 tokens"):
         with torch.no_grad():
             ATTENTION["flex"](q, q, q, ctx, (table_bias, (short,)), None)
