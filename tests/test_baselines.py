@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from test_model import VOCAB, batch, logits_with, make_model, tiny
 from torch.nn.attention.flex_attention import create_block_mask
 
 from model import (ENCODINGS, KVCache, ModelConfig, Transformer, apply_rope, positions_in_documents, rope_frequencies,
                    window_block_mask)
+from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 
 FACTORS = [2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 SCALINGS = ["linear", "ntk", "dynamic_ntk", "yarn"]

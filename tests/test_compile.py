@@ -8,6 +8,8 @@ import torch
 import model as model_module
 from model import ModelConfig, Transformer, check_doc_ids
 
+pytestmark = pytest.mark.slow  # every test compiles (dynamo's explain, torch.compile, flex kernels)
+
 VOCAB = 97
 
 

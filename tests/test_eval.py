@@ -454,6 +454,7 @@ def test_sample_generates_reproducibly(workspace, capsys):
     assert first.count("The pass key is") == 2 and "-" * 80 in first
 
 
+@pytest.mark.slow
 def test_a_user_error_is_one_line_from_the_command_line():
     proc = subprocess.run([sys.executable, "-m", "eval.passkey", "/no/such/run"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

@@ -151,6 +151,7 @@ def test_tokenizer_gives_the_project_ids(exported):
     assert tok.eos_token_id == EOT and tok.pad_token_id == EOT
 
 
+@pytest.mark.slow
 def test_folder_loads_without_the_repository(exported, tmp_path):
     """A clean interpreter in another folder, repository off sys.path: what a user of the folder has."""
     model, out = exported["bam_ssmax"]
@@ -291,6 +292,7 @@ def test_an_export_follows_the_umask(tmp_path):
         dict.fromkeys(os.listdir(out), 0o664)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", ["file size", "full disk"])
 def test_a_write_that_fails_mid_export_is_one_line_and_the_earlier_export_stays(tmp_path, limit):
     """safetensors raises its own error for a failed write ("I/O error: File too large (os error 27)"): the

@@ -8,44 +8,7 @@ import torch
 
 from bam.checkpoint import load_model, save_model
 from model import ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, apply_rope, ggd_bias
-
-VOCAB = 97
-
-
-def tiny(pe="bam", ssmax=False, **kw):
-    cfg = dict(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, block_size=16, pe=pe, ssmax=ssmax)
-    cfg.update(kw)
-    return ModelConfig(**cfg)
-
-
-def make_model(seed=0, **kw):
-    torch.manual_seed(seed)
-    model = Transformer(tiny(**kw))
-    # Move every prior and SSMax parameter off its initial value so a test cannot pass because of a
-    # special init (e.g. ALiBi's shape exactly 1, SSMax's scale exactly 1).
-    with torch.no_grad():
-        for prior in model.priors:
-            for p in prior.parameters():
-                p.add_(0.3 * torch.randn_like(p))
-        for block in model.blocks:
-            if block.attn.ssmax_scale is not None:
-                block.attn.ssmax_scale.add_(0.2 * torch.randn_like(block.attn.ssmax_scale))
-    return model
-
-
-def batch(B=2, T=40, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, VOCAB, (B, T), generator=g)
-    # row 0: three documents, row 1: two documents, boundaries not on flex's 128-token blocks
-    a, b, c = T // 4 + 1, T // 2 + 1, 5 * T // 8
-    doc_ids = torch.tensor([[0] * a + [1] * b + [2] * (T - a - b), [0] * c + [1] * (T - c)][:B])
-    return idx, doc_ids
-
-
-def logits_with(model, impl, idx, doc_ids=None, **kw):
-    model.config.attn_impl = impl
-    return model(idx, doc_ids=doc_ids, **kw)[0]
-
+from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 
 GRID = [(pe, ssmax, docs) for pe in PE_CHOICES for ssmax in (False, True) for docs in (False, True)]
 
@@ -317,6 +280,26 @@ def test_sinusoidal_table_is_added_at_the_token_embeddings_scale():
         tokens = model.tok_emb(idx)
     ratio = (seen["x"] - tokens).pow(2).mean().sqrt() / tokens.pow(2).mean().sqrt()
     assert 0.5 < ratio < 1.0, ratio
+
+
+def test_sinusoidal_table_is_vaswanis_formula_at_the_position_in_each_document():
+    """PE(p, 2i) = sin(p / base^(2i/d)) and PE(p, 2i+1) = cos(p / base^(2i/d)) (Vaswani et al. 2017, 3.5),
+    written out here one entry at a time, at the token embeddings' scale, p counted from each document's start."""
+    model = make_model(pe="sinusoidal", n_embd=64)
+    seen = {}
+    model.blocks[0].register_forward_pre_hook(lambda module, args: seen.update(x=args[0]))
+    idx, doc_ids = batch(B=2, T=16)
+    with torch.no_grad():
+        model(idx, doc_ids=doc_ids)
+        added = seen["x"] - model.tok_emb(idx)
+    cfg, expected = model.config, torch.zeros(2, 16, 64, dtype=torch.float64)
+    for b in range(2):
+        for t in range(16):
+            p = t - doc_ids[b].tolist().index(doc_ids[b, t].item())
+            for i in range(32):
+                angle = p / cfg.sinusoidal_base ** (2 * i / 64)
+                expected[b, t, 2 * i], expected[b, t, 2 * i + 1] = math.sin(angle), math.cos(angle)
+    torch.testing.assert_close(added, (cfg.init_std * expected).float(), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("pe,ssmax,kv", [("bam", True, 0), ("rope", False, 2), ("sinusoidal", False, 0),

@@ -187,6 +187,7 @@ def test_resume_after_an_interruption_gives_the_same_shards(tmp_path, monkeypatc
     assert 0 < len(tokenized_docs) < len(DOCS) - 10
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_gives_the_same_shards(tmp_path):
     # A real, abrupt kill of the CLI in the middle of a run (no cleanup code gets to run).
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS * 150)  # ~1.2M tokens
@@ -357,6 +358,7 @@ def test_foreign_shards_without_manifest_are_left_untouched(tmp_path):
     assert snapshot(out) == before
 
 
+@pytest.mark.slow
 def test_cli_prints_one_line_not_a_traceback(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "prepare_fineweb.py"), "--source",
                            "fineweb-edu", "--sample", "sample-1BT", "--out_dir", str(tmp_path / "o")],
@@ -451,6 +453,7 @@ def run_python(script, *args, cwd=ROOT):
                           timeout=SUBPROCESS_TIMEOUT)
 
 
+@pytest.mark.slow
 def test_parallel_map_ends_its_workers_however_it_stops(tmp_path):
     (tmp_path / "docs.json").write_text(json.dumps(BIG_DOCS[:20]))
     proc = run_python(f"import sys; sys.path.insert(0, {ROOT!r})\n" + PARALLEL_MAP_CASES,
@@ -514,6 +517,7 @@ def assert_finished_shards_intact_and_a_rerun_completes(argv, out, docs):
     assert not glob.glob(str(out / "*tmp*"))
 
 
+@pytest.mark.slow
 @needs_proc
 def test_a_worker_killed_mid_run_is_one_error_line_and_a_rerun_resumes(tmp_path):
     docs = BIG_DOCS * 2  # ~1M tokens in 50 shards
@@ -551,6 +555,7 @@ prepare_fineweb.main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_an_exception_in_a_worker_is_one_error_line(tmp_path):
     docs = BIG_DOCS[:12] + ["POISON"] + BIG_DOCS[12:24]
     out = tmp_path / "out"
@@ -568,6 +573,7 @@ def test_an_exception_in_a_worker_is_one_error_line(tmp_path):
     assert np.array_equal(read_all(out), expected_stream(docs[:12])[:manifest["tokens"]])
 
 
+@pytest.mark.slow
 @needs_proc
 @pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_or_sigterm_stops_at_once_and_a_rerun_resumes(tmp_path, signum, code):

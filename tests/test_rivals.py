@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from test_model import VOCAB, batch, logits_with, make_model, tiny
 
 from model import KVCache, ModelConfig, Transformer, fire_bias, fox_bias, positions_in_documents, t5_bias, t5_bucket
+from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 
 RIVALS = ("t5", "fire", "fox")
 
