@@ -17,11 +17,12 @@ precision is put back, so that a GPU test (or train.py on a GPU, which turns TF3
 numbers of the tests after it.
 
 The fast lane, `python -m pytest -m "not slow"`, leaves out what pytest.ini's `slow` marker names: the tests
-that start a process (python train.py, torchrun, the command lines), start a process group or compile. An
-unmarked test that does either fails here, with the reason, so the lane stays the one-minute loop it is
-documented to be: a subprocess is refused when it starts, a compile (torch.compile, dynamo's explain, the
-flex path's compiled kernels) is counted by dynamo and reported when the test ends. tests/test_structure.py
-also reads the test files for unmarked tests that do so.
+that start a process (python train.py, torchrun, the command lines), start a process group or compile, and
+the files that run the commands end to end (whole-file marks). An unmarked test that starts a process or
+compiles fails here with the advice to mark it, so the lane stays the one-minute loop it is documented to
+be: a subprocess, a process group and the flex path (whose kernels are compiled on first use) are refused
+when they start; any other compile (torch.compile, dynamo's explain) is counted by dynamo and reported when
+the test ends. tests/test_structure.py also reads the test files for unmarked tests that do so.
 
 The shared fixtures live here too; the shared helpers (tiny models and batches, small training runs) are
 plain modules beside this file, so no test file imports from another.

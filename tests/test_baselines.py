@@ -233,6 +233,7 @@ def test_window_on_eager_and_sdpa_equals_the_crop_reference(pe, ssmax):
                                        msg=lambda m: f"{impl}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("W,docs", [(129, False), (129, True), (5, False)])
 def test_flex_window_equals_eager(W, docs):
     """Eager is held to the pairwise mask and the crop reference above; flex is held to eager. T = 300

@@ -21,6 +21,8 @@ from eval.loading import autocast
 from eval.options import EvalOptions
 from model import ModelConfig, Transformer
 
+pytestmark = pytest.mark.slow  # lm-eval end to end, also from its command line
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("river stone lamp orange quietly seven market winter glass thunder copper violin meadow "
          "sailor yellow whisper garden harbor number ancient").split()
@@ -100,7 +102,6 @@ def test_loglikelihoods_equal_the_models_own(task):
     assert rolling == pytest.approx(want, rel=1e-5)
 
 
-@pytest.mark.slow
 def test_task_accuracy_equals_the_one_computed_from_the_models_loglikelihoods(task, tmp_path):
     root, docs, model = task
     enc = load_tokenizer("gpt2")
@@ -130,7 +131,6 @@ def test_task_accuracy_equals_the_one_computed_from_the_models_loglikelihoods(ta
     assert "## Downstream tasks" in text and f"{100 * correct_norm / len(docs):.1f}" in text
 
 
-@pytest.mark.slow
 def test_offline_hub_task_is_one_line(task, tmp_path):
     """A task whose data are on the Hub (ARC-Easy's own dataset), with the Hub unreachable: one line."""
     root, _, _ = task

@@ -29,6 +29,8 @@ from eval.stats import binomial_interval
 from eval.sweep import parse_lengths, sweep
 from model import ModelConfig, Transformer, ggd_bias
 
+pytestmark = pytest.mark.slow  # every evaluator end to end on checkpoints made here, and their command lines
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50257  # prompts are GPT-2 text
 
@@ -454,7 +456,6 @@ def test_sample_generates_reproducibly(workspace, capsys):
     assert first.count("The pass key is") == 2 and "-" * 80 in first
 
 
-@pytest.mark.slow
 def test_a_user_error_is_one_line_from_the_command_line():
     proc = subprocess.run([sys.executable, "-m", "eval.passkey", "/no/such/run"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

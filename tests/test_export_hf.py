@@ -18,6 +18,8 @@ from bam.data import EOT
 from bam.tokenizer import gpt2_encoding, load_tokenizer
 from model import PE_CHOICES, ModelConfig, Transformer
 
+pytestmark = pytest.mark.slow  # exports loaded by transformers, in clean interpreters among them
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16)
@@ -151,7 +153,6 @@ def test_tokenizer_gives_the_project_ids(exported):
     assert tok.eos_token_id == EOT and tok.pad_token_id == EOT
 
 
-@pytest.mark.slow
 def test_folder_loads_without_the_repository(exported, tmp_path):
     """A clean interpreter in another folder, repository off sys.path: what a user of the folder has."""
     model, out = exported["bam_ssmax"]
@@ -292,7 +293,6 @@ def test_an_export_follows_the_umask(tmp_path):
         dict.fromkeys(os.listdir(out), 0o664)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("limit", ["file size", "full disk"])
 def test_a_write_that_fails_mid_export_is_one_line_and_the_earlier_export_stays(tmp_path, limit):
     """safetensors raises its own error for a failed write ("I/O error: File too large (os error 27)"): the

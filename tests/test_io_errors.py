@@ -26,6 +26,8 @@ from bam.tokenizer import load_tokenizer
 from model import ModelConfig, Transformer
 from small_runs import small_config
 
+pytestmark = pytest.mark.slow  # every command's main end to end, with its input and output failing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BINARY = bytes(range(256)) * 4  # NUL bytes and invalid UTF-8

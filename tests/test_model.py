@@ -13,6 +13,7 @@ from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 GRID = [(pe, ssmax, docs) for pe in PE_CHOICES for ssmax in (False, True) for docs in (False, True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pe,ssmax,docs", GRID)
 def test_flex_and_sdpa_outputs_match_eager(pe, ssmax, docs):
     model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True)
@@ -326,7 +327,7 @@ def test_sampling_with_top_k_stays_in_top_k():
     assert out[0, -1] in top3
 
 
-@pytest.mark.parametrize("impl", ["flex", "sdpa"])
+@pytest.mark.parametrize("impl", [pytest.param("flex", marks=pytest.mark.slow), "sdpa"])
 def test_logits_far_past_block_size_are_finite(impl):
     model = make_model(pe="bam", ssmax=True)
     with torch.no_grad():
@@ -370,6 +371,7 @@ def test_sparse_targets_give_the_dense_loss_and_gradients():
     assert loss.item() == 0
 
 
+@pytest.mark.slow
 def test_gqa_matches_across_implementations():
     model = make_model(pe="bam", ssmax=True, n_kv_head=2)
     idx, doc_ids = batch()
@@ -449,6 +451,7 @@ def test_causal_block_mask_equals_create_block_mask(T):
     assert torch.equal(direct.to_dense(), reference.to_dense())
 
 
+@pytest.mark.slow
 def test_flex_matches_eager_across_partial_blocks():
     model = make_model(pe="bam", ssmax=True)
     idx = torch.randint(0, VOCAB, (1, 300))  # two full 128-token blocks and a partial one

@@ -16,6 +16,8 @@ import pytest
 
 from bam import outputs
 
+pytestmark = pytest.mark.slow  # locks held by other processes, and commands run against each other
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXCHANGE_POINTS = ["complete", "journal", "exchanged", "old removed"]
 RENAME_POINTS = ["complete", "old aside", "new in place"]
@@ -131,7 +133,6 @@ def hold_lock(lock_path):
     return proc
 
 
-@pytest.mark.slow
 def test_a_lock_refuses_a_second_holder_naming_the_first_and_dies_with_it(tmp_path):
     lock_path = tmp_path / ".lock"
     proc = hold_lock(lock_path)
@@ -145,7 +146,6 @@ def test_a_lock_refuses_a_second_holder_naming_the_first_and_dies_with_it(tmp_pa
     outputs.unlock(key)
 
 
-@pytest.mark.slow
 def test_a_forked_worker_does_not_keep_its_parents_lock(tmp_path):
     key = outputs.lock(str(tmp_path / ".lock"), "OUT", "x")
     pid = os.fork()
@@ -170,7 +170,6 @@ def test_a_removable_lock_is_gone_after_its_holder_unlocks(tmp_path):
     assert not os.path.exists(path)
 
 
-@pytest.mark.slow
 def test_a_second_prepare_on_the_same_folder_is_refused_and_leaves_the_first_ones_temp_files(tmp_path):
     """The concurrent-prepare case: the second run used to delete every *.bin.tmp-* at start, including the file
     the first was writing."""
@@ -193,7 +192,6 @@ def test_a_second_prepare_on_the_same_folder_is_refused_and_leaves_the_first_one
     assert sorted(p.name for p in out.iterdir()) == [".lock", writing.name]
 
 
-@pytest.mark.slow
 def test_an_evaluator_removes_what_a_killed_one_left_and_refuses_a_concurrent_one(tmp_path):
     from bam.checkpoint import save_model
     from eval import EvalError

@@ -20,6 +20,8 @@ from bam.data import EOT, ShardLoader, read_shard
 from bam.tokenizer import load_tokenizer
 from prepare_fineweb import main
 
+pytestmark = pytest.mark.slow  # prepare_fineweb.py end to end, its workers and its command line
+
 # Real sentences of varied length and script; one is empty, which the corpus drops.
 SENTENCES = [
     "The Bayesian Attention Mechanism treats positional encoding as a prior over key positions.",
@@ -187,7 +189,6 @@ def test_resume_after_an_interruption_gives_the_same_shards(tmp_path, monkeypatc
     assert 0 < len(tokenized_docs) < len(DOCS) - 10
 
 
-@pytest.mark.slow
 def test_resume_after_kill_9_gives_the_same_shards(tmp_path):
     # A real, abrupt kill of the CLI in the middle of a run (no cleanup code gets to run).
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS * 150)  # ~1.2M tokens
@@ -358,7 +359,6 @@ def test_foreign_shards_without_manifest_are_left_untouched(tmp_path):
     assert snapshot(out) == before
 
 
-@pytest.mark.slow
 def test_cli_prints_one_line_not_a_traceback(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "prepare_fineweb.py"), "--source",
                            "fineweb-edu", "--sample", "sample-1BT", "--out_dir", str(tmp_path / "o")],
@@ -453,7 +453,6 @@ def run_python(script, *args, cwd=ROOT):
                           timeout=SUBPROCESS_TIMEOUT)
 
 
-@pytest.mark.slow
 def test_parallel_map_ends_its_workers_however_it_stops(tmp_path):
     (tmp_path / "docs.json").write_text(json.dumps(BIG_DOCS[:20]))
     proc = run_python(f"import sys; sys.path.insert(0, {ROOT!r})\n" + PARALLEL_MAP_CASES,
@@ -517,7 +516,6 @@ def assert_finished_shards_intact_and_a_rerun_completes(argv, out, docs):
     assert not glob.glob(str(out / "*tmp*"))
 
 
-@pytest.mark.slow
 @needs_proc
 def test_a_worker_killed_mid_run_is_one_error_line_and_a_rerun_resumes(tmp_path):
     docs = BIG_DOCS * 2  # ~1M tokens in 50 shards
@@ -555,7 +553,6 @@ prepare_fineweb.main(sys.argv[1:])
 """
 
 
-@pytest.mark.slow
 def test_an_exception_in_a_worker_is_one_error_line(tmp_path):
     docs = BIG_DOCS[:12] + ["POISON"] + BIG_DOCS[12:24]
     out = tmp_path / "out"
@@ -573,7 +570,6 @@ def test_an_exception_in_a_worker_is_one_error_line(tmp_path):
     assert np.array_equal(read_all(out), expected_stream(docs[:12])[:manifest["tokens"]])
 
 
-@pytest.mark.slow
 @needs_proc
 @pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_or_sigterm_stops_at_once_and_a_rerun_resumes(tmp_path, signum, code):

@@ -23,6 +23,8 @@ from bam.config import load_config
 from bam.tokenizer import GPT2_IDENTITY, TokenizerError, load_run_tokenizer, load_tokenizer
 from local_tokenizers import bpe_folder
 
+pytestmark = pytest.mark.slow  # tokenizers trained here, then runs that train, evaluate and export with them
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["The pass key is 48213. Remember it.", "Naïve café in Zürich; 東京 🙂 <|endoftext|> </s> <s> done.",
          "  leading spaces\n\nand paragraphs\tand tabs  ", "x"]
@@ -189,7 +191,6 @@ def test_prompts_are_exactly_the_tokens_of_their_text(kind, small, sentencepiece
     assert ((targets != -1).sum(dim=1) >= 3).all()  # the key (at least a token) twice and the full stop, every row
 
 
-@pytest.mark.slow
 def test_hub_name_that_cannot_be_fetched_is_one_line(tmp_path, capfd):
     source, _ = corpus(tmp_path / "docs.jsonl", n=2)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
@@ -251,7 +252,6 @@ def test_vocab_size_follows_the_tokenizer_and_must_hold_its_ids(small, tmp_path)
         train.load_checked_config(None, [f"--data.tokenizer={small}", "--model.vocab_size=1000"], 1, True)
 
 
-@pytest.mark.slow
 def test_a_run_with_a_local_tokenizer_trains_resumes_evaluates_and_exports(small, tmp_path):
     from eval.downstream import evaluate_downstream
     from eval.niah import evaluate_niah
@@ -317,7 +317,6 @@ def test_a_run_with_a_local_tokenizer_trains_resumes_evaluates_and_exports(small
     assert result["results"][0]["samples"] == 6
 
 
-@pytest.mark.slow
 def test_shards_of_another_tokenizer_are_refused(small, large, tmp_path):
     source, _ = corpus(tmp_path / "docs.jsonl", n=20)
     shards = prepare(tmp_path / "shards", source, small)
@@ -352,7 +351,6 @@ def test_checkpoints_of_another_tokenizer_are_refused(small, large):
     assert issubclass(TokenizerError, UserError)  # every command's one line, with no wrapper of its own
 
 
-@pytest.mark.slow
 def test_an_export_refuses_a_tokenizer_whose_files_changed_since_training(small, tmp_path):
     """Two tokens swap ids in the run's tokenizer.json after training (same vocabulary size): the evaluators
     refuse it, and so does export_hf.py (it shipped the changed tokenizer before), in one line, writing nothing."""
