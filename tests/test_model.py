@@ -48,6 +48,7 @@ def test_sdpa_gradients_match_eager(pe, ssmax, docs):
         torch.testing.assert_close(grads["sdpa"][name], g, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.cuda  # flex has no backward on the CPU in torch 2.13
 @pytest.mark.parametrize("pe,ssmax", [("bam", True), ("alibi", False), ("rope", True), ("t5", True), ("fire", False),
                                      ("fox", True)])  # FoX, FIRE: flex differentiates through their token features
