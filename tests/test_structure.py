@@ -267,6 +267,8 @@ def names_used(node):
 
 
 def marked_slow(decorators):
+    """A `slow` mark anywhere in the decorators, a parametrize's pytest.param(..., marks=...) included: a test
+    with some parameters marked counts as marked (conftest's guard still fails an unmarked parameter)."""
     return any(isinstance(sub, ast.Attribute) and sub.attr == "slow" for d in decorators for sub in ast.walk(d))
 
 
