@@ -218,6 +218,25 @@ def test_rope_scores_depend_only_on_relative_position():
     assert abs(score(5, 2) - score(5, 4)) > 1e-3  # and they do depend on it
 
 
+def test_rope_turns_each_pair_by_position_times_its_frequency():
+    """RoFormer (Su et al. 2021, eq. 34): the pair (x_a, x_b) of frequency theta^(-2i/d) at position p turns by
+    +p theta^(-2i/d), to (x_a cos - x_b sin, x_a sin + x_b cos); our pairs are (i, i + d/2). Written out here
+    one entry at a time. A turn the other way keeps every score relative, so only this catches it; it is
+    also the turn of transformers' Llama, which imports and exports rely on."""
+    hd = 16
+    cfg = ModelConfig(n_head=1, n_embd=hd, pe="rope", rope_theta=10_000.0)
+    x = torch.randn(1, 1, 7, hd, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    turned = apply_rope(x, *ENCODINGS["rope"].rotation(torch.arange(7), cfg))
+    expected = torch.zeros_like(x)
+    for p in range(7):
+        for i in range(hd // 2):
+            angle = p * 10_000.0 ** (-2 * i / hd)
+            a, b = x[0, 0, p, i].item(), x[0, 0, p, i + hd // 2].item()
+            expected[0, 0, p, i] = a * math.cos(angle) - b * math.sin(angle)
+            expected[0, 0, p, i + hd // 2] = a * math.sin(angle) + b * math.cos(angle)
+    torch.testing.assert_close(turned, expected, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("pe,ssmax", [(pe, s) for pe in PE_CHOICES for s in (False, True)])
 def test_causality(pe, ssmax):
     model = make_model(pe=pe, ssmax=ssmax)
