@@ -25,6 +25,9 @@ both kinds into the same dict (a folder's shards joined into whole tensors, in o
 checkpoints (the evaluators, sample.py, export_hf.py, train.init_from) takes an FSDP run as it takes a DDP
 run. `python -m bam.checkpoint SOURCE OUT.pt` writes any checkpoint as one .pt file.
 
+A run refuses a checkpoint of another tokenizer (check_checkpoint_tokenizer, on resume and init_from), and
+train.init_from's weights where they do not fit the run's model (load_init_weights).
+
 Checkpoints are written atomically (outputs.atomic_file, outputs.swap_in): a reader sees a whole one or none;
 the temp file of a killed writer never matches a checkpoint name and is removed by the next run. A run read while
 it trains may prune (keep_last) or replace (best) the checkpoint a reader chose: load_checkpoint then reads the
@@ -49,8 +52,8 @@ import torch
 
 from bam import outputs
 from bam.cli import Parser, UserError, WriteError, run_cli
-from bam.config import upgrade
-from bam.tokenizer import GPT2, GPT2_IDENTITY, TokenizerIdentity
+from bam.config import PARAMETER_ADDING_MODEL_KEYS, SHAPE_FREE_MODEL_KEYS, checkpoint_differences, upgrade
+from bam.tokenizer import GPT2, GPT2_IDENTITY, TokenizerIdentity, tokenizer_identity
 from model import ModelConfig, Transformer
 
 CONFIG = "config.toml"
@@ -506,6 +509,78 @@ def load_newest(paths, warn=print, join_shards=True, set_aside=False):
                 pass  # another process set it aside already
         return found
     return None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a run may take from another run's checkpoint: its tokenizer must be the run's (a resume, init_from), and
+# init_from's weights must fit the run's model.
+
+
+def check_checkpoint_tokenizer(ckpt, cfg, what):
+    """UserError when the checkpoint was trained with another tokenizer than data.tokenizer: the same name whose
+    files changed (the recorded sha256 differs), or another name (older checkpoints: GPT-2's)."""
+    current = tokenizer_identity(cfg.data.tokenizer)
+    recorded = checkpoint_tokenizer(ckpt)[1]
+    if recorded is not None and recorded.sha256 != current.sha256:
+        raise UserError(f"{what} was trained with the tokenizer {recorded.describe()}, not data.tokenizer = "
+                        f"{current.describe()}: its token ids mean other text")
+
+
+def load_init_weights(cfg, master):
+    """The weights train.init_from names (a state dict), or None. Only for a fresh run: a run directory
+    with checkpoints of its own resumes from them (recovery.load_resume_state), whatever init_from says.
+    Model settings may differ from the checkpoint's where no parameter changes shape, and in
+    PARAMETER_ADDING_MODEL_KEYS where that only adds parameters (SSMax's scales, a prior's), which then start
+    from this config's initialisation (train.py's build_model) and are named in one line."""
+    source = cfg.train.init_from
+    if not source:
+        return None
+    try:
+        path, ckpt = load_checkpoint(source, warn=None if master else lambda line: None)
+    except CheckpointError as e:
+        raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({e})") from None
+    check_checkpoint_tokenizer(ckpt, cfg, f"train.init_from = {source!r}")
+    saved, current = {"model": ckpt["model_config"]}, {"model": dataclasses.asdict(cfg.model)}
+    allowed = SHAPE_FREE_MODEL_KEYS + PARAMETER_ADDING_MODEL_KEYS
+    forbidden, changed = checkpoint_differences(saved, current, {"model": allowed})
+    added, lost = added_parameters(cfg.model, ckpt["model"])
+    if lost:  # the change would drop or reshape trained parameters: only adding is allowed
+        adding = [c for c in changed if c.split(":")[0].removeprefix("model.") in PARAMETER_ADDING_MODEL_KEYS]
+        if adding:
+            forbidden += adding
+            changed = [c for c in changed if c not in adding]
+        elif not forbidden:
+            forbidden.append(f"parameters {', '.join(lost[:3])}")
+    if forbidden:
+        raise UserError(f"train.init_from = {source!r} has other parameter shapes ({'; '.join(forbidden)}); only "
+                        f"these model settings may change: {', '.join(SHAPE_FREE_MODEL_KEYS)}, and "
+                        f"{', '.join(PARAMETER_ADDING_MODEL_KEYS)} where that only adds parameters")
+    old_pe = ckpt["model_config"].get("pe", cfg.model.pe)
+    if old_pe != cfg.model.pe and old_pe != "nope" and not cfg.train.init_change_pe:
+        raise UserError(f"train.init_from = {source!r} was trained with pe = {old_pe!r}, which its weights rely on; "
+                        f"model.pe = {cfg.model.pe!r} drops it: pass --train.init_change_pe=true to change the "
+                        f"encoding anyway")
+    if master:
+        print(f"initialised from {path} (step {ckpt.get('step', '?')}): weights only; fresh optimizer, schedule "
+              f"and data" + (f"; changed: {'; '.join(changed)}" if changed else ""))
+        if added:
+            print(f"new parameters, not in {path}, start from this config's initialisation: {', '.join(added)}")
+    return ckpt["model"]
+
+
+def added_parameters(model_config, state):
+    """(the parameters a model of `model_config` has that `state` lacks, as name patterns with their count;
+    the names in `state` that such a model drops or reshapes). Shapes only: the model is built on the meta
+    device."""
+    with torch.device("meta"):
+        wanted = {name: tuple(t.shape) for name, t in Transformer(model_config).state_dict().items()}
+    lost = [name for name, t in state.items() if wanted.get(name) != tuple(t.shape)]
+    counts = {}
+    for name in wanted:
+        if name not in state:
+            pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+            counts[pattern] = counts.get(pattern, 0) + 1
+    return [f"{p} ({n} tensors)" if n > 1 else p for p, n in counts.items()], lost
 
 
 class RunDirInUse(RuntimeError):

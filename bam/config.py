@@ -60,8 +60,9 @@ CHANGEABLE_ON_RESUME = {section: tuple(key for key, kind in keys.items() if kind
 SHAPE_FREE_MODEL_KEYS = tuple(CHECKPOINT_CHANGES["model"])
 # Model settings whose change may add parameters the checkpoint lacks (SSMax's per-head scales, a prior's):
 # train.init_from may change them as long as no parameter of the checkpoint is dropped or reshaped, and the new
-# ones start from the config's initialisation (train.load_init_weights; a change of pe away from the encoding
-# the weights were trained with also needs train.init_change_pe). Never on resume, never an evaluator's override.
+# ones start from the config's initialisation (bam.checkpoint.load_init_weights; a change of pe away from the
+# encoding the weights were trained with also needs train.init_change_pe). Never on resume, never an evaluator's
+# override.
 PARAMETER_ADDING_MODEL_KEYS = ("ssmax", "pe")
 
 def checkpoint_differences(saved, current, allowed):

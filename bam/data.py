@@ -113,12 +113,13 @@ def _tokenizer_words(tokenizer_name):
 
 
 def check_token_ids(tokens, vocab_size: int, where: str, tokenizer_name=None) -> None:
-    """ValueError naming `where` when a token id is outside the model's vocabulary [0, vocab_size)
+    """ShardError naming `where` when a token id is outside the model's vocabulary [0, vocab_size)
     (tokens are unsigned: uint16 in shards, non-negative int64 in batches)."""
     top = int(tokens.max()) if len(tokens) else 0
     if top >= vocab_size:
-        raise ValueError(f"{where} holds token id {top}, outside the model's vocabulary (model.vocab_size = "
-                         f"{vocab_size}); raise model.vocab_size or re-tokenize with {_tokenizer_words(tokenizer_name)}")
+        raise ShardError(f"{where} holds token id {top}, outside the model's vocabulary (model.vocab_size = "
+                         f"{vocab_size}); raise model.vocab_size or re-tokenize with "
+                         f"{_tokenizer_words(tokenizer_name)}")
 
 
 def check_shard_tokens(paths, vocab_size: int, chunk: int = 1 << 24, tokenizer_name=None) -> None:
@@ -197,15 +198,17 @@ class ShardLoader:
     the run's document token: positions with equal ids belong to the same document.
 
     `tokenizer` is the run's tokenizer.TokenizerIdentity (default GPT-2's): shards whose manifest names
-    another tokenizer, or a split whose shards mix the two widths, are a ShardError up front.
+    another tokenizer, or a split whose shards mix the two widths, are a ShardError up front. With
+    `vocab_size` (the model's), a batch holding a token id outside the vocabulary is a ShardError naming the
+    split and the tokens it read, instead of an IndexError deep in the embedding.
     """
 
-    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1, tokenizer=None):
+    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1, tokenizer=None, vocab_size=None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
-        self.data_dir, self.split = data_dir, split
+        self.data_dir, self.split, self.vocab_size = data_dir, split, vocab_size
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.paths = shard_paths(data_dir, split)
         if not self.paths:
@@ -266,7 +269,12 @@ class ShardLoader:
     def next_batch(self):
         if self.position + self.world_size * self.window + 1 > self.num_tokens:
             self.epoch, self.position = self.epoch + 1, 0
-        buf = torch.from_numpy(self._read(self.position + self.rank * self.window, self.window + 1))
+        start = self.position + self.rank * self.window
+        buf = torch.from_numpy(self._read(start, self.window + 1))
+        if self.vocab_size is not None:
+            where = f"the {self.split} split in {self.data_dir} (tokens {start}..{start + self.window})"
+            for tokens in (buf[:-1], buf[-1:]):  # x, then the one token y adds: the id named is x's largest first
+                check_token_ids(tokens, self.vocab_size, where, tokenizer_name=self.tokenizer.name)
         self.position += self.world_size * self.window
         B, T = self.batch_size, self.seq_len
         x, y = buf[:-1].view(B, T), buf[1:].view(B, T)

@@ -52,8 +52,9 @@ def runs_section(runs):
                      tokenizer_label(m), human(m.get("num_params")), human(m.get("num_params_non_embedding")), human(r.tokens),
                      DASH if r.step is None else f"{r.step:,}"])
     return ["## Runs", "", "A variant is the runs whose configs differ only in the seed (and where they were written); "
-            "evaluator overrides make variants of their own. Its name is the encoding, then what sets its config "
-            "apart from the variants of the same encoding.", ""] + \
+            "evaluator overrides make variants of their own. Its name is the encoding, then every setting of the "
+            "encoding away from its default, then what else sets its config apart from the variants of the same "
+            "encoding.", ""] + \
         table(["run", "variant", "seed", "layers x width", "training context", "tokenizer", "parameters", "non-embedding",
                "tokens trained", "step"], rows)
 

@@ -7,12 +7,15 @@ families of the report's small multiples (`by_family`).
 Evaluator overrides (`--window`, `--rope_scaling yarn --rope_factor auto`, ...) make variants of their own:
 "rope + YaRN auto" evaluated on four RoPE seeds is a variant of four seeds, next to plain "rope".
 
-A variant is named by what tells its config apart from the others in the same report: the encoding's label
-(eval's `overrides_label`: "bam + ssmax", "rope + YaRN auto"), then the settings in which it differs from
-the variants that share that label, skipping a setting at its default value: "bam + ssmax" (the paper's
-ALiBi init), "bam + ssmax, init uniform", "bam + ssmax, prior lr x10", "fox + ssmax, gate init bias 5"; a
-run trained on from another's weights (train.init_from) is "fine-tuned": "rope + YaRN x4, fine-tuned".
-Folder names never enter a name.
+A variant is named by its encoding's label (eval's `overrides_label`: "bam + ssmax", "rope + YaRN auto"),
+then by every setting of its positional encoding that is not at its default (`positional_settings`), whatever
+else the report holds, so that a name alone says what was run: "bam + ssmax" is the paper's ALiBi init,
+"bam + ssmax, init uniform" the flat start even in a report of one run, "fox + ssmax, gate init bias 5".
+Then come the other settings in which it differs from the variants that share its label, again leaving out
+a setting at its default ("bam + ssmax, 10,000 steps" beside "bam + ssmax, 2,000 steps"): the model's size
+or the schedule, which a report's variants usually share, would only clutter every name. A run trained on
+from another's weights (train.init_from) is "fine-tuned": "rope + YaRN x4, fine-tuned". Folder names never
+enter a name.
 """
 
 import json
@@ -60,17 +63,36 @@ def group(items, config_of, overrides_of):
     return list(variants.values())
 
 
+# Positional settings a name leaves out: the RoPE scaling and its factor are in the label already ("rope + YaRN
+# x4"), and rope_original_context is derived (0 means block_size; a fine-tune sets it to the context it was
+# pretrained at, which the "x4" is counted from): it says where the model came from, not what it is.
+IN_THE_LABEL_OR_DERIVED = ("model.rope_scaling", "model.rope_factor", "model.rope_original_context")
+
+
+def positional_settings(settings):
+    """The keys of flattened `settings` that configure the run's positional encoding: the model fields named
+    after it (bam_* for bam, fox_* for fox, rope_* for rope, as model.ENCODINGS names them) or after the RoPE
+    scaling it uses (yarn_*), a trained sliding window (RoPE-local is rope with a window), and train.prior_lr,
+    the learning rate of the prior's (and SSMax's) parameters."""
+    owners = (settings.get("model.pe"), settings.get("model.rope_scaling"))
+    prefixes = tuple(f"model.{owner}_" for owner in owners if owner and owner != "none")
+    return {k for k in settings if k not in IN_THE_LABEL_OR_DERIVED
+            and (k.startswith(prefixes) or k in ("model.attn_window", "train.prior_lr"))}
+
+
 def _number(value):
+    if isinstance(value, bool):
+        return str(value).lower()
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def describe_setting(key, value, settings):
-    """How a variant's name says one of its settings, e.g. "init uniform", "prior lr x10"."""
+    """How a variant's name says one of its settings, e.g. "init uniform", "prior lr x10"; a field of the run's
+    own encoding without the encoding's name, which the label already gives ("bam + ssmax, init uniform")."""
     name = key.split(".", 1)[1]
-    if key == "model.bam_init":
-        return f"init {value}"
-    if key == "model.fox_gate_init_bias":  # after the label "fox + ssmax", not "fox gate init bias"
-        return f"gate init bias {_number(value)}"
+    own = f"{settings.get('model.pe')}_"
+    if key.startswith("model.") and name.startswith(own):
+        name = name[len(own):]
     if key == "train.max_steps":  # the training budget: "10,000 steps"
         return f"{value:,} steps"
     if key == "train.prior_lr" and settings.get("train.lr"):  # unset: the prior trains at the base rate, x1
@@ -79,14 +101,16 @@ def describe_setting(key, value, settings):
 
 
 def names(labels, configs, defaults):
-    """A name per variant: its label, then the settings that differ among the variants sharing that label,
-    except those at their default value (`defaults`: flattened settings of the schema's defaults)."""
+    """A name per variant: its label, then its positional settings and the settings that differ among the
+    variants sharing that label, except those at their default value (`defaults`: flattened settings of the
+    schema's defaults)."""
     settings = [experiment(c) for c in configs]
     out = []
     for label, mine, config in zip(labels, settings, configs):
         peers = [s for l, s in zip(labels, settings) if l == label]
-        differing = sorted({k for s in peers for k in s if any(p.get(k) != s.get(k) for p in peers)})
-        parts = [describe_setting(k, mine[k], mine) for k in differing if k in mine and mine[k] != defaults.get(k)]
+        differing = {k for s in peers for k in s if any(p.get(k) != s.get(k) for p in peers)}
+        named = sorted(differing | positional_settings(mine))
+        parts = [describe_setting(k, mine[k], mine) for k in named if k in mine and mine[k] != defaults.get(k)]
         if flatten(config).get("train.init_from"):  # trained on from another run's weights
             parts.append("fine-tuned")
         out.append(", ".join([label] + parts))

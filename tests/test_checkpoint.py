@@ -15,6 +15,7 @@ from bam import checkpoint
 from bam.checkpoint import (best_path, checkpoint_dict, find_checkpoint, keep_last, save_atomic, step_checkpoints,
                             step_path)
 from bam.outputs import atomic_file, remove_temp_files, write_bytes, write_text
+from model import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -190,8 +191,6 @@ def test_an_incomplete_or_damaged_sharded_folder_is_refused_and_skipped(tmp_path
 
 
 def tiny(seed):
-    from model import ModelConfig, Transformer
-
     torch.manual_seed(seed)
     return Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=8))
 
@@ -303,3 +302,16 @@ def test_dcp_quiet_drops_torch_distributed_checkpoint_records_on_every_logger_it
     finally:
         for logger in loggers:
             logger.removeHandler(handler)
+
+
+def test_added_parameters_names_what_init_from_adds_and_what_it_would_drop():
+    """train.init_from's shape check: a model with SSMax adds one scale per layer to a checkpoint without it (named
+    once, as a pattern); a wider model would reshape every trained tensor but the prior's (one per head)."""
+    base = ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=64)
+    state = Transformer(base).state_dict()
+    assert checkpoint.added_parameters(base, state) == ([], [])
+    assert checkpoint.added_parameters(dataclasses.replace(base, ssmax=True), state) == (
+        ["blocks.*.attn.ssmax_scale (2 tensors)"], [])
+    added, lost = checkpoint.added_parameters(dataclasses.replace(base, n_embd=32), state)
+    kept = [name for name in state if name not in lost]
+    assert added == [] and all(name.startswith("priors.") for name in kept) and "tok_emb.weight" in lost, kept

@@ -288,6 +288,22 @@ def test_loader_input_errors(tmp_path):
         ShardLoader(str(tmp_path), "train", 1, 10, rank=2, world_size=2)
 
 
+def test_a_loader_given_the_vocabulary_refuses_a_batch_with_a_token_outside_it(tmp_path):
+    """train.py's check of every training batch: one line naming the split and the tokens this rank read, also
+    when the id is only y's last target; a loader without vocab_size (validation, scanned whole up front) reads on."""
+    tokens = np.arange(400) % 100
+    tokens[64] = 60_000  # another tokenizer's id: the last token that rank 1's first batch reads
+    write_shard(str(tmp_path / "x_train_000001.bin"), tokens)
+    ShardLoader(str(tmp_path), "train", 2, 16, rank=0, world_size=2, vocab_size=50257).next_batch()  # tokens 0..32
+    with pytest.raises(ShardError) as error:
+        ShardLoader(str(tmp_path), "train", 2, 16, rank=1, world_size=2, vocab_size=50257).next_batch()
+    assert str(error.value) == (f"the train split in {tmp_path} (tokens 32..64) holds token id 60000, outside the "
+                                "model's vocabulary (model.vocab_size = 50257); raise model.vocab_size or re-tokenize "
+                                "with the GPT-2 tokenizer")
+    _, y, _ = ShardLoader(str(tmp_path), "train", 2, 16, rank=1, world_size=2).next_batch()
+    assert int(y.max()) == 60_000
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_loader_keeps_no_shard_mapped_between_batches(tmp_path):
     _write_stream(tmp_path, np.arange(20_000), [5000, 5000])

@@ -1,10 +1,13 @@
 """Every command in README.md runs as written: each bash block's commands are read as a user would copy them,
 and each is held to what it calls. A Python command's script or module must exist and accept every option the
 command gives it (its own --help, run for real, lists them); a config file, script or requirements file it
-names must exist; `RUNS` names configs that exist; the test command is exactly what .ci/run runs. The
+names must exist (a glob must match); `RUNS` names configs that exist; the test command is exactly what .ci/run
+runs, and the fast lane's `-m "not slow"` leaves out tests of a registered marker. The
 commands that train or evaluate for minutes are run end to end by their own tests (tests/test_repro.py runs
 configs/repro/run.sh; the evaluators' tests run each evaluator), not again here."""
 
+import configparser
+import glob
 import os
 import re
 import shlex
@@ -75,11 +78,30 @@ def test_the_readme_has_commands_and_each_is_checked_here():
     assert kinds <= {"python", "bash", "pip", "torchrun"}, f"a kind of command this test does not check: {kinds}"
 
 
-def test_the_test_command_is_what_ci_runs():
-    tests = [argv for _, argv in COMMANDS if argv[:3] == ["python", "-m", "pytest"]]
-    assert tests == [["python", "-m", "pytest"]]
+TEST_COMMANDS = [argv for _, argv in COMMANDS if argv[:3] == ["python", "-m", "pytest"]]
+FAST_LANE = ["python", "-m", "pytest", "-m", "not slow"]
+
+
+def test_the_test_command_is_what_ci_runs_and_the_fast_lane_leaves_out_the_slow_tests():
+    assert sorted(TEST_COMMANDS) == [["python", "-m", "pytest"], FAST_LANE]
     ci = [line.strip() for line in open(os.path.join(ROOT, ".ci", "run")) if line.strip() and not line.startswith("#")]
     assert ci[-1] == "python -m pytest"
+    # the marker it leaves out is registered (an unknown one would select everything) and marks tests
+    markers = configparser.ConfigParser()
+    markers.read(os.path.join(ROOT, "pytest.ini"))
+    assert any(line.startswith("slow:") for line in markers["pytest"]["markers"].splitlines())
+    marked = [name for name in os.listdir(os.path.join(ROOT, "tests")) if name.endswith(".py")
+              and "mark.slow" in open(os.path.join(ROOT, "tests", name), encoding="utf-8").read()]
+    assert marked
+
+
+@pytest.mark.slow
+def test_the_fast_lane_runs_as_written_and_selects_tests_and_leaves_some_out():
+    collected = subprocess.run([sys.executable, *FAST_LANE[1:], "--collect-only", "-p", "no:cacheprovider"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert collected.returncode == 0, collected.stdout[-2000:] + collected.stderr[-2000:]
+    summary = re.search(r"(\d+)/(\d+) tests collected \((\d+) deselected\)", collected.stdout)
+    assert summary and int(summary[1]) > 0 and int(summary[3]) > 0, collected.stdout[-500:]
 
 
 def test_every_file_a_command_names_exists():
@@ -91,7 +113,7 @@ def test_every_file_a_command_names_exists():
                 continue
             if word.split("/")[0] in ("runs", "data", "hf", "out") or PLACEHOLDER.match(word):
                 continue  # what the commands write, or the user's own run
-            if not os.path.exists(os.path.join(ROOT, word)):
+            if not glob.glob(os.path.join(ROOT, word)):  # a glob names at least one file, as the shell needs
                 missing.append(f"README.md:{number}: {word}")
         for name in env.get("RUNS", "").split():
             if not os.path.isfile(os.path.join(ROOT, "configs", "repro", name.split("@")[0] + ".toml")):

@@ -316,3 +316,15 @@ def test_far_heads_are_counted_once_for_a_shared_prior_and_from_the_config_witho
     assert far_heads_of(run) == 1  # eval.priors lists the one prior per layer; it has 1 far head, not 3
     run.results["priors"]["priors"]["shared_across_layers"] = False
     assert far_heads_of(run) == 3
+
+
+def test_the_quickstarts_report_names_its_flat_bam_start_though_no_other_bam_is_beside_it(tmp_path):
+    # RUNS="rope bam_ssmax_uniform" bash configs/repro/run.sh: one BAM variant, started flat, not the paper's
+    root = tmp_path / "runs"
+    paths = [fake_run(root, "rope_seed1", 1, [20, 12, 2], ["--model.pe=rope", "--model.ssmax=false"]),
+             fake_run(root, "bam_ssmax_uniform_seed1", 1, [20, 20, 20], ["--model.bam_init=uniform"])]
+    out = tmp_path / "report.md"
+    assert report.main([*paths, "--out", str(out), "--no_run_plots"]) == 0
+    text = out.read_text()
+    assert "| bam_ssmax_uniform_seed1 | bam + ssmax, init uniform | 1 |" in text
+    assert "| rope_seed1 | rope | 1 |" in text

@@ -18,6 +18,7 @@ import torch
 import prepare_fineweb
 import train
 from bam import data
+from bam.checkpoint import check_checkpoint_tokenizer
 from bam.cli import UserError
 from bam.config import load_config
 from bam.tokenizer import GPT2_IDENTITY, TokenizerError, load_run_tokenizer, load_tokenizer
@@ -337,11 +338,11 @@ def test_checkpoints_of_another_tokenizer_are_refused(small, large):
     """Resuming, train.init_from and the evaluators compare the checkpoint's recorded tokenizer with the run's."""
     cfg = load_config(overrides=[f"--data.tokenizer={small}"])
     mine = {"config": {"data": {"tokenizer": small}}, "tokenizer": load_tokenizer(small).identity.to_dict()}
-    train.check_checkpoint_tokenizer(mine, cfg, "ckpt")
+    check_checkpoint_tokenizer(mine, cfg, "ckpt")
     for other in ({"config": {"data": {"tokenizer": large}}, "tokenizer": load_tokenizer(large).identity.to_dict()},
                   {"config": {"data": {}}}):  # a checkpoint from before data.tokenizer: GPT-2's
         with pytest.raises(UserError, match="was trained with the tokenizer"):
-            train.check_checkpoint_tokenizer(other, cfg, "ckpt")
+            check_checkpoint_tokenizer(other, cfg, "ckpt")
     with pytest.raises(TokenizerError, match="its files changed"):
         load_run_tokenizer(small, "f" * 64)
     sha = load_tokenizer(small).identity.sha256

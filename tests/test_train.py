@@ -2,12 +2,14 @@
 exact resume without replaying data, a kill during a checkpoint write, non-finite losses, clear
 errors, wandb offline, and what lands in metrics.jsonl and the checkpoints."""
 
+import errno
 import glob
 import json
 import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,9 +18,10 @@ import torch
 import train
 from bam import checkpoint, data, recovery
 from bam.checkpoint import load_model
+from bam.cli import UserError
 from bam.config import load_config, to_dict
-from bam.tokenizer import load_tokenizer
-from model import Transformer
+from bam.tokenizer import GPT2_IDENTITY, load_tokenizer
+from model import ModelConfig, Transformer
 from small_runs import ACCUM, ROOT, newest, relative_difference, rows, small_config
 
 pytestmark = pytest.mark.slow  # python train.py and torchrun launches, and whole training runs
@@ -167,6 +170,37 @@ def test_batches_reach_a_gpu_from_page_locked_memory(synthetic, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", to)
     train.next_batch(loader, "all", torch.device("cuda", 0))
     assert copies == [(True, "cuda", True)] * 3
+
+
+def test_save_best_writes_best_pt_only_on_a_new_lowest_validation_loss_and_atomically(tmp_path, monkeypatch):
+    """validate's write, on its own: a loss that is not lower (equal, higher, NaN) leaves best.pt alone; a failed
+    write is one line and leaves the previous best.pt whole with no temp file; a new best removes a best of the
+    other layout (a sharded best/ from before a change of train.parallel)."""
+    cfg = load_config(None, [f"--log.out_dir={tmp_path}"])
+    run = SimpleNamespace(cfg=cfg, procs=train.Processes(False, 0, 0, 1, torch.device("cpu")), sharded=False,
+                          raw_model=Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16)),
+                          train_loader=SimpleNamespace(tokenizer=GPT2_IDENTITY), state=train.TrainState())
+    best, folder = checkpoint.best_path(str(tmp_path)), checkpoint.checkpoint_dir(str(tmp_path))
+    os.makedirs(checkpoint.best_path(str(tmp_path), sharded=True))
+    train.save_best(run, 3, 2.5)
+    saved = torch.load(best, weights_only=True)
+    assert (saved["step"], saved["val_loss"], run.state.best_val_loss) == (3, 2.5, 2.5)
+    assert saved["config"] == to_dict(cfg) and saved["tokenizer"] == GPT2_IDENTITY.to_dict()
+    assert os.listdir(folder) == ["best.pt"]  # the sharded best/ is gone
+    for not_lower in (2.5, 3.0, math.nan):
+        train.save_best(run, 6, not_lower)
+    assert torch.load(best, weights_only=True)["step"] == 3 and run.state.best_val_loss == 2.5
+
+    def full_disk(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(UserError, match=f"^cannot write {best}: the disk is full"):
+        train.save_best(run, 9, 1.0)
+    monkeypatch.undo()
+    assert torch.load(best, weights_only=True)["step"] == 3 and os.listdir(folder) == ["best.pt"]
+    train.save_best(run, 12, 0.5)
+    assert torch.load(best, weights_only=True)["step"] == 12
 
 
 def test_an_old_run_with_train_doc_mask_resumes_initialises_and_reads_as_a_new_one(tmp_path, synthetic, capsys):

@@ -58,3 +58,41 @@ def test_foxs_gate_init_bias_is_named_after_the_fox_label():
     configs = [to_dict(load_config(f"configs/repro/{name}.toml")) for name in ("fox_ssmax", "fox_ssmax_open")]
     defaults = flatten(to_dict(load_config()))
     assert names(["fox + ssmax"] * 2, configs, defaults) == ["fox + ssmax", "fox + ssmax, gate init bias 5"]
+
+
+def repro(name, *overrides):
+    """configs/repro/NAME.toml as eval.report reads it: every setting, flattened."""
+    from bam.config import load_config, to_dict
+
+    return to_dict(load_config(f"configs/repro/{name}.toml", list(overrides)))
+
+
+def schema_defaults():
+    from bam.config import load_config, to_dict
+    from eval.variants import flatten
+
+    return flatten(to_dict(load_config()))
+
+
+def test_a_variant_alone_is_still_named_by_its_encodings_settings_away_from_the_defaults():
+    # the quickstart's report (RUNS="rope bam_ssmax_uniform"): nothing else in it is BAM, yet its BAM starts flat,
+    # not at the paper's ALiBi init, and the name says so
+    assert names(["rope", "bam + ssmax"], [repro("rope"), repro("bam_ssmax_uniform")], schema_defaults()) \
+        == ["rope", "bam + ssmax, init uniform"]
+    assert names(["bam + ssmax"], [repro("bam_ssmax")], schema_defaults()) == ["bam + ssmax"]
+    assert names(["fox + ssmax"], [repro("fox_ssmax_open")], schema_defaults()) == ["fox + ssmax, gate init bias 5"]
+    assert names(["bam + ssmax"], [repro("bam_ssmax_prior_lr")], schema_defaults()) == ["bam + ssmax, prior lr x10"]
+    # a field of the run's own encoding drops the encoding's name, which the label gives; a trained window is named
+    alone = [repro("rope", "--model.rope_theta=10000"), repro("nope", "--model.attn_window=64"),
+             repro("bam", "--model.bam_train_loc=true")]
+    assert names(["rope", "nope", "bam"], alone, schema_defaults()) == ["rope, theta 10000", "nope, attn window 64",
+                                                                         "bam, train loc true"]
+
+
+def test_settings_of_another_encoding_and_derived_ones_stay_out_of_a_name():
+    # a BAM field on a NoPE run changes nothing it computes; the YaRN fine-tune's original context (the
+    # pretraining context its "x4" counts from) and its scaling are in the label or derived, not named again
+    configs = [repro("nope", "--model.bam_init=uniform"), repro("rope_yarn_ft")]
+    assert names(["nope", "rope + YaRN x4"], configs, schema_defaults()) == ["nope", "rope + YaRN x4"]
+    yarn = repro("rope_yarn_ft", "--model.yarn_beta_fast=16")  # a setting of the scaling it uses: named
+    assert names(["rope + YaRN x4"], [yarn], schema_defaults()) == ["rope + YaRN x4, yarn beta fast 16"]
