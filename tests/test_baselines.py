@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from test_model import VOCAB, batch, logits_with, make_model, tiny
 from torch.nn.attention.flex_attention import create_block_mask
 
 from model import (ENCODINGS, KVCache, ModelConfig, Transformer, apply_rope, positions_in_documents, rope_frequencies,
                    window_block_mask)
+from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 
 FACTORS = [2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 SCALINGS = ["linear", "ntk", "dynamic_ntk", "yarn"]
@@ -233,6 +233,7 @@ def test_window_on_eager_and_sdpa_equals_the_crop_reference(pe, ssmax):
                                        msg=lambda m: f"{impl}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("W,docs", [(129, False), (129, True), (5, False)])
 def test_flex_window_equals_eager(W, docs):
     """Eager is held to the pairwise mask and the crop reference above; flex is held to eager. T = 300

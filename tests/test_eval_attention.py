@@ -23,6 +23,8 @@ from eval.sweep import format_factor
 from eval.tables import length_label
 from model import ENCODINGS, ModelConfig, Transformer
 
+pytestmark = pytest.mark.slow  # eval.attention end to end, its command and its report section
+
 CONTEXT = 16  # the training context of the test models: distances from 16 on count as far
 
 

@@ -18,6 +18,8 @@ from bam.data import EOT
 from bam.tokenizer import gpt2_encoding, load_tokenizer
 from model import PE_CHOICES, ModelConfig, Transformer
 
+pytestmark = pytest.mark.slow  # exports loaded by transformers, in clean interpreters among them
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16)

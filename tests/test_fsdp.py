@@ -27,7 +27,9 @@ from bam import checkpoint, cli, parallel
 from bam.checkpoint import load_model
 from bam.config import TrainConfig, load_config
 from model import ENCODINGS, ModelConfig, Transformer
-from test_train import ROOT, relative_difference, rows, small_config, synthetic  # noqa: F401 (synthetic: a fixture)
+from small_runs import ROOT, relative_difference, rows, small_config
+
+pytestmark = pytest.mark.slow  # torchrun launches, process groups and per-Block compiles
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}  # two workers share the cores

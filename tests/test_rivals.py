@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from test_model import VOCAB, batch, logits_with, make_model, tiny
 
 from model import KVCache, ModelConfig, Transformer, fire_bias, fox_bias, positions_in_documents, t5_bias, t5_bucket
+from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 
 RIVALS = ("t5", "fire", "fox")
 
@@ -216,6 +216,7 @@ def test_cached_decoding_equals_full_recomputation(pe, ssmax, window):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pe", RIVALS)
 def test_window_on_every_path(pe):
     """flex == sdpa == eager with a window cutting through documents; that the windowed eager path is the
@@ -258,6 +259,7 @@ def test_rival_configs_build_and_their_parameters_train_in_the_prior_group():
         ModelConfig(pe="fire", fire_init_c=0.0)
 
 
+@pytest.mark.slow
 def test_eval_priors_shows_each_rivals_curves_and_foxs_gates(tmp_path):
     """T5, FIRE: the bias against distance per head (from the prior's own function); FoX: no curve, but the
     quantiles of every head's gates and its memory on validation text, and their plot."""
@@ -308,6 +310,7 @@ def test_every_encoding_names_the_family_the_report_groups_it_by():
     assert [name for name, enc in ENCODINGS.items() if not getattr(enc, "DISTANCE_ONLY", True)] == ["fire", "fox"]
 
 
+@pytest.mark.slow
 def test_fox_ssmax_on_flex_compiles_for_a_sweep_of_batch_and_length_on_cpu():
     """An evaluation sweep calls flex at shapes that change batch and length together (passkey: 4 prompts of
     1,024 tokens, then 2 of 2,048). torch 2.13's C++ flex template failed to compile FoX + SSMax's second
