@@ -258,7 +258,7 @@ def inverse_frequencies(dim, base, device=None):
     return base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
 
 
-def yarn_ramp(cfg):
+def yarn_ramp(cfg, device=None):
     """YaRN's blend per rotation pair (Peng et al. 2023, "NTK-by-parts"): 0 keeps the pair's frequency
     (it turns more than beta_fast times over the original context L0, so it has seen every angle),
     1 divides it by s as position interpolation does (fewer than beta_slow turns), linear in between.
@@ -274,7 +274,7 @@ def yarn_ramp(cfg):
     low = max(math.floor(pair_index(cfg.yarn_beta_fast)), 0)
     high = min(math.ceil(pair_index(cfg.yarn_beta_slow)), d - 1)  # d - 1 (not d/2 - 1) as the reference
     span = max(high - low, 1e-3)  # the reference's guard against a zero-width ramp
-    return ((torch.arange(d // 2, dtype=torch.float64) - low) / span).clamp(0.0, 1.0)
+    return ((torch.arange(d // 2, dtype=torch.float64, device=device) - low) / span).clamp(0.0, 1.0)
 
 
 def llama3_ramp(cfg, inv_freq):
@@ -287,10 +287,12 @@ def llama3_ramp(cfg, inv_freq):
     return ((high - turns) / (high - low)).clamp(0.0, 1.0)
 
 
-def rope_frequencies(cfg, length):
-    """RoPE's inverse frequencies (float64, head_dim / 2) under cfg.rope_scaling with s = rope_factor
-    and L0 = cfg.rope_context, and the factor YaRN puts on cos and sin (1 otherwise). `length` is how
-    many positions the current forward reaches (its last query + 1); only dynamic NTK reads it.
+def rope_frequencies(cfg, length, device=None):
+    """RoPE's inverse frequencies (float64, head_dim / 2, on `device`) under cfg.rope_scaling with s =
+    rope_factor and L0 = cfg.rope_context, and the factor YaRN puts on cos and sin (1 otherwise). `length` is
+    how many positions the current forward reaches (its last query + 1); only dynamic NTK reads it. Built
+    where the positions are: a table built on the host and copied would cost a CPU kernel and a blocking
+    host-to-device copy in every forward (tests/test_baselines.py holds the forward to one device).
 
       linear       position interpolation (Chen et al. 2023): every frequency / s
       ntk          NTK-aware (bloc97 2023): base theta * s^(d / (d - 2)), d = head_dim, which stretches
@@ -305,11 +307,11 @@ def rope_frequencies(cfg, length):
         theta = theta * s ** (d / (d - 2))
     elif kind == "dynamic_ntk" and length > L0:
         theta = theta * (s * length / L0 - (s - 1)) ** (d / (d - 2))
-    inv_freq = inverse_frequencies(d, theta)
+    inv_freq = inverse_frequencies(d, theta, device)
     if kind == "linear":
         return inv_freq / s, 1.0
     if kind == "yarn":
-        ramp = yarn_ramp(cfg)
+        ramp = yarn_ramp(cfg, device)
         # The paper's attention temperature: softmax(q.k / (t sqrt(d))) with sqrt(1/t) = 0.1 ln s + 1.
         # As the paper's code (and transformers) do, sqrt(1/t) multiplies cos and sin, so q and k each
         # carry one factor and the logit gets 1/t = (0.1 ln s + 1)^2 on every path, cached keys included.
@@ -337,9 +339,9 @@ class RoPE(Encoding):
     @staticmethod
     def rotation(positions, cfg, length=None):
         length = int(positions[-1]) + 1 if length is None else length
-        inv_freq, factor = rope_frequencies(cfg, length)
+        inv_freq, factor = rope_frequencies(cfg, length, positions.device)
         # float64: at 500K positions fp32 angles would be off by ~0.03 rad before the cosine.
-        angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+        angles = positions.to(torch.float64)[..., None] * inv_freq
         return (factor * angles.cos()).float(), (factor * angles.sin()).float()
 
 
