@@ -792,7 +792,8 @@ class FoXPrior(AdditivePrior):
 
     def log_gates(self, x):
         """log f, (B, H, T) fp32."""
-        return F.logsigmoid(self.gate(x).float()).transpose(1, 2)
+        gate = self.gate(x.to(self.gate.weight.dtype))  # a model in bf16 keeps its priors fp32 (modeling_bam.py)
+        return F.logsigmoid(gate.float()).transpose(1, 2)
 
     def token_features(self, x, pos_in_doc, past=None):
         """(c, a copy of c), c_t = the sum of log f over the token's document up to t (continuing `past` from a
@@ -945,15 +946,17 @@ def _head_index(n_head, device):
 
 
 def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
-    """Materialised fp32 scores: the reference implementation, O(Tq x Tk) memory. `features`: see layer_prior."""
+    """Materialised fp32 scores: the reference implementation, O(Tq x Tk) memory. `features`: see layer_prior.
+    fp32 also under bf16 autocast, which would round q.k (and the weights' product with v) to 8 bits."""
     H, hd = q.shape[1], q.shape[-1]
     k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(hd)
-    log_n = None if ctx.log_n is None else ctx.log_n[:, None, :, None]
-    scores = positional_scores(scores, _head_index(H, q.device), ctx.q_pos[:, None], ctx.k_pos[None, :],
-                               log_n, prior, ssmax_scale, *grid_features(features))
-    scores = scores.masked_fill(~ctx.mask, float("-inf"))
-    return (scores.softmax(dim=-1) @ v.float()).type_as(q)
+    with torch.autocast(q.device.type, enabled=False):
+        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(hd)
+        log_n = None if ctx.log_n is None else ctx.log_n[:, None, :, None]
+        scores = positional_scores(scores, _head_index(H, q.device), ctx.q_pos[:, None], ctx.k_pos[None, :],
+                                   log_n, prior, ssmax_scale, *grid_features(features))
+        scores = scores.masked_fill(~ctx.mask, float("-inf"))
+        return (scores.softmax(dim=-1) @ v.float()).type_as(q)
 
 
 def dense_prior(prior, head, q_pos, k_pos):
