@@ -168,6 +168,26 @@ def test_fire_reads_a_checkpoint_whose_scalars_are_0d():
     assert all(torch.equal(v, state[k].reshape(v.shape)) for k, v in fresh.state_dict().items())
 
 
+def test_fire_resumes_an_optimizer_whose_state_is_0d():
+    """The optimizer state of such a checkpoint is 0-d too: train.py gives it the parameter's shape, or the first
+    step after the resume would fail (AdamW: "output with shape [] doesn't match the broadcast shape [1]")."""
+    import train
+
+    model = make_model(pe="fire", n_layer=1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    idx, doc_ids = batch()
+    model(idx, targets=idx)[1].backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    for state in saved["state"].values():
+        state.update({k: v.reshape(()) for k, v in state.items() if k != "step" and v.numel() == 1})
+    resumed = torch.optim.AdamW(model.parameters())
+    resumed.load_state_dict(saved)
+    train.reshape_older_state(resumed)
+    resumed.step()
+    assert resumed.state[model.priors[0].log_c]["exp_avg"].shape == (1,)
+
+
 def test_fox_bias_is_the_sum_of_log_forget_gates_inside_the_document():
     """Bias of (i, j) = sum over l = j+1..i of log sigmoid(w_h . x_l + b_h), with i, j in one document."""
     torch.manual_seed(0)
