@@ -436,7 +436,8 @@ def reshape_older_state(optimizer):
     load hook); the step count keeps its own."""
     for param, state in optimizer.state.items():
         for key, value in state.items():
-            if key != "step" and torch.is_tensor(value) and value.shape != param.shape and value.numel() == param.numel():
+            reshaped = torch.is_tensor(value) and value.shape != param.shape and value.numel() == param.numel()
+            if key != "step" and reshaped:
                 state[key] = value.reshape(param.shape)
 
 
