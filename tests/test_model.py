@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import model as model_module
 from bam.checkpoint import load_model, save_model
 from model import ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, apply_rope, ggd_bias
 from tiny_models import VOCAB, batch, logits_with, make_model, tiny
@@ -478,3 +479,20 @@ def test_flex_matches_eager_across_partial_blocks():
     with torch.no_grad():
         torch.testing.assert_close(logits_with(model, "flex", idx), logits_with(model, "eager", idx),
                                    atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pe", PE_CHOICES)
+def test_eager_attention_stays_fp32_under_bf16_autocast(pe, monkeypatch):
+    """eager is the reference the other paths are held to, and a GPU runs under bf16 autocast, which would round
+    q.k (and the weights' product with v) to 8 bits: from the same inputs it computes what it computes in fp32."""
+    model = make_model(pe=pe, ssmax=True, attn_impl="eager")
+    calls = []
+    eager = model_module.ATTENTION["eager"]
+    monkeypatch.setitem(model_module.ATTENTION, "eager", lambda *args: calls.append(args) or eager(*args))
+    idx, doc_ids = batch()
+    with torch.no_grad():
+        model(idx, doc_ids=doc_ids)
+    plain = eager(*calls[-1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = eager(*calls[-1])
+    assert torch.equal(under_autocast, plain)
