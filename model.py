@@ -658,9 +658,9 @@ class RoPE(Encoding):
     @staticmethod
     def rotation(positions, cfg, length=None):
         length = int(positions[-1]) + 1 if length is None else length
-        inv_freq, factor = rope_frequencies(cfg, length)
+        inv_freq, factor = rope_frequencies(cfg, length, positions.device)
         # float64: at 500K positions fp32 angles would be off by ~0.03 rad before the cosine.
-        angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+        angles = positions.to(torch.float64)[..., None] * inv_freq
         return (factor * angles.cos()).float(), (factor * angles.sin()).float()
 
 
@@ -671,11 +671,13 @@ def apply_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
-def rope_frequencies(cfg, length):
-    """RoPE's inverse frequencies (float64, head_dim / 2) under cfg.rope_scaling with s =
-    rope_factor and L0 = cfg.rope_context, and the factor YaRN puts on cos and sin (1 otherwise).
-    `length` is how many positions the current forward reaches (its last query + 1); only dynamic
-    NTK reads it.
+def rope_frequencies(cfg, length, device=None):
+    """RoPE's inverse frequencies (float64, head_dim / 2, on `device`) under cfg.rope_scaling,
+    with s = rope_factor and L0 = cfg.rope_context, and the factor YaRN puts on cos and sin (1
+    otherwise). `length` is how many positions the current forward reaches (its last query + 1);
+    only dynamic NTK reads it. Built where the positions are: a table built on the host and copied
+    would cost a CPU kernel and a blocking host-to-device copy in every forward
+    (tests/test_baselines.py holds the forward to one device).
 
       linear       position interpolation (Chen et al. 2023): every frequency / s
       ntk          NTK-aware (bloc97 2023): base theta * s^(d / (d - 2)), d = head_dim, which
@@ -690,11 +692,11 @@ def rope_frequencies(cfg, length):
         theta = theta * s ** (d / (d - 2))
     elif kind == "dynamic_ntk" and length > L0:
         theta = theta * (s * length / L0 - (s - 1)) ** (d / (d - 2))
-    inv_freq = inverse_frequencies(d, theta)
+    inv_freq = inverse_frequencies(d, theta, device)
     if kind == "linear":
         return inv_freq / s, 1.0
     if kind == "yarn":
-        ramp = yarn_ramp(cfg)
+        ramp = yarn_ramp(cfg, device)
         # The paper's attention temperature: softmax(q.k / (t sqrt(d))) with
         # sqrt(1/t) = 0.1 ln s + 1. As the paper's code (and transformers) do, sqrt(1/t)
         # multiplies cos and sin, so q and k each carry one factor and the logit gets
@@ -706,15 +708,15 @@ def rope_frequencies(cfg, length):
     return inv_freq, 1.0
 
 
-def yarn_ramp(cfg):
+def yarn_ramp(cfg, device=None):
     """YaRN's blend per rotation pair (Peng et al. 2023, "NTK-by-parts"): 0 keeps the pair's
     frequency (it turns more than beta_fast times over the original context L0, so it has seen every
     angle), 1 divides it by s as position interpolation does (fewer than beta_slow turns), linear in
     between. As in the reference code (jquesnelle/yarn) and transformers, the ramp is linear in the
     pair index between the two crossing points rounded outward, not linear in the turn count r as
     the paper's equation writes it; this keeps our YaRN numbers comparable with published YaRN
-    models. Pair i turns r = L0 / (2 pi theta^(2i/d)) times, so the crossing of r is at i = d ln(L0
-    / (2 pi r)) / (2 ln theta)."""
+    models. Pair i turns r = L0 / (2 pi theta^(2i/d)) times, so the crossing of r is at
+    i = d ln(L0 / (2 pi r)) / (2 ln theta)."""
     d, theta, L0 = cfg.head_dim, cfg.rope_theta, cfg.rope_context
 
     def pair_index(turns):
@@ -724,7 +726,7 @@ def yarn_ramp(cfg):
     # d - 1 (not d/2 - 1) as the reference
     high = min(math.ceil(pair_index(cfg.yarn_beta_slow)), d - 1)
     span = max(high - low, 1e-3)  # the reference's guard against a zero-width ramp
-    return ((torch.arange(d // 2, dtype=torch.float64) - low) / span).clamp(0.0, 1.0)
+    return ((torch.arange(d // 2, dtype=torch.float64, device=device) - low) / span).clamp(0.0, 1.0)
 
 
 def llama3_ramp(cfg, inv_freq):
@@ -1060,20 +1062,27 @@ class T5Prior(AdditivePrior):
     family = "learnable-bias rivals"  # for eval/ only
 
 
-def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2):
+def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2, *segments):
     """FIRE (Li et al., ICLR 2024): f_theta(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1),
     with i the query's position in its document (query[0]) and f_theta an MLP 1 -> W -> heads with a
     ReLU. The distance is clamped at 0: masked pairs (j > i) then stay finite, so their zero
-    gradient through the mask is not 0 x NaN.
+    gradient through the mask is not 0 x NaN. log c and log L are shape (1,): FSDP2 shards no 0-d
+    tensor, nor does flex's backward take one.
 
     On a grid (the dense paths) the bias is a function of the pair (i - j, i) alone, and the rows of
     a batch repeat the same pairs: the MLP runs once per distinct pair and is spread back over the
     grid by indexing (its backward a scatter-add). The values are the whole grid's, at a fraction of
-    its cost: on the CPU training path FIRE's MLP took most of a step (docs/benchmarks.md)."""
-    c, threshold = torch.exp(log_c), torch.exp(log_threshold)
+    its cost: on the CPU training path FIRE's MLP took most of a step (docs/benchmarks.md).
+
+    On FlexAttention's scalars, `segments` (fire_segments, which FIREPrior.tensors gives under
+    autograd) have the kernel read the MLP as the piecewise-linear function it is: inductor's flex
+    backward refuses a score_mod that indexes a tensor with a gradient more than once, as the sum
+    over hidden units does."""
+    c, threshold = torch.exp(log_c[0]), torch.exp(log_threshold[0])
     dist = dist.clamp(min=0)
     if dist.dim() == 0:  # FlexAttention's score_mod: one score at a time
-        return fire_mlp(fire_input(dist, query[0], c, threshold), head, w1, b1, w2)
+        x = fire_input(dist, query[0], c, threshold)
+        return fire_piecewise(x, head, *segments) if segments else fire_mlp(x, head, w1, b1, w2)
     d, i = torch.broadcast_tensors(dist, query[0])
     # One number per pair, exact in float64 for whole positions below 2^21 and distances below 2^31
     shift = 2.0 ** 31
@@ -1105,6 +1114,46 @@ def fire_mlp(x, head, w1, b1, w2):
         return hidden @ w2.to(hidden.dtype).T
 
 
+def fire_segments(w1, b1, w2):
+    """FIRE's MLP of its one input x, sum_u w2_hu relu(w1_u x + b1_u), is linear between the units'
+    breakpoints x = -b1_u / w1_u. Returns the W breakpoints sorted, and per head the slope and the
+    intercept on each of the W + 1 segments, (H, W + 1) each; on segment k (k breakpoints below x)
+    unit u is active iff it rises (w1_u > 0) and its breakpoint is among the first k, or falls and
+    is not, or is flat (w1_u = 0) with b1_u > 0. Slope and intercept are sums over the active units
+    of w2_hu w1_u and w2_hu b1_u, so autograd gives the MLP's own gradients; the breakpoints carry
+    none (the function is continuous across them)."""
+    with torch.no_grad():
+        flat = w1 == 0
+        # a flat unit never switches
+        breaks = torch.where(flat, torch.inf, -b1 / torch.where(flat, 1.0, w1))
+        order = breaks.argsort()
+        rank = order.argsort()
+        segment = torch.arange(len(w1) + 1, device=w1.device)[:, None]
+        # (W + 1, W): which units are active on each segment
+        active = torch.where(flat, b1 > 0, torch.where(w1 > 0, rank < segment, rank >= segment))
+    # fp32 also under bf16 autocast, as every prior; (H, W + 1) each, not views (flex_captured)
+    with torch.autocast(w2.device.type, enabled=False):
+        slope, intercept = w2 @ (active * w1).T, w2 @ (active * b1).T
+    return breaks[order], slope, intercept
+
+
+def fire_piecewise(x, head, breaks, slope, intercept):
+    """fire_mlp of one scalar x from fire_segments' tables, each indexed once: equal to the MLP up
+    to fp32 rounding (tests/test_rivals.py)."""
+    segment = torch.zeros_like(x, dtype=torch.int64)
+    for unit in range(breaks.shape[0]):  # the breakpoints carry no gradient: indexing them is free
+        segment = segment + (x > breaks[unit])
+    return slope[head, segment] * x + intercept[head, segment]
+
+
+def _fire_scalars_as_vectors(module, state_dict, prefix, *args):
+    """Checkpoints and exports written before log c and log L were shape (1,) hold them 0-d."""
+    for name in ("log_c", "log_threshold"):
+        value = state_dict.get(prefix + name)
+        if value is not None and value.dim() == 0:
+            state_dict[prefix + name] = value.reshape(1)
+
+
 class FIREPrior(AdditivePrior):
     """FIRE's learned c and threshold L (positive through their logarithms) and its MLP, per layer
     as in the paper. The MLP starts as torch's nn.Linear default (the paper's code and its
@@ -1119,14 +1168,20 @@ class FIREPrior(AdditivePrior):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         W, H = cfg.fire_mlp_width, cfg.n_head
-        self.log_c = nn.Parameter(torch.tensor(math.log(cfg.fire_init_c)))
-        self.log_threshold = nn.Parameter(torch.tensor(math.log(cfg.fire_init_threshold)))
+        self.log_c = nn.Parameter(torch.tensor([math.log(cfg.fire_init_c)]))
+        self.log_threshold = nn.Parameter(torch.tensor([math.log(cfg.fire_init_threshold)]))
         self.w1 = nn.Parameter(torch.empty(W).uniform_(-1.0, 1.0))  # nn.Linear(1, W): U(+-1/1)
         self.b1 = nn.Parameter(torch.empty(W).uniform_(-1.0, 1.0))
         self.w2 = nn.Parameter(torch.empty(H, W).uniform_(-W ** -0.5, W ** -0.5))  # nn.Linear(W, H)
 
+        self.register_load_state_dict_pre_hook(_fire_scalars_as_vectors)
+
     def tensors(self):
-        return self.log_c, self.log_threshold, self.w1, self.b1, self.w2
+        mlp = (self.log_c, self.log_threshold, self.w1, self.b1, self.w2)
+        # training: the form flex's backward takes (fire_bias)
+        if torch.is_grad_enabled() and self.w2.requires_grad:
+            return mlp + fire_segments(self.w1, self.b1, self.w2)
+        return mlp
 
     def token_features(self, x, pos_in_doc, past=None):
         return (pos_in_doc.float()[:, None, :],)  # the position of each token in its document
@@ -1145,10 +1200,12 @@ class FIREPrior(AdditivePrior):
 
 
 def fox_bias(dist, head, query, key):
-    """FoX (Lin et al., ICLR 2025): sum over l = j+1..i of log f_l,h = c_i,h - c_j,h,
-    with c the cumulative log forget gate of the document (FoXPrior.token_features); <= 0
-    for every visible key."""
-    return query[0] - key[0]
+    """FoX (Lin et al., ICLR 2025): sum over l = j+1..i of log f_l,h = c_i,h - c_j,h, with c the
+    cumulative log forget gate of the document (FoXPrior.token_features); <= 0 for every visible
+    key. c_i is read from the first feature and c_j from the second, its copy: FlexAttention's
+    score_mod then indexes each tensor once, which inductor's flex backward requires of a tensor
+    with a gradient (its validate_joint_graph)."""
+    return query[0] - key[1]
 
 
 class FoXPrior(AdditivePrior):
@@ -1173,13 +1230,15 @@ class FoXPrior(AdditivePrior):
 
     def log_gates(self, x):
         """log f, (B, H, T) fp32."""
-        return F.logsigmoid(self.gate(x).float()).transpose(1, 2)
+        # a model loaded in bf16 keeps its priors in fp32 (modeling_bam.py)
+        gate = self.gate(x.to(self.gate.weight.dtype))
+        return F.logsigmoid(gate.float()).transpose(1, 2)
 
     def token_features(self, x, pos_in_doc, past=None):
-        """c_t = the sum of log f over the token's document up to t (continuing `past` from
-        a KV cache). The running sum is taken in float64 and restarted at every document
-        start, so a document's values are those it has alone up to fp32 rounding, whatever
-        came before it in the row."""
+        """(c, a copy of c), c_t = the sum of log f over the token's document up to t (continuing
+        `past` from a KV cache). The running sum is taken in float64 and restarted at every document
+        start, so a document's values are those it has alone up to fp32 rounding, whatever came
+        before it in the row."""
         log_f = self.log_gates(x).double()
         total = log_f.cumsum(dim=-1)
         idx = torch.arange(log_f.shape[-1], device=x.device)
@@ -1190,7 +1249,8 @@ class FoXPrior(AdditivePrior):
         # a KV cache holds the same row: no document start in between
         if past is not None and past[0].shape[-1]:
             c = c + past[0][..., -1:].double()
-        return (c.float(),)
+        c = c.float()
+        return c, c.clone()  # the copy is the keys' (fox_bias); autograd sums both gradients into c
 
     def head_parameters(self):
         return {"gate_bias": self.gate.bias.tolist(),
@@ -1301,16 +1361,18 @@ def _head_index(n_head, device):
 
 def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
     """Materialised fp32 scores: the reference implementation, O(Tq x Tk) memory.
-    `features`: see layer_prior."""
+    `features`: see layer_prior. fp32 also under bf16 autocast, which would round q.k (and the
+    weights' product with v) to 8 bits."""
     H, hd = q.shape[1], q.shape[-1]
     k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(hd)
-    log_n = None if ctx.log_n is None else ctx.log_n[:, None, :, None]
-    scores = positional_scores(scores, _head_index(H, q.device), ctx.q_pos[:, None],
-                               ctx.k_pos[None, :], log_n, prior, ssmax_scale,
-                               *grid_features(features))
-    scores = scores.masked_fill(~ctx.mask, float("-inf"))
-    return (scores.softmax(dim=-1) @ v.float()).type_as(q)
+    with torch.autocast(q.device.type, enabled=False):
+        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(hd)
+        log_n = None if ctx.log_n is None else ctx.log_n[:, None, :, None]
+        head = _head_index(H, q.device)
+        scores = positional_scores(scores, head, ctx.q_pos[:, None], ctx.k_pos[None, :], log_n,
+                                   prior, ssmax_scale, *grid_features(features))
+        scores = scores.masked_fill(~ctx.mask, float("-inf"))
+        return (scores.softmax(dim=-1) @ v.float()).type_as(q)
 
 
 def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
@@ -1379,9 +1441,18 @@ def table_bias(dist, head, table):
 
 
 def ssmax_table(ssmax_scale, log_n, batch):
-    """SSMax's s_h log n_i as a (batch, H, T) fp32 table by query, for `log_n` (1 or batch, T)."""
+    """SSMax's s_h log n_i as a (batch, H, T) fp32 table by query, for `log_n` (1 or batch, T). A
+    tensor of its own, never a view (flex_captured)."""
     head = torch.arange(len(ssmax_scale), device=log_n.device)[:, None]
-    return ssmax_factor(ssmax_scale, head, log_n[:, None, :]).expand(batch, -1, -1).contiguous()
+    return flex_captured(ssmax_factor(ssmax_scale, head, log_n[:, None, :]).expand(batch, -1, -1))
+
+
+def flex_captured(t):
+    """`t` as a tensor of its own in contiguous memory, for a score_mod to capture. Not
+    `contiguous()`, which returns a view where `t` already is: torch 2.13's AOT autograd drops the
+    gradient of a view captured by flex's score_mod (tests/test_flex_backward.py: SSMax's scales and
+    FoX's gates went untrained on flex)."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def tabled_scores(scores, b, head, q_pos, k_pos, bias_table, factor_table):
@@ -1413,7 +1484,7 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
                                       tabulated, cpu))
     T, padded = q.shape[2], ctx.mask.seq_lengths[0]
     if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
-        features = tuple(t.expand(q.shape[0], q.shape[1], T).contiguous() for t in features[0])
+        features = tuple(flex_captured(t.expand(q.shape[0], q.shape[1], T)) for t in features[0])
     # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
     if padded > T:
         q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))

@@ -532,7 +532,19 @@ def build_model(cfg, procs, bf16, ckpt, init_weights=None):
             load_whole_optimizer(model, optimizer, ckpt["optimizer"])
         else:
             optimizer.load_state_dict(ckpt["optimizer"])
+            reshape_older_state(optimizer)
     return model, optimizer, base_lr
+
+
+def reshape_older_state(optimizer):
+    """An older checkpoint's optimizer state of a parameter that changed shape but not its numbers (FIRE's log c
+    and log L, 0-d before they became shape (1,)) takes the parameter's shape, as the weights do (model.py's
+    load hook); the step count keeps its own."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            reshaped = torch.is_tensor(value) and value.shape != param.shape and value.numel() == param.numel()
+            if key != "step" and reshaped:
+                state[key] = value.reshape(param.shape)
 
 
 def restore(run, path, ckpt):

@@ -84,11 +84,12 @@ def attention_stats(attn, x, ctx, prior_module, positions, context):
         rows = torch.as_tensor(positions[start:start + chunk], device=q.device)
         q_pos = ctx.q_pos[rows]
         log_n = None if ctx.log_n is None else ctx.log_n[:, rows][:, None, :, None]
-        scores = q[:, :, rows].float() @ k.transpose(-2, -1) / math.sqrt(head_dim)
         query, key = grid_features(None if features is None else
                                    (tuple(t[..., rows] for t in features[0]), features[1]))
-        scores = positional_scores(scores, head, q_pos[:, None], ctx.k_pos[None, :], log_n, prior, attn.ssmax_scale,
-                                   query, key)
+        with torch.autocast(q.device.type, enabled=False):  # fp32 as the model's eager scores, also under bf16
+            scores = q[:, :, rows].float() @ k.transpose(-2, -1) / math.sqrt(head_dim)
+            scores = positional_scores(scores, head, q_pos[:, None], ctx.k_pos[None, :], log_n, prior,
+                                       attn.ssmax_scale, query, key)
         visible = dense_mask(q_pos, ctx.k_pos, attn.cfg.attn_window)  # (1, 1, rows, T), as the model masks
         log_p = scores.masked_fill(~visible, float("-inf")).log_softmax(dim=-1)
         p = log_p.exp()

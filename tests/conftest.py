@@ -15,12 +15,30 @@ do not keep, so they must see the machine a CPU-only CI sees:
 A test marked `cuda` is skipped with its reason where no GPU is visible. After every test the float32 matmul
 precision is put back, so that a GPU test (or train.py on a GPU, which turns TF32 on) cannot change the
 numbers of the tests after it.
+
+The fast lane, `python -m pytest -m "not slow"`, leaves out what pytest.ini's `slow` marker names: the tests
+that start a process (python train.py, torchrun, the command lines), start a process group or compile, and
+the files that run the commands end to end (whole-file marks). An unmarked test that starts a process or
+compiles fails here with the advice to mark it, so the lane stays the one-minute loop it is documented to
+be: a subprocess, a process group and the flex path (whose kernels are compiled on first use) are refused
+when they start; any other compile (torch.compile, dynamo's explain) is counted by dynamo and reported when
+the test ends. tests/test_structure.py also reads the test files for unmarked tests that do so.
+
+The shared fixtures live here too; the shared helpers (tiny models and batches, small training runs) are
+plain modules beside this file, so no test file imports from another.
 """
 
 import os
+import subprocess
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+import model
+from bam import data
 
 # Asked before CUDA_VISIBLE_DEVICES is emptied below: the CUDA runtime reads the variable when it first counts
 # the devices, so this process keeps the GPUs it has.
@@ -52,3 +70,52 @@ def device_pin(request, monkeypatch):
         monkeypatch.setattr(torch.accelerator, "current_accelerator", no_accelerator)
     yield
     torch.set_float32_matmul_precision(precision)
+
+
+class SlowInFastLane(Exception):
+    """What an unmarked test raises when it starts work that pytest.ini's `slow` marker names."""
+
+
+def slow_work(what):
+    return (f"this test {what}: mark it @pytest.mark.slow (or its module: pytestmark = pytest.mark.slow) so that "
+            f"`python -m pytest -m \"not slow\"` stays the fast lane")
+
+
+def refuse(what):
+    def refused(*args, **kwargs):
+        raise SlowInFastLane(slow_work(what))
+    return refused
+
+
+def compiled_graphs():
+    """How many graphs dynamo has compiled in this process (torch.compile, explain, the flex kernels)."""
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(autouse=True)
+def fast_lane_guard(request, monkeypatch):
+    """An unmarked test may not start a process or a process group, run the flex path (every flex kernel is
+    compiled on first use, and in the fast lane no slow test has compiled it before) or compile anything."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("starts a subprocess"))
+    monkeypatch.setattr(dist, "init_process_group", refuse("starts a process group"))
+    monkeypatch.setitem(model.ATTENTION, "flex", refuse("runs the flex path (a compiled FlexAttention kernel)"))
+    before = compiled_graphs()
+    yield
+    if compiled_graphs() > before:
+        pytest.fail(slow_work("compiles (dynamo compiled a graph)"), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """Random tokens with an EOT every ~40: enough to test mechanics, nothing to learn (tests/small_runs.py's
+    small_config trains on them)."""
+    path = tmp_path_factory.mktemp("synthetic")
+    rng = np.random.default_rng(0)
+    for name, n in (("syn_val_000000.bin", 4_000), ("syn_train_000001.bin", 3_000), ("syn_train_000002.bin", 20_000)):
+        tokens = rng.integers(0, 2_000, n)
+        tokens[rng.random(n) < 1 / 40] = data.EOT
+        data.write_shard(str(path / name), tokens)
+    return str(path)

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from test_model import VOCAB, batch, logits_with, make_model, tiny
 from torch.nn.attention.flex_attention import create_block_mask
 
-from model import (ENCODINGS, KVCache, ModelConfig, Transformer, apply_rope, positions_in_documents, rope_frequencies,
-                   window_block_mask)
+from model import (ENCODINGS, ROPE_SCALINGS, KVCache, ModelConfig, Transformer, apply_rope, positions_in_documents,
+                   rope_frequencies, window_block_mask)
+from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 
 FACTORS = [2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 SCALINGS = ["linear", "ntk", "dynamic_ntk", "yarn"]
@@ -233,6 +233,7 @@ def test_window_on_eager_and_sdpa_equals_the_crop_reference(pe, ssmax):
                                        msg=lambda m: f"{impl}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("W,docs", [(129, False), (129, True), (5, False)])
 def test_flex_window_equals_eager(W, docs):
     """Eager is held to the pairwise mask and the crop reference above; flex is held to eager. T = 300
@@ -296,3 +297,47 @@ def test_a_window_as_wide_as_the_sequence_changes_nothing():
         model.config.attn_window = idx.shape[1]
         for impl in ("eager", "sdpa"):
             torch.testing.assert_close(logits_with(model, impl, idx, doc_ids), ref, atol=1e-6, rtol=1e-5)
+
+
+# -- Every tensor of a forward on the input's device ---------------------------------------------------
+
+class TensorsOffDevice(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every operation that makes a tensor anywhere but on `device`: a factory on the host (e.g.
+    torch.arange without device=) or a copy to or from it, which on a GPU is a CPU kernel and a blocking
+    host-to-device copy in every forward."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device, self.strays = device, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != self.device:
+                self.strays.append(f"{func} -> {t.device}")
+        return out
+
+
+def positional_variants():
+    """Every encoding that computes from positions in the forward (a rotation or an embedding), and a rotation
+    under every RoPE scaling, evaluated past its original context so dynamic NTK scales too."""
+    for pe, encoding in ENCODINGS.items():
+        scalings = ROPE_SCALINGS if encoding.rotation is not None else ("none",)
+        if encoding.rotation is None and encoding.embedding is None:
+            continue
+        for scaling in scalings:
+            yield pe, scaling
+
+
+@pytest.mark.parametrize("pe,scaling", list(positional_variants()))
+def test_a_forward_makes_every_tensor_on_the_inputs_device(pe, scaling):
+    """The whole forward (embeddings, RoPE's frequencies and ramps, attention, logits) run on the meta device,
+    where a tensor built on the host shows as one that is not on meta."""
+    factor = 1.0 if scaling == "none" else 4.0
+    cfg = tiny(pe, attn_impl="sdpa", rope_scaling=scaling, rope_factor=factor, rope_original_context=8)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    idx = torch.zeros(2, 24, dtype=torch.long, device="meta")
+    with TensorsOffDevice("meta") as mode:
+        model(idx)
+    assert not mode.strays, mode.strays

@@ -13,6 +13,8 @@ from bam import parallel
 from bam.config import TrainConfig
 from model import ModelConfig, Transformer, check_doc_ids
 
+pytestmark = pytest.mark.slow  # every test compiles (dynamo's explain, torch.compile, flex kernels)
+
 VOCAB = 97
 PROCESS = train.Processes(distributed=False, rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

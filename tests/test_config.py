@@ -4,11 +4,13 @@ every mistake is one ConfigError naming what is allowed, and every shipped confi
 import dataclasses
 import glob
 import os
+import re
 import tomllib
 
 import pytest
 
 from bam.config import ConfigError, check, load_config, to_dict, to_toml, upgrade
+from model import ENCODINGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "paper", "**", "*.toml"), recursive=True))
@@ -79,7 +81,7 @@ def test_preset_sets_the_size_and_explicit_keys_win(tmp_path):
     ("", ["--train.betas=[0.9]"], r"expected a list of 2 values"),
     ("", ["--train.optimizer=sgd"], r"optimizer = 'sgd'.*choose one of: radam, adamw"),
     ("", ["--log.wandb=on"], r"choose one of: disabled, offline, online"),
-    ("", ["--model.pe=xpos"], r"\[model\].*xpos.*nope, rope, sinusoidal, alibi, bam, kerple_log, kerple_power, t5, fire, fox"),
+    ("", ["--model.pe=xpos"], r"\[model\].*xpos.*" + re.escape(", ".join(ENCODINGS))),
     ("", ["--train.lr"], r"overrides look like --section.key=value"),
     ("", ["--train.tokens_per_step=1000"],
      r"tokens_per_step = 1000 is not a multiple of data.batch_size x model.block_size x world size = 48 x 512 x 1"),

@@ -7,6 +7,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # pytest itself, started on a probe file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRETEND_GPU = """
@@ -29,6 +33,7 @@ from eval.loading import pick_device
 ENV = {**os.environ}  # copied at import, as tests/test_fsdp.py does
 
 
+@pytest.mark.slow  # it starts a subprocess (tests/conftest.py refuses one to an unmarked test)
 def test_unmarked_test_sees_the_cpu():
     assert not torch.cuda.is_available() and torch.cuda.device_count() == 0
     assert torch.accelerator.current_accelerator() is None

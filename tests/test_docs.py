@@ -200,11 +200,13 @@ def repository_problems():
     return find_problems(ROOT, repository_files(ROOT))
 
 
+@pytest.mark.slow
 def test_every_cited_file_exists(repository_problems):
     problems = [p for p in repository_problems if not allow_listed(p)]
     assert not problems, "broken citations:\n" + "\n".join(map(str, problems))
 
 
+@pytest.mark.slow
 def test_allowed_broken_links_are_still_broken(repository_problems):
     """An ALLOWED_BROKEN entry whose links were fixed must go, so that the list only shrinks."""
     for (doc, prefix), issue in ALLOWED_BROKEN.items():

@@ -21,6 +21,8 @@ from eval.loading import autocast
 from eval.options import EvalOptions
 from model import ModelConfig, Transformer
 
+pytestmark = pytest.mark.slow  # lm-eval end to end, also from its command line
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("river stone lamp orange quietly seven market winter glass thunder copper violin meadow "
          "sailor yellow whisper garden harbor number ancient").split()

@@ -29,6 +29,8 @@ from eval.stats import binomial_interval
 from eval.sweep import parse_lengths, sweep
 from model import ModelConfig, Transformer, ggd_bias
 
+pytestmark = pytest.mark.slow  # every evaluator end to end on checkpoints made here, and their command lines
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50257  # prompts are GPT-2 text
 

@@ -23,6 +23,8 @@ from eval.sweep import format_factor
 from eval.tables import length_label
 from model import ENCODINGS, ModelConfig, Transformer
 
+pytestmark = pytest.mark.slow  # eval.attention end to end, its command and its report section
+
 CONTEXT = 16  # the training context of the test models: distances from 16 on count as far
 
 
@@ -100,6 +102,26 @@ def test_the_sampled_queries_match_the_dense_attention(pe, ssmax, window, monkey
         want = metrics_of(p, positions, CONTEXT)
         torch.testing.assert_close(got[:, layer].double(), want, rtol=1e-4, atol=2e-4)
     assert (got[2] > 0.01).any(), "some mass past the context: the far share was exercised"
+
+
+def test_the_sampled_scores_stay_fp32_under_bf16_autocast(monkeypatch):
+    """A GPU evaluation runs under bf16 autocast, which would round q.k to 8 bits: from the same q and k (the
+    projections themselves are the model's, bf16 under autocast) the statistics are those of fp32."""
+    model = model_of("bam", ssmax=True)
+    captured = {}
+    hook = model.blocks[1].attn.register_forward_pre_hook(lambda m, args: captured.update(args=args[:3]))
+    with torch.no_grad():
+        model(torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1)))
+    hook.remove()
+    attn = model.blocks[1].attn
+    x, ctx, prior_module = captured["args"]
+    projections = attn.project(x, ctx)
+    monkeypatch.setattr(attn, "project", lambda x, ctx: projections)
+    positions = np.arange(20, 40)
+    plain = attention.attention_stats(attn, x, ctx, prior_module, positions, CONTEXT)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = attention.attention_stats(attn, x, ctx, prior_module, positions, CONTEXT)
+    assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast, plain)
 
 
 def test_uniform_attention_gives_the_closed_forms(tmp_path):

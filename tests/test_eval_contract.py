@@ -118,6 +118,7 @@ def test_a_new_evaluator_is_one_file_and_one_registry_line(tmp_path, monkeypatch
     assert "toy_window8.png" in plots
 
 
+@pytest.mark.slow
 def test_importing_sample_or_an_evaluator_loads_no_plotting_library():
     modules = ", ".join(repr(m) for m in eval_package.EVALUATORS)
     check = ("import sys, importlib, sample\n"

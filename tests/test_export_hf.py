@@ -18,6 +18,8 @@ from bam.data import EOT
 from bam.tokenizer import gpt2_encoding, load_tokenizer
 from model import PE_CHOICES, ModelConfig, Transformer
 
+pytestmark = pytest.mark.slow  # exports loaded by transformers, in clean interpreters among them
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16)
@@ -89,6 +91,23 @@ def test_window_and_rope_scaling_are_exported(name, tmp_path):
     model, out = export_case(tmp_path, name, **kw)
     assert_same_model(model, AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval())
 
+
+
+@pytest.mark.parametrize("name", [name for name, kw in CASES.items() if kw["ssmax"]])
+def test_loaded_in_bf16_the_priors_and_ssmax_stay_fp32(name, exported):
+    """torch_dtype=torch.bfloat16, the usual way to load: the weights go bf16, the positional priors and SSMax's
+    scales stay fp32 (in bf16 BAM's shape alone moves a logit at distance 0 by up to 3.6), and the logits stay
+    within bf16's rounding of the fp32 export's."""
+    model, out = exported[name]
+    fp32 = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    bf16 = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16).eval()
+    kept = {id(p) for p in bf16.model.prior_parameters()}
+    assert kept and all(p.dtype == torch.float32 for p in bf16.model.prior_parameters())
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters() if id(p) not in kept)
+    x = tokens()
+    with torch.no_grad():
+        want, got = fp32(x).logits, bf16(x).logits.float()
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.05
 
 
 def test_fox_gate_init_bias_is_exported(tmp_path):

@@ -27,7 +27,9 @@ from bam import checkpoint, cli, parallel
 from bam.checkpoint import load_model
 from bam.config import TrainConfig, load_config
 from model import ENCODINGS, ModelConfig, Transformer
-from test_train import ROOT, relative_difference, rows, small_config, synthetic  # noqa: F401 (synthetic: a fixture)
+from small_runs import ROOT, relative_difference, rows, small_config
+
+pytestmark = pytest.mark.slow  # torchrun launches, process groups and per-Block compiles
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}  # two workers share the cores
@@ -436,6 +438,20 @@ def test_activation_checkpointing_leaves_loss_and_gradients_unchanged(pe, one_ra
         assert torch.equal(loss, loss_ac)
         assert grads.keys() == grads_ac.keys() and all(torch.equal(grads[k], grads_ac[k]) for k in grads)
     assert torch.equal(results["ddp", "none"][0], results["fsdp", "full"][0])  # one rank: FSDP computes the same
+
+
+@pytest.mark.parametrize("ssmax", [False, True])
+def test_fire_is_sharded_and_computes_what_it_computes_unsharded(ssmax, one_rank):
+    """fully_shard refuses a 0-d parameter ("Change log_c to a 1D tensor"), which FIRE's log c and log L were."""
+    torch.manual_seed(0)
+    whole = Transformer(tiny_model(pe="fire", ssmax=ssmax))
+    sharded = Transformer(tiny_model(pe="fire", ssmax=ssmax))
+    sharded.load_state_dict(whole.state_dict())
+    parallel.prepare(sharded, TrainConfig(parallel="fsdp", compile=False), one_rank, bf16=False)
+    (loss, grads), (loss_sharded, grads_sharded) = loss_and_gradients(whole), loss_and_gradients(sharded)
+    assert torch.equal(loss, loss_sharded)
+    assert grads.keys() == grads_sharded.keys() and grads["priors.0.log_c"].shape == (1,)
+    assert max(relative_difference(grads_sharded[k], grads[k]) for k in grads) < 1e-6
 
 
 def test_per_block_compile_under_fsdp_matches_eager(one_rank):

@@ -13,6 +13,8 @@ import torch
 import model
 from model import PE_CHOICES
 
+pytestmark = pytest.mark.slow  # bench.gpu_check's command line, torchrun and torch.compile
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

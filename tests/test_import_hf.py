@@ -24,6 +24,8 @@ from bam.config import load_config
 from local_tokenizers import bpe_folder, training_text
 from model import KVCache
 
+pytestmark = pytest.mark.slow  # transformers models imported, evaluated, fine-tuned and exported again
+
 VOCAB = 320  # the tokenizer's 300 tokens and its BOS and EOS (300, 301), padded as published models pad theirs
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-5,

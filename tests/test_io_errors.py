@@ -24,7 +24,9 @@ from bam.checkpoint import save_model
 from bam.cli import WriteError, describe_os_error, run_cli, user_errors
 from bam.tokenizer import load_tokenizer
 from model import ModelConfig, Transformer
-from test_train import small_config
+from small_runs import small_config
+
+pytestmark = pytest.mark.slow  # every command's main end to end, with its input and output failing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -6,50 +6,15 @@ import math
 import pytest
 import torch
 
+import model as model_module
 from bam.checkpoint import load_model, save_model
 from model import ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, apply_rope, ggd_bias
-
-VOCAB = 97
-
-
-def tiny(pe="bam", ssmax=False, **kw):
-    cfg = dict(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, block_size=16, pe=pe, ssmax=ssmax)
-    cfg.update(kw)
-    return ModelConfig(**cfg)
-
-
-def make_model(seed=0, **kw):
-    torch.manual_seed(seed)
-    model = Transformer(tiny(**kw))
-    # Move every prior and SSMax parameter off its initial value so a test cannot pass because of a
-    # special init (e.g. ALiBi's shape exactly 1, SSMax's scale exactly 1).
-    with torch.no_grad():
-        for prior in model.priors:
-            for p in prior.parameters():
-                p.add_(0.3 * torch.randn_like(p))
-        for block in model.blocks:
-            if block.attn.ssmax_scale is not None:
-                block.attn.ssmax_scale.add_(0.2 * torch.randn_like(block.attn.ssmax_scale))
-    return model
-
-
-def batch(B=2, T=40, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, VOCAB, (B, T), generator=g)
-    # row 0: three documents, row 1: two documents, boundaries not on flex's 128-token blocks
-    a, b, c = T // 4 + 1, T // 2 + 1, 5 * T // 8
-    doc_ids = torch.tensor([[0] * a + [1] * b + [2] * (T - a - b), [0] * c + [1] * (T - c)][:B])
-    return idx, doc_ids
-
-
-def logits_with(model, impl, idx, doc_ids=None, **kw):
-    model.config.attn_impl = impl
-    return model(idx, doc_ids=doc_ids, **kw)[0]
-
+from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 
 GRID = [(pe, ssmax, docs) for pe in PE_CHOICES for ssmax in (False, True) for docs in (False, True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pe,ssmax,docs", GRID)
 def test_flex_and_sdpa_outputs_match_eager(pe, ssmax, docs):
     model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True)
@@ -84,6 +49,7 @@ def test_sdpa_gradients_match_eager(pe, ssmax, docs):
         torch.testing.assert_close(grads["sdpa"][name], g, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.cuda  # flex has no backward on the CPU in torch 2.13
 @pytest.mark.parametrize("pe,ssmax", [("bam", True), ("alibi", False), ("rope", True), ("t5", True), ("fire", False),
                                      ("fox", True)])  # FoX, FIRE: flex differentiates through their token features
@@ -253,6 +219,25 @@ def test_rope_scores_depend_only_on_relative_position():
     assert abs(score(5, 2) - score(5, 4)) > 1e-3  # and they do depend on it
 
 
+def test_rope_turns_each_pair_by_position_times_its_frequency():
+    """RoFormer (Su et al. 2021, eq. 34): the pair (x_a, x_b) of frequency theta^(-2i/d) at position p turns by
+    +p theta^(-2i/d), to (x_a cos - x_b sin, x_a sin + x_b cos); our pairs are (i, i + d/2). Written out here
+    one entry at a time. A turn the other way keeps every score relative, so only this catches it; it is
+    also the turn of transformers' Llama, which imports and exports rely on."""
+    hd = 16
+    cfg = ModelConfig(n_head=1, n_embd=hd, pe="rope", rope_theta=10_000.0)
+    x = torch.randn(1, 1, 7, hd, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    turned = apply_rope(x, *ENCODINGS["rope"].rotation(torch.arange(7), cfg))
+    expected = torch.zeros_like(x)
+    for p in range(7):
+        for i in range(hd // 2):
+            angle = p * 10_000.0 ** (-2 * i / hd)
+            a, b = x[0, 0, p, i].item(), x[0, 0, p, i + hd // 2].item()
+            expected[0, 0, p, i] = a * math.cos(angle) - b * math.sin(angle)
+            expected[0, 0, p, i + hd // 2] = a * math.sin(angle) + b * math.cos(angle)
+    torch.testing.assert_close(turned, expected, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("pe,ssmax", [(pe, s) for pe in PE_CHOICES for s in (False, True)])
 def test_causality(pe, ssmax):
     model = make_model(pe=pe, ssmax=ssmax)
@@ -319,6 +304,26 @@ def test_sinusoidal_table_is_added_at_the_token_embeddings_scale():
     assert 0.5 < ratio < 1.0, ratio
 
 
+def test_sinusoidal_table_is_vaswanis_formula_at_the_position_in_each_document():
+    """PE(p, 2i) = sin(p / base^(2i/d)) and PE(p, 2i+1) = cos(p / base^(2i/d)) (Vaswani et al. 2017, 3.5),
+    written out here one entry at a time, at the token embeddings' scale, p counted from each document's start."""
+    model = make_model(pe="sinusoidal", n_embd=64)
+    seen = {}
+    model.blocks[0].register_forward_pre_hook(lambda module, args: seen.update(x=args[0]))
+    idx, doc_ids = batch(B=2, T=16)
+    with torch.no_grad():
+        model(idx, doc_ids=doc_ids)
+        added = seen["x"] - model.tok_emb(idx)
+    cfg, expected = model.config, torch.zeros(2, 16, 64, dtype=torch.float64)
+    for b in range(2):
+        for t in range(16):
+            p = t - doc_ids[b].tolist().index(doc_ids[b, t].item())
+            for i in range(32):
+                angle = p / cfg.sinusoidal_base ** (2 * i / 64)
+                expected[b, t, 2 * i], expected[b, t, 2 * i + 1] = math.sin(angle), math.cos(angle)
+    torch.testing.assert_close(added, (cfg.init_std * expected).float(), atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("pe,ssmax,kv", [("bam", True, 0), ("rope", False, 2), ("sinusoidal", False, 0),
                                          ("alibi", True, 0), ("nope", False, 0), ("fox", True, 2), ("fire", False, 2)])
 def test_kv_cache_generation_equals_full_recompute(pe, ssmax, kv):
@@ -343,7 +348,7 @@ def test_sampling_with_top_k_stays_in_top_k():
     assert out[0, -1] in top3
 
 
-@pytest.mark.parametrize("impl", ["flex", "sdpa"])
+@pytest.mark.parametrize("impl", [pytest.param("flex", marks=pytest.mark.slow), "sdpa"])
 def test_logits_far_past_block_size_are_finite(impl):
     model = make_model(pe="bam", ssmax=True)
     with torch.no_grad():
@@ -387,6 +392,7 @@ def test_sparse_targets_give_the_dense_loss_and_gradients():
     assert loss.item() == 0
 
 
+@pytest.mark.slow
 def test_gqa_matches_across_implementations():
     model = make_model(pe="bam", ssmax=True, n_kv_head=2)
     idx, doc_ids = batch()
@@ -466,9 +472,27 @@ def test_causal_block_mask_equals_create_block_mask(T):
     assert torch.equal(direct.to_dense(), reference.to_dense())
 
 
+@pytest.mark.slow
 def test_flex_matches_eager_across_partial_blocks():
     model = make_model(pe="bam", ssmax=True)
     idx = torch.randint(0, VOCAB, (1, 300))  # two full 128-token blocks and a partial one
     with torch.no_grad():
         torch.testing.assert_close(logits_with(model, "flex", idx), logits_with(model, "eager", idx),
                                    atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pe", PE_CHOICES)
+def test_eager_attention_stays_fp32_under_bf16_autocast(pe, monkeypatch):
+    """eager is the reference the other paths are held to, and a GPU runs under bf16 autocast, which would round
+    q.k (and the weights' product with v) to 8 bits: from the same inputs it computes what it computes in fp32."""
+    model = make_model(pe=pe, ssmax=True, attn_impl="eager")
+    calls = []
+    eager = model_module.ATTENTION["eager"]
+    monkeypatch.setitem(model_module.ATTENTION, "eager", lambda *args: calls.append(args) or eager(*args))
+    idx, doc_ids = batch()
+    with torch.no_grad():
+        model(idx, doc_ids=doc_ids)
+    plain = eager(*calls[-1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = eager(*calls[-1])
+    assert torch.equal(under_autocast, plain)

@@ -16,6 +16,8 @@ import pytest
 
 from bam import outputs
 
+pytestmark = pytest.mark.slow  # locks held by other processes, and commands run against each other
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXCHANGE_POINTS = ["complete", "journal", "exchanged", "old removed"]
 RENAME_POINTS = ["complete", "old aside", "new in place"]

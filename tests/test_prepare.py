@@ -20,6 +20,8 @@ from bam.data import EOT, ShardLoader, read_shard
 from bam.tokenizer import load_tokenizer
 from prepare_fineweb import main
 
+pytestmark = pytest.mark.slow  # prepare_fineweb.py end to end, its workers and its command line
+
 # Real sentences of varied length and script; one is empty, which the corpus drops.
 SENTENCES = [
     "The Bayesian Attention Mechanism treats positional encoding as a prior over key positions.",

@@ -52,6 +52,7 @@ def test_only_a_prior_of_the_head_and_distance_is_called_distance_only():
 # (documents), at the shapes of test_model's flex tests, whose kernels a suite run has compiled already.
 # On CPU both grid lengths run at 256 (flex_mask_length pads to whole 128-token blocks); 200 ends inside a
 # block, so padded queries and keys and the table's last entries are exercised; on a GPU they are two shapes.
+@pytest.mark.slow
 @pytest.mark.parametrize("ssmax", [False, True])
 def test_flex_table_equals_formula_forward(ssmax):
     g = torch.Generator().manual_seed(1)
@@ -211,6 +212,7 @@ def flex_forward(model, flex_prior="table"):
         model(idx, doc_ids=documents(40))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ssmax", [False, True])
 def test_a_prior_that_is_not_distance_only_is_not_routed_to_a_table(recorded_kernels, ssmax):
     called, tables = recorded_kernels
@@ -222,6 +224,7 @@ def test_a_prior_that_is_not_distance_only_is_not_routed_to_a_table(recorded_ker
     assert called == [("table", (True, ssmax, True))] and len(tables) == 1  # True: static shapes on a CPU
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pe,kw,expected", [
     ("alibi", {}, 1),                          # ALiBi: one prior shared by every layer
     ("bam", {"bam_per_layer": False}, 1),      # BAM shared: one table for all layers
@@ -248,6 +251,7 @@ def test_a_table_is_built_once_per_forward_and_prior_module(recorded_kernels, mo
     assert [kind for kind, _ in called] == ["table", "formula"]
 
 
+@pytest.mark.slow
 def test_a_table_too_short_for_the_kernel_is_one_clear_error():
     """A table built for fewer tokens than the kernel runs would be read out of bounds on a GPU."""
     prior, _, pos, _, _ = dense_case("bam", False, T=40)

@@ -125,6 +125,7 @@ PYTHON_COMMANDS = [(n, argv) for n, argv in COMMANDS if split_env(argv)[1][0] in
                    and split_env(argv)[1][:3] != ["python", "-m", "pytest"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", sorted({tuple(python_target(split_env(a)[1])[0]) for _, a in PYTHON_COMMANDS}),
                          ids=" ".join)
 def test_every_option_a_python_command_gives_is_one_its_program_accepts(program):

@@ -15,6 +15,8 @@ from eval.results import SCHEMA_VERSION
 from eval.runs import load_runs
 from eval.variants import assign_variants
 
+pytestmark = pytest.mark.slow  # eval.report end to end on grids of runs
+
 LENGTHS = [128, 256, 512]
 
 

@@ -6,6 +6,10 @@ import os
 import shutil
 import subprocess
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the configs/repro shell scripts, run end to end
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -181,6 +181,7 @@ def test_prepare_rejects_bad_retrieval_options(tmp_path, capsys):
     assert not any((tmp_path / d).exists() for d in "abc")
 
 
+@pytest.mark.slow
 def test_training_does_not_import_the_evaluators():
     # bam/retrieval.py holds the passkey wording so that train.py (which imports it) never pulls in eval/
     # and matplotlib; a fresh interpreter, since this test session has imported eval already.

@@ -8,9 +8,10 @@ import math
 
 import pytest
 import torch
-from test_model import VOCAB, batch, logits_with, make_model, tiny
 
-from model import KVCache, ModelConfig, Transformer, fire_bias, fox_bias, positions_in_documents, t5_bias, t5_bucket
+from model import (KVCache, ModelConfig, Transformer, fire_bias, fire_mlp, fire_piecewise, fire_segments, fox_bias,
+                   positions_in_documents, t5_bias, t5_bucket)
+from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 
 RIVALS = ("t5", "fire", "fox")
 
@@ -103,7 +104,7 @@ def test_fire_bias_is_the_papers_formula():
     softmax ignores a per-head constant)."""
     torch.manual_seed(0)
     prior = make_model(pe="fire", n_layer=1).priors[0].double()
-    log_c, log_L, w1, b1, w2 = (t.detach() for t in prior.tensors())
+    log_c, log_L, w1, b1, w2 = (t.detach() for t in prior.tensors()[:5])  # the MLP's (fire_segments: below)
     c, L = math.exp(log_c), math.exp(log_L)
     T, H = 40, w2.shape[0]
     with torch.no_grad():
@@ -118,15 +119,85 @@ def test_fire_bias_is_the_papers_formula():
             torch.testing.assert_close(got[:, qi, kj], w2 @ hidden, rtol=1e-12, atol=1e-12)
 
 
+def fire_weights(dtype):
+    """A FIRE MLP with the corner cases of its breakpoints: a flat unit on and one off, two units that switch at
+    the same input, rising and falling units."""
+    g = torch.Generator().manual_seed(0)
+    W, H = 12, 3
+    w1, b1 = torch.randn(W, generator=g, dtype=dtype), torch.randn(W, generator=g, dtype=dtype)
+    w1[0], b1[0], w1[1], b1[1] = 0.0, 0.7, 0.0, -0.4
+    w1[3], b1[3] = 2 * w1[2], 2 * b1[2]
+    w2 = torch.randn(H, W, generator=g, dtype=dtype)
+    return [t.requires_grad_() for t in (w1, b1, w2)]
+
+
+def fire_forms(x, w1, b1, w2, upstream=None):
+    """(H, N) biases of the inputs x by fire_mlp (the dense paths' form) and by fire_piecewise (what flex's
+    score_mod evaluates in training), and, given `upstream`, each one's gradients in (w1, b1, w2)."""
+    head = torch.arange(w2.shape[0])[:, None]
+    forms = fire_mlp(x, None, w1, b1, w2).T, fire_piecewise(x, head, *fire_segments(w1, b1, w2))
+    if upstream is None:
+        return forms
+    return [torch.autograd.grad((bias * upstream).sum(), (w1, b1, w2)) for bias in forms]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-12), (torch.float32, 5e-6)])
+def test_fires_piecewise_form_equals_its_mlp_in_values_and_gradients(dtype, tolerance):
+    """The same function of x, breakpoints included, and the same gradients in every weight, to rounding, away
+    from the breakpoints (where ReLU's derivative is a convention: relu'(0) = 0, and the piecewise form may take
+    either side's)."""
+    w1, b1, w2 = fire_weights(dtype)
+    breaks = (-b1 / w1).detach()[2:]
+    x = torch.cat([torch.linspace(-4, 4, 1601, dtype=dtype), breaks + 1e-3, breaks - 1e-3])
+    mlp, piecewise = fire_forms(torch.cat([x, breaks]), w1, b1, w2)
+    torch.testing.assert_close(piecewise, mlp, rtol=0, atol=tolerance * float(mlp.detach().abs().max()))
+    upstream = torch.randn(w2.shape[0], len(x), generator=torch.Generator().manual_seed(1), dtype=dtype)
+    for got, expected in zip(*fire_forms(x, w1, b1, w2, upstream)[::-1]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=tolerance * float(expected.abs().max()))
+
+
+def test_fire_reads_a_checkpoint_whose_scalars_are_0d():
+    """Before log c and log L were shape (1,) (FSDP2 and flex's backward take no 0-d parameter) they were 0-d;
+    such a state dict still loads, to the same values."""
+    model = make_model(pe="fire")
+    state = {k: v.reshape(()) if k.endswith(("log_c", "log_threshold")) else v for k, v in model.state_dict().items()}
+    assert state["priors.0.log_c"].dim() == 0
+    fresh = Transformer(model.config)
+    fresh.load_state_dict(state)
+    assert fresh.priors[0].log_c.shape == (1,)
+    assert all(torch.equal(v, state[k].reshape(v.shape)) for k, v in fresh.state_dict().items())
+
+
+def test_fire_resumes_an_optimizer_whose_state_is_0d():
+    """The optimizer state of such a checkpoint is 0-d too: train.py gives it the parameter's shape, or the first
+    step after the resume would fail (AdamW: "output with shape [] doesn't match the broadcast shape [1]")."""
+    import train
+
+    model = make_model(pe="fire", n_layer=1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    idx, doc_ids = batch()
+    model(idx, targets=idx)[1].backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    for state in saved["state"].values():
+        state.update({k: v.reshape(()) for k, v in state.items() if k != "step" and v.numel() == 1})
+    resumed = torch.optim.AdamW(model.parameters())
+    resumed.load_state_dict(saved)
+    train.reshape_older_state(resumed)
+    resumed.step()
+    assert resumed.state[model.priors[0].log_c]["exp_avg"].shape == (1,)
+
+
 def test_fox_bias_is_the_sum_of_log_forget_gates_inside_the_document():
     """Bias of (i, j) = sum over l = j+1..i of log sigmoid(w_h . x_l + b_h), with i, j in one document."""
     torch.manual_seed(0)
     prior = make_model(pe="fox", n_layer=1).priors[0]
     idx, doc_ids = batch(B=2, T=30)
     x = torch.randn(2, 30, prior.gate.in_features)
-    c, = prior.token_features(x, positions_in_documents(doc_ids))
+    c, c_keys = prior.token_features(x, positions_in_documents(doc_ids))
+    assert torch.equal(c, c_keys) and c_keys.data_ptr() != c.data_ptr()  # a copy: score_mod indexes each once
     H = c.shape[1]
-    got = fox_bias(None, None, (c[..., :, None],), (c[..., None, :],))
+    got = fox_bias(None, None, (c[..., :, None], None), (None, c_keys[..., None, :]))
     log_f = torch.nn.functional.logsigmoid(x.double() @ prior.gate.weight.double().T + prior.gate.bias.double())
     for b in range(2):
         for i in range(30):
@@ -146,8 +217,8 @@ def test_fox_gates_of_a_document_do_not_depend_on_the_documents_before_it():
         prior.gate.bias.fill_(-8.0)
     x = torch.randn(1, 3040, prior.gate.in_features)
     doc_ids = torch.tensor([[0] * 1000 + [1] * 2000 + [2] * 40])
-    packed, = prior.token_features(x, positions_in_documents(doc_ids))
-    alone, = prior.token_features(x[:, -40:], torch.arange(40)[None])
+    packed, _ = prior.token_features(x, positions_in_documents(doc_ids))
+    alone, _ = prior.token_features(x[:, -40:], torch.arange(40)[None])
     torch.testing.assert_close(packed[..., -40:], alone, rtol=1e-6, atol=1e-5)
 
 
@@ -216,6 +287,7 @@ def test_cached_decoding_equals_full_recomputation(pe, ssmax, window):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pe", RIVALS)
 def test_window_on_every_path(pe):
     """flex == sdpa == eager with a window cutting through documents; that the windowed eager path is the
@@ -258,6 +330,7 @@ def test_rival_configs_build_and_their_parameters_train_in_the_prior_group():
         ModelConfig(pe="fire", fire_init_c=0.0)
 
 
+@pytest.mark.slow
 def test_eval_priors_shows_each_rivals_curves_and_foxs_gates(tmp_path):
     """T5, FIRE: the bias against distance per head (from the prior's own function); FoX: no curve, but the
     quantiles of every head's gates and its memory on validation text, and their plot."""
@@ -308,6 +381,7 @@ def test_every_encoding_names_the_family_the_report_groups_it_by():
     assert [name for name, enc in ENCODINGS.items() if not getattr(enc, "DISTANCE_ONLY", True)] == ["fire", "fox"]
 
 
+@pytest.mark.slow
 def test_fox_ssmax_on_flex_compiles_for_a_sweep_of_batch_and_length_on_cpu():
     """An evaluation sweep calls flex at shapes that change batch and length together (passkey: 4 prompts of
     1,024 tokens, then 2 of 2,048). torch 2.13's C++ flex template failed to compile FoX + SSMax's second

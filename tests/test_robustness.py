@@ -17,7 +17,9 @@ import torch
 
 import train
 from bam import checkpoint, data, outputs, recovery
-from test_train import ROOT, newest, rows, small_config, synthetic  # noqa: F401 (synthetic is a fixture)
+from small_runs import ROOT, newest, rows, small_config
+
+pytestmark = pytest.mark.slow  # train.py in subprocesses and under torchrun, with real signals
 
 # Runs train.main after arranging for this process to receive real signals at given steps: SIGNALS maps
 # a step to the signals sent right after that step's metrics row is made, between two steps, as a

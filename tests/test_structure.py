@@ -3,13 +3,17 @@ importing only modules on its own floor or below (docs/INTERFACES.md, "Layout"),
 module imports our own modules at its top, never inside a function (that only hides a cycle), except for the
 few reasons in ALLOWED_LATE_IMPORTS; the root holds the commands and the model, the library lives in bam/;
 nothing edits sys.path at module level; the evaluators stay small, and no two modules of one eval/ folder have
-names that a reader could take for each other."""
+names that a reader could take for each other. The fast lane starts no process and compiles nothing: read from
+the test files, and seen from tests/conftest.py's guard (the one test here that imports what it checks)."""
 
 import ast
 import os
 import re
+import subprocess
 
 import pytest
+
+import model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -228,3 +232,121 @@ def test_the_checker_sees_a_late_import_and_a_floor_above(tmp_path, monkeypatch)
     assert imports("bam.tokenizer") == [("bam.data", 2, False)]
     assert imports("bam.data") == [("bam.tokenizer", 1, True)]
     assert floor_of("bam.data") > floor_of("bam.tokenizer")
+
+
+# The fast lane (`python -m pytest -m "not slow"`, pytest.ini's `slow` marker): a test that starts a process or
+# a process group, or compiles, is marked slow. Read from the test files: what a test's body, the module-level
+# helpers and fixtures it uses (and theirs, and the shared helpers of tests/) touch. tests/conftest.py also
+# fails such a test when it runs unmarked (the flex path and compiles made inside the library included).
+# The guard's own test starts nothing: the guard refuses it.
+FAST_LANE_EXCEPTIONS = {
+    ("test_structure.py", "test_the_fast_lane_refuses_a_process_and_the_flex_path_to_an_unmarked_test")}
+SLOW_WORK = {"subprocess": "a subprocess", "init_process_group": "a process group", "_dynamo": "dynamo",
+             "compile": "torch.compile"}
+
+
+def slow_work_in(node):
+    """The slow work `node`'s own code names: subprocess.*, init_process_group, torch._dynamo, a call of
+    .compile() (re.compile's excepted)."""
+    found = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id in ("subprocess", "init_process_group"):
+            found.add(SLOW_WORK[sub.id])
+        elif isinstance(sub, ast.Attribute) and sub.attr in ("init_process_group", "_dynamo"):
+            found.add(SLOW_WORK[sub.attr])
+        elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "compile" \
+                and not (isinstance(sub.func.value, ast.Name) and sub.func.value.id == "re"):
+            found.add(SLOW_WORK["compile"])
+    return found
+
+
+def names_used(node):
+    """The names a function reads, and the fixtures it asks for by its arguments."""
+    used = {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name)}
+    return used | {arg.arg for arg in node.args.args} if isinstance(node, ast.FunctionDef) else used
+
+
+def marked_slow(decorators):
+    """A `slow` mark anywhere in the decorators, a parametrize's pytest.param(..., marks=...) included: a test
+    with some parameters marked counts as marked (conftest's guard still fails an unmarked parameter)."""
+    return any(isinstance(sub, ast.Attribute) and sub.attr == "slow" for d in decorators for sub in ast.walk(d))
+
+
+def functions_of(tree):
+    """{name: FunctionDef} of a module's top level and of its classes' methods."""
+    found = {}
+    for node in tree.body:
+        for fn in ([node] if isinstance(node, ast.FunctionDef) else
+                   [n for n in node.body if isinstance(n, ast.FunctionDef)] if isinstance(node, ast.ClassDef) else []):
+            found.setdefault(fn.name, fn)
+    return found
+
+
+def slow_functions(trees):
+    """{name: what slow work} of every function in `trees` that does slow work itself or through another one
+    of them (by name: the test files' helpers, fixtures and the shared modules of tests/ read as one scope)."""
+    functions = {name: fn for tree in trees for name, fn in functions_of(tree).items()}
+    work = {name: slow_work_in(fn) for name, fn in functions.items()}
+    calls = {name: names_used(fn) & functions.keys() - {name} for name, fn in functions.items()}
+    changed = True
+    while changed:
+        changed = False
+        for name in functions:
+            reached = set().union(*(work[other] for other in calls[name])) - work[name]
+            if reached:
+                work[name] |= reached
+                changed = True
+    return {name: sorted(found) for name, found in work.items() if found}
+
+
+def unmarked_slow_tests(folder):
+    """{file: {test: slow work}} of the tests that do slow work without the `slow` marker."""
+    trees = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                trees[name] = ast.parse(f.read(), name)
+    shared = [tree for name, tree in trees.items() if not name.startswith("test_")]
+    found = {}
+    for name, tree in trees.items():
+        if not name.startswith("test_") or any(
+                isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+                and marked_slow([node.value]) for node in tree.body):
+            continue
+        slow = slow_functions([tree, *shared])
+        classes = {fn: cls for cls in tree.body if isinstance(cls, ast.ClassDef) for fn in functions_of(cls)}
+        tests = {test: slow[test] for test, fn in functions_of(tree).items() if test.startswith("test_")
+                 and test in slow and not marked_slow(fn.decorator_list) and (name, test) not in FAST_LANE_EXCEPTIONS
+                 and not (test in classes and marked_slow(classes[test].decorator_list))}
+        if tests:
+            found[name] = tests
+    return found
+
+
+def test_the_fast_lane_starts_no_process_and_compiles_nothing():
+    assert unmarked_slow_tests(os.path.join(ROOT, "tests")) == {}
+
+
+def test_the_fast_lane_scan_sees_a_process_a_compile_and_a_mark(tmp_path):
+    """The reader itself: a planted test that starts a process through a helper, one that compiles through a
+    fixture, are found; marked (one by its decorator, a file by pytestmark) they are not."""
+    (tmp_path / "helpers.py").write_text("import subprocess\n\ndef launch():\n    subprocess.run(['true'])\n")
+    body = ("import pytest, re, torch\nfrom helpers import launch\n\n{mark}def test_a():\n    launch()\n\n"
+            "@pytest.fixture\ndef compiled():\n    return torch.compile(lambda x: x)\n\n"
+            "def test_b(compiled):\n    pass\n\ndef test_c():\n    re.compile('x')\n")
+    (tmp_path / "test_planted.py").write_text(body.format(mark=""))
+    assert unmarked_slow_tests(tmp_path) == {"test_planted.py": {"test_a": ["a subprocess"],
+                                                                  "test_b": ["torch.compile"]}}
+    (tmp_path / "test_planted.py").write_text(body.format(mark="@pytest.mark.slow\n"))
+    assert unmarked_slow_tests(tmp_path) == {"test_planted.py": {"test_b": ["torch.compile"]}}
+    (tmp_path / "test_planted.py").write_text("import pytest\npytestmark = pytest.mark.slow\n" + body.format(mark=""))
+    assert unmarked_slow_tests(tmp_path) == {}
+
+
+def test_the_fast_lane_refuses_a_process_and_the_flex_path_to_an_unmarked_test():
+    """tests/conftest.py's guard, seen from an unmarked test: starting a process and running the flex path
+    (whose kernels are compiled) fail with the advice to mark the test; neither is started."""
+    with pytest.raises(Exception, match="starts a subprocess: mark it @pytest.mark.slow"):
+        subprocess.run(["true"])
+    with pytest.raises(Exception, match="runs the flex path.*: mark it @pytest.mark.slow"):
+        model.ATTENTION["flex"]()

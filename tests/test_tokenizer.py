@@ -24,6 +24,8 @@ from bam.config import load_config
 from bam.tokenizer import GPT2_IDENTITY, TokenizerError, load_run_tokenizer, load_tokenizer
 from local_tokenizers import bpe_folder
 
+pytestmark = pytest.mark.slow  # tokenizers trained here, then runs that train, evaluate and export with them
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["The pass key is 48213. Remember it.", "Naïve café in Zürich; 東京 🙂 <|endoftext|> </s> <s> done.",
          "  leading spaces\n\nand paragraphs\tand tabs  ", "x"]

@@ -9,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,64 +22,9 @@ from bam.cli import UserError
 from bam.config import load_config, to_dict
 from bam.tokenizer import GPT2_IDENTITY, load_tokenizer
 from model import ModelConfig, Transformer
+from small_runs import ACCUM, ROOT, newest, relative_difference, rows, small_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ACCUM = 2  # micro-batches per step in one process (tokens_per_step = 2 x batch 2 x 32)
-
-
-@pytest.fixture(scope="module")
-def synthetic(tmp_path_factory):
-    """Random tokens with an EOT every ~40: enough to test mechanics, nothing to learn."""
-    path = tmp_path_factory.mktemp("synthetic")
-    rng = np.random.default_rng(0)
-    for name, n in (("syn_val_000000.bin", 4_000), ("syn_train_000001.bin", 3_000), ("syn_train_000002.bin", 20_000)):
-        tokens = rng.integers(0, 2_000, n)
-        tokens[rng.random(n) < 1 / 40] = data.EOT
-        data.write_shard(str(path / name), tokens)
-    return str(path)
-
-
-def small_config(tmp_path, data_dir, extra=""):
-    """A 2-layer BAM + SSMax model small enough that a step takes a few ms."""
-    path = tmp_path / "small.toml"
-    path.write_text(textwrap.dedent(f"""\
-        [model]
-        n_layer = 2
-        n_embd = 32
-        n_head = 4
-        block_size = 32
-        ssmax = true
-        [data]
-        data_dir = "{data_dir}"
-        batch_size = 2
-        [train]
-        tokens_per_step = {ACCUM * 2 * 32}
-        max_steps = 6
-        prior_lr = 2e-3
-        warmup_steps = 2
-        val_every = 3
-        val_tokens = 256
-        ckpt_every = 1
-        keep_last = 2
-        compile = false
-        dtype = "float32"
-        [log]
-        log_every = 1
-        """) + extra)
-    return str(path)
-
-
-def rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def newest(run_dir):
-    return torch.load(sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*.pt")))[-1], weights_only=True)
-
-
-def relative_difference(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+pytestmark = pytest.mark.slow  # python train.py and torchrun launches, and whole training runs
 
 
 def test_lr_schedule():
