@@ -1,21 +1,23 @@
 """
 A Llama-style decoder with pluggable positional encodings, read top to bottom:
 
-    config -> positional encodings (NoPE, RoPE, sinusoidal; the priors ALiBi, BAM, KERPLE, T5, FIRE, FoX) and their
-    registry ENCODINGS -> attention: its scores and its mask, then flex / sdpa / eager -> blocks
-    -> Transformer.forward (in-document positions, embeddings, attention context, blocks, logits)
-    -> conveniences (optimizer groups, generation) -> the flex runtime (masks, compiled kernels, caches)
+    the config (ModelConfig) -> the model, top-down: Transformer (forward, generation, optimizer
+    groups) -> Block -> Attention -> SwiGLU -> KVCache -> the positional encodings (NoPE, RoPE,
+    sinusoidal; the priors ALiBi, BAM, KERPLE, T5, FIRE, FoX) and their registry ENCODINGS -> the
+    attention paths (eager, sdpa, tabled priors, flex) -> validation -> the flex runtime (masks,
+    compiled kernels, caches)
 
-Every additive positional encoding is a *log-prior over position* (docs/paper.md §1): a bias added to the
-attention logit of head h, query position i and key position j; for most, g_h(i - j), a function of the
-distance alone (ALiBi, BAM, KERPLE, T5), for some also of the query's position (FIRE) or of per-token
-values each layer computes from its input (FoX's forget gates; docs/INTERFACES.md "Additive priors"). That
-bias is written once, as a plain torch expression on broadcastable tensors (`positional_scores`), and so is
-the mask, causal, within the window and within the document (`visible`); the same two expressions
-serve FlexAttention (score_mod, mask_mod and BlockMask), the dense bias of the `sdpa` path and the
-materialised `eager` reference, so the three cannot drift apart. On flex a prior that depends on the head
-and i - j only is by default evaluated from that expression once per distance into a per-head table, from
-which the kernel gathers (`distance_table`, ModelConfig.flex_prior).
+Every additive positional encoding is a *log-prior over position* (docs/paper.md §1): a bias added
+to the attention logit of head h, query position i and key position j; for most, g_h(i - j), a
+function of the distance alone (ALiBi, BAM, KERPLE, T5), for some also of the query's position
+(FIRE) or of per-token values each layer computes from its input (FoX's forget gates;
+docs/INTERFACES.md "Additive priors"). That bias is written once, as a plain torch expression on
+broadcastable tensors (`positional_scores`), and so is the mask, causal, within the window and
+within the document (`visible`); the same two expressions serve FlexAttention (score_mod, mask_mod
+and BlockMask), the dense bias of the `sdpa` path and the materialised `eager` reference, so the
+three cannot drift apart. On flex a prior that depends on the head and i - j only is by default
+evaluated from that expression once per distance into a per-head table, from which the kernel
+gathers (`distance_table`, ModelConfig.flex_prior).
 """
 
 import functools
@@ -32,8 +34,10 @@ FLEX_PRIORS = ("table", "formula")
 BAM_INITS = ("alibi", "uniform", "constant", "sampled", "linear")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
 
-# The paper's model sizes (docs/paper.md §4), named by their parameter count with the paper's 32,768-token
-# vocabulary; with GPT-2's 50,257 tokens the counts are higher (`Transformer.num_params` says by how much).
+
+# The paper's model sizes (docs/paper.md §4), named by their parameter count with the paper's
+# 32,768-token vocabulary; with GPT-2's 50,257 tokens the counts are higher
+# (`Transformer.num_params` says by how much).
 PRESETS = {
     "49m": dict(n_embd=512, n_layer=6, n_head=16),
     "98m": dict(n_embd=768, n_layer=8, n_head=16),
@@ -41,7 +45,8 @@ PRESETS = {
     "275m": dict(n_embd=1152, n_layer=15, n_head=24),
     "525m": dict(n_embd=1536, n_layer=18, n_head=32),
     "1.1b": dict(n_embd=2048, n_layer=24, n_head=64),
-    # Beyond the paper, Llama's shapes (configs/paper/sizes, docs/training.md "Past one GPU's memory")
+    # Beyond the paper, Llama's shapes (configs/paper/sizes;
+    # docs/training.md "Past one GPU's memory")
     "3b": dict(n_embd=3072, n_layer=28, n_head=24, n_kv_head=8, mlp_hidden=8192),  # Llama 3.2 3B
     "7b": dict(n_embd=4096, n_layer=32, n_head=32, mlp_hidden=11008),  # Llama 2 7B
 }
@@ -54,41 +59,48 @@ class ModelConfig:
     n_head: int = 16
     n_kv_head: int = 0  # grouped-query attention; 0 means n_head (plain multi-head attention)
     n_embd: int = 768
-    # The width of each attention head; 0 means n_embd / n_head. Some imported models (import_hf.py) have
-    # n_head x head width != n_embd; q, k, v and the output projection then map n_embd <-> n_head x it.
+    # The width of each attention head; 0 means n_embd / n_head. Some imported models (import_hf.py)
+    # have n_head x head width != n_embd; q, k, v and the output projection then map
+    # n_embd <-> n_head x it.
     attn_head_dim: int = 0
-    qkv_bias: bool = False  # a bias on the q, k and v projections (Qwen2), none on the output projection
-    tie_embeddings: bool = False  # the LM head is the token embedding matrix (SmolLM, Llama 3.2 1B/3B, Qwen2)
+    qkv_bias: bool = False  # a bias on the q, k and v projections (Qwen2), none on the output one
+    # the LM head is the token embedding matrix (SmolLM, Llama 3.2 1B/3B, Qwen2)
+    tie_embeddings: bool = False
     mlp_hidden: int = 0  # SwiGLU hidden width; 0 means 2 * n_embd as in the paper
     block_size: int = 512  # training context; nothing at inference depends on it
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    pe: str = "bam"  # a name in ENCODINGS: nope | rope | sinusoidal | alibi | bam | kerple_log | kerple_power | t5 | fire | fox
+    # a name in ENCODINGS: nope | rope | sinusoidal | alibi | bam | kerple_log | kerple_power |
+    # t5 | fire | fox
+    pe: str = "bam"
     rope_theta: float = 500_000.0  # the paper's RoPE baseline
     # RoPE context extension, applied at evaluation (docs/evaluation.md): none | linear (position
-    # interpolation) | ntk | dynamic_ntk | yarn | llama3 (Llama 3.1's, part of the imported models that have it),
-    # with the scale s = rope_factor
+    # interpolation) | ntk | dynamic_ntk | yarn | llama3 (Llama 3.1's, part of the imported models
+    # that have it), with the scale s = rope_factor
     rope_scaling: str = "none"
     rope_factor: float = 1.0
     rope_original_context: int = 0  # the context the RoPE model was trained at; 0 means block_size
-    yarn_beta_fast: float = 32.0  # YaRN's ramp bounds, in rotations per original context (Peng et al. 2023)
+    # YaRN's ramp bounds, in rotations per original context (Peng et al. 2023)
+    yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
-    # Llama 3.1's ramp bounds, in rotations per original context: pairs turning fewer than low times are
-    # divided by s, those turning more than high times kept, linear in the turn count between (Meta's 1 and 4)
+    # Llama 3.1's ramp bounds, in rotations per original context: pairs turning fewer than low times
+    # are divided by s, those turning more than high times kept, linear in the turn count in
+    # between (Meta's 1 and 4)
     llama3_low_freq_factor: float = 1.0
     llama3_high_freq_factor: float = 4.0
     sinusoidal_base: float = 10_000.0  # the sinusoidal encoding's theta (Vaswani et al. 2017)
     # Sliding-window attention: query i sees key j only if 0 <= i - j < attn_window (and the same
-    # document); 0 is off. RoPE-local (docs/paper.md §4) is pe = "rope" with attn_window = block_size.
+    # document); 0 is off. RoPE-local (docs/paper.md §4) is pe = "rope", attn_window = block_size.
     attn_window: int = 0
     ssmax: bool = False  # Scalable-Softmax (Nakanishi 2025), docs/paper.md §3
     attn_impl: str = "auto"  # auto | flex | sdpa | eager
-    # How the flex kernel reads a distance-only prior and SSMax's factor: "table" gathers them from per-head
-    # tables built once per forward in plain torch (distance_table), "formula" evaluates them per score
-    # inside the kernel; the same numbers either way (docs/benchmarks.md, "Prior tables on flex").
+    # How the flex kernel reads a distance-only prior and SSMax's factor: "table" gathers them from
+    # per-head tables built once per forward in plain torch (distance_table), "formula" evaluates
+    # them per score inside the kernel; the same numbers either way (docs/benchmarks.md,
+    # "Prior tables on flex").
     flex_prior: str = "table"
-    # BAM's Generalized-Gaussian prior (docs/paper.md §2). The official code and the paper's runs start
-    # from `alibi` (shape 1, scale = ALiBi slopes), so BAM begins training exactly as ALiBi.
+    # BAM's Generalized-Gaussian prior (docs/paper.md §2). The official code and the paper's runs
+    # start from `alibi` (shape 1, scale = ALiBi slopes), so BAM begins training exactly as ALiBi.
     bam_per_layer: bool = True  # one prior per layer (the paper's 2 x heads x layers parameters)
     bam_init: str = "alibi"  # alibi | uniform | constant | sampled | linear
     bam_init_shape: float = 1.0  # used by bam_init = "constant"
@@ -96,8 +108,8 @@ class ModelConfig:
     bam_train_shape: bool = True
     bam_train_scale: bool = True
     bam_train_loc: bool = False  # the paper keeps the location at 0
-    # T5's relative bias (Raffel et al. 2020): causal buckets, exact below half of them, log-spaced up to
-    # the max distance, one bucket past it
+    # T5's relative bias (Raffel et al. 2020): causal buckets, exact below half of them, log-spaced
+    # up to the max distance, one bucket past it
     t5_num_buckets: int = 32
     t5_max_distance: int = 128
     # FIRE (Li et al. 2024): an MLP 1 -> fire_mlp_width -> heads on psi(i - j) / psi(max(L, i)),
@@ -105,52 +117,13 @@ class ModelConfig:
     fire_mlp_width: int = 32
     fire_init_c: float = 0.1
     fire_init_threshold: float = 512.0
-    # FoX (Lin et al. 2025): the forget gates' initial bias b, so f = sigmoid(b + w . x) starts near sigmoid(b);
-    # 0 (f ~ 1/2, a strong recency bias) is the reference code's, a large b starts the gates open (f ~ 1)
+    # FoX (Lin et al. 2025): the forget gates' initial bias b, so f = sigmoid(b + w . x) starts
+    # near sigmoid(b); 0 (f ~ 1/2, a strong recency bias) is the reference code's, a large b
+    # starts the gates open (f ~ 1)
     fox_gate_init_bias: float = 0.0
 
     def __post_init__(self):
-        def bad(msg):
-            raise ValueError(f"model config: {msg}")
-
-        check_ranges(self, MODEL_RANGES, bad)
-        if self.pe not in ENCODINGS:
-            bad(f"unknown pe {self.pe!r}; allowed: {', '.join(ENCODINGS)}")
-        if self.attn_impl not in ATTN_IMPLS:
-            bad(f"unknown attn_impl {self.attn_impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
-        if self.flex_prior not in FLEX_PRIORS:
-            bad(f"unknown flex_prior {self.flex_prior!r}; allowed: {', '.join(FLEX_PRIORS)}")
-        if self.bam_init not in BAM_INITS:
-            bad(f"unknown bam_init {self.bam_init!r}; allowed: {', '.join(BAM_INITS)}")
-        if self.n_embd % self.n_head and not self.attn_head_dim:
-            bad(f"n_head={self.n_head} must divide n_embd={self.n_embd} (or set attn_head_dim)")
-        even = ENCODINGS[self.pe].even_width
-        if even and getattr(self, even) % 2:
-            bad(f"{self.pe} needs an even {even}, got {even}={getattr(self, even)}")
-        if self.n_kv_head < 0 or (self.n_kv_head and self.n_head % self.n_kv_head):
-            bad(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (or be 0 for n_head)")
-        if self.t5_num_buckets % 2 or self.t5_max_distance <= self.t5_num_buckets // 2:
-            bad(f"T5 needs an even t5_num_buckets and t5_max_distance > t5_num_buckets / 2, got "
-                f"{self.t5_num_buckets} and {self.t5_max_distance}")
-        self._check_rope_scaling(bad)
-
-    def _check_rope_scaling(self, bad):
-        if self.rope_scaling not in ROPE_SCALINGS:
-            bad(f"unknown rope_scaling {self.rope_scaling!r}; allowed: {', '.join(ROPE_SCALINGS)}")
-        if not 0 < self.yarn_beta_slow < self.yarn_beta_fast:
-            bad(f"YaRN needs 0 < yarn_beta_slow < yarn_beta_fast, got {self.yarn_beta_slow} and "
-                f"{self.yarn_beta_fast}")
-        if self.rope_scaling == "none" and self.rope_factor != 1.0:
-            bad(f"rope_factor={self.rope_factor} has no effect with rope_scaling='none'; choose one of "
-                f"{', '.join(ROPE_SCALINGS[1:])}")
-        if self.rope_scaling != "none" and ENCODINGS[self.pe].rotation is None:
-            bad(f"rope_scaling needs a rotary encoding (pe = 'rope'), got pe={self.pe!r}")
-        if not self.llama3_low_freq_factor < self.llama3_high_freq_factor:
-            bad(f"llama3 scaling needs llama3_low_freq_factor < llama3_high_freq_factor, got "
-                f"{self.llama3_low_freq_factor} and {self.llama3_high_freq_factor}")
-        if self.rope_scaling in ("ntk", "dynamic_ntk") and self.head_dim <= 2:
-            bad(f"rope_scaling={self.rope_scaling!r} needs head_dim > 2 (its exponent is d / (d - 2)), "
-                f"got {self.head_dim}")
+        check_model_config(self)  # in "Validation" below
 
     @property
     def head_dim(self):
@@ -171,10 +144,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values, strict=False, **overrides):
-        """The config a saved dict describes (a checkpoint's model_config, an export's bam_model), validated.
-        A key this model.py does not know is dropped (lenient: the fields a newer model.py added) or, with
-        `strict`, refused: a KeyError naming the keys, where dropping them would change the model silently.
-        `overrides` replace saved fields that do not touch the weights (e.g. attn_impl)."""
+        """The config a saved dict describes (a checkpoint's model_config, an export's bam_model),
+        validated. A key this model.py does not know is dropped (lenient: the fields a newer
+        model.py added) or, with `strict`, refused: a KeyError naming the keys, where dropping them
+        would change the model silently. `overrides` replace saved fields that do not touch the
+        weights (e.g. attn_impl)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values or {}) - known)
         if strict and unknown:
@@ -188,59 +162,476 @@ class ModelConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
-# What every numeric ModelConfig field may be (bam/ranges.py's notation; always finite as well). A new numeric
-# field needs its line here: tests/test_ranges.py fails for one without. Bases below 2 would make RoPE's
-# and the sinusoids' frequencies grow with the pair index (or all equal 1) instead of spreading them out.
-# A range refuses nonsense (a width below 1, a negative count), never a value the method admits: "" is any
-# finite number. BAM's shape is one: b <= 0 is the paper's retrieval head and b = 0 NoPE (docs/paper.md §2),
-# and the paper puts no clamp on b.
-MODEL_RANGES = {
-    "vocab_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_kv_head": ">= 0", "n_embd": ">= 1",
-    "mlp_hidden": ">= 0", "block_size": ">= 1", "norm_eps": "> 0, < 1", "init_std": "> 0, <= 10",
-    "rope_theta": ">= 2", "rope_factor": ">= 1", "rope_original_context": ">= 0", "yarn_beta_fast": "> 0",
-    "yarn_beta_slow": "> 0", "sinusoidal_base": ">= 2", "attn_window": ">= 0", "bam_init_shape": "",
-    "bam_init_log_scale": ">= -30, <= 30", "t5_num_buckets": ">= 2", "t5_max_distance": ">= 2",
-    "fire_mlp_width": ">= 1", "fire_init_c": "> 0", "fire_init_threshold": "> 0", "attn_head_dim": ">= 0",
-    "llama3_low_freq_factor": "> 0", "llama3_high_freq_factor": "> 0",
-    "fox_gate_init_bias": ">= -30, <= 30",  # past +-30 a gate is shut (log f < -30 a token) or open to 1e-13
-}
-_LIMIT = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
+# --------------------------------------------------------------------------------------------------
+# The model, top-down: Transformer.forward -> Block -> Attention (and SwiGLU), then the KV cache
+# of generation. What an encoding and an attention path are comes after, in their own parts.
 
 
-def check_ranges(obj, table, bad):
-    """bad("NAME = VALUE: allowed: ...") for a field of `obj` that is not a finite number within its range
-    in `table` ("> 0", ">= 0, <= 1"). ranges.check does the same for the other configs and the command
-    lines; this copy keeps model.py free of the repository's other modules (it is exported alone)."""
-    for name, spec in table.items():
-        value, kind = getattr(obj, name), type(getattr(type(obj), name, 0.0))
-        integer = kind is int
-        ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
-        ok = ok and math.isfinite(value)
-        for part in spec.split(",") if spec else ():  # "": any finite number
-            op, _, limit = part.strip().partition(" ")
-            ok = ok and _LIMIT[op](float(value), float(limit))
-        if not ok:
-            bad(f"{name} = {value!r}: allowed: {'an integer' if integer else 'a finite number'} {spec}".rstrip())
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied, as in the paper
+        self.encoding = ENCODINGS[cfg.pe]
+        # empty unless the encoding is a prior: one module per layer, or one that every layer shares
+        self.priors = nn.ModuleList(self.encoding(cfg) for _ in range(self.encoding.copies(cfg)))
+        self.apply(self._init_weights)
+        # one matrix, the embedding's (its init); the state dict names it under both keys
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        # GPT-2 / nanoGPT: shrink the residual-stream writes with depth so activations stay O(1)
+        for name, p in self.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+        self.build_flex_kernels()
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+        # qkv_bias starts at 0; a prior's own biases (FoX's gates) keep their init
+        if isinstance(module, Attention):
+            for projection in (module.wq, module.wk, module.wv):
+                if projection.bias is not None:
+                    nn.init.zeros_(projection.bias)
+
+    # -- forward, in the order data flows ----------------------------------------------------------
+
+    def forward(self, idx, targets=None, doc_ids=None, last_k=None, kv_cache=None, start_pos=0,
+                sparse_targets=False):
+        """idx (B, T) tokens -> (logits, loss). With `last_k`, logits (and loss) only for
+        the last k positions: long-context evaluation never builds a T x vocab tensor.
+        `doc_ids` (B, T) restricts attention to earlier tokens of the same document. Targets
+        of -1 are ignored by the loss; with `sparse_targets` (most of them -1) the output
+        layer runs only at the N other positions and the logits are (N, vocab): the same
+        loss for a fraction of the output layer's cost."""
+        B, T = idx.shape
+        if doc_ids is not None:
+            self._check_doc_ids(doc_ids, (B, T), start_pos)
+        # Each token's position inside its document: RoPE and the priors only see differences, which
+        # are the same either way; the sinusoidal encoding and SSMax's key count need the
+        # in-document position.
+        pos_in_doc = (torch.arange(start_pos, start_pos + T, device=idx.device)[None]
+                      if doc_ids is None else positions_in_documents(doc_ids))
+        x = self._embed(idx, pos_in_doc)
+        ctx = self._attention_context(start_pos, T, pos_in_doc, doc_ids, kv_cache)
+        # Each layer's table is picked here, outside the Block that FSDP compiles, so that one Block
+        # graph serves every layer
+        tables = None
+        if ctx.flex_tables:
+            tables = self._flex_prior_tables(ctx.mask.seq_lengths[0], idx.device)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, ctx, self._prior_of_layer(layer), layer, kv_cache,
+                      prior_table=None if tables is None else tables[layer])
+        return self._logits_and_loss(x, targets, last_k, sparse_targets)
+
+    def _check_doc_ids(self, doc_ids, shape, start_pos):
+        if start_pos:
+            raise ValueError("doc_ids cannot be combined with a KV cache")
+        if doc_ids.shape != shape:
+            raise ValueError(f"doc_ids must have the shape of idx, {shape}, "
+                             f"got {tuple(doc_ids.shape)}")
+        # The order check reads the tensor back (a device sync, and a graph break under
+        # torch.compile), so it runs only where that is free: eager calls on CPU tensors.
+        # ShardLoader's ids are ordered by construction (a cumulative count of EOTs); a GPU caller
+        # is trusted as the compiled one is.
+        if doc_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+            check_doc_ids(doc_ids)
+
+    def _embed(self, idx, pos_in_doc):
+        x = self.tok_emb(idx)
+        if self.encoding.embedding is not None:
+            x = x + self.encoding.embedding(pos_in_doc, self.config).to(x.dtype)
+        return x
+
+    def _attention_context(self, start_pos, T, pos_in_doc, doc_ids, kv_cache):
+        """What every layer's attention needs about this forward's positions: built once, shared."""
+        cfg, device = self.config, pos_in_doc.device
+        q_pos = torch.arange(start_pos, start_pos + T, device=device)
+        first_key = kv_cache.first_key(start_pos) if kv_cache is not None else 0
+        k_pos = torch.arange(first_key, start_pos + T, device=device)
+        impl = self.attention_impl(T, len(k_pos), doc_ids is not None)
+        log_n = ssmax_log_n(pos_in_doc, cfg.attn_window) if cfg.ssmax else None
+        rotation = self.encoding.rotation
+        rope = rotation(q_pos, cfg, length=start_pos + T) if rotation is not None else None
+        mask = self._mask(impl, q_pos, k_pos, doc_ids)
+        flex_tables = impl == "flex" and cfg.flex_prior == "table"
+        return AttnContext(impl, q_pos, k_pos, mask, log_n, rope, pos_in_doc, flex_tables)
+
+    def _flex_prior_tables(self, length, device):
+        """Per layer, the distance_table of its prior over the kernel's `length` tokens, built once
+        per prior module (once for all layers where the prior is shared), or None where the prior
+        is not distance-only."""
+        n_head, n_layer = self.config.n_head, self.config.n_layer
+        built = [distance_table((p.bias_fn, p.tensors()), n_head, length, device) if p.DISTANCE_ONLY
+                 else None for p in self.priors]
+        return tuple(built[layer if len(built) > 1 else 0] if built else None
+                     for layer in range(n_layer))
+
+    def build_flex_kernels(self):
+        """Every flex kernel a forward of this model can ask for (flex_kernel), on a CPU or a GPU,
+        with either flex_prior: made before any trace, so that a compiled forward only reads them.
+        Making one costs nothing (it compiles at its first call)."""
+        use_ssmax = self.config.ssmax
+        for prior in self.priors or [None]:
+            bias_fn = None if prior is None else prior.bias_fn
+            has_features = prior is not None and not prior.DISTANCE_ONLY
+            for cpu in (False, True):
+                if not has_features:  # read from its table (table_bias), or SSMax's table alone
+                    tabled = None if prior is None else table_bias
+                    flex_kernel(flex_variant(tabled, use_ssmax, False, True, cpu))
+                flex_kernel(flex_variant(bias_fn, use_ssmax, has_features, False, cpu))
+
+    def _plain_causal(self, T_q, T_k, has_docs):
+        """Nothing positional in attention but causality, which sdpa's flash kernel does alone."""
+        cfg = self.config
+        positional = len(self.priors) > 0 or cfg.ssmax or has_docs or cfg.attn_window > 0
+        return T_q == T_k and not positional
+
+    def attention_impl(self, T_q, T_k, has_docs):
+        """Which attention implementation a forward over T_q queries and T_k keys will use."""
+        cfg = self.config
+        impl = cfg.attn_impl
+        if T_q != T_k:  # decoding with a KV cache: a few queries, all keys; flex needs Tq == Tk
+            return "eager" if impl == "eager" else "sdpa"
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        on_cuda = self.lm_head.weight.is_cuda
+        if impl == "flex" and training and not on_cuda:
+            raise ValueError("attn_impl='flex' has no backward pass on CPU (torch 2.13): train on "
+                             "CPU with 'sdpa', 'eager' or 'auto', or run inference under "
+                             "torch.no_grad()")
+        if impl != "auto":
+            return impl
+        if self._plain_causal(T_q, T_k, has_docs):
+            return "sdpa"  # flash attention with is_causal
+        if on_cuda:
+            return "flex"
+        # FlexAttention has no backward on CPU (torch 2.13), and below a few thousand
+        # tokens the dense bias costs less than flex's compile; past that the dense bias
+        # grows as T^2 and flex wins.
+        return "sdpa" if training or T_q <= 2048 else "flex"
+
+    def _mask(self, impl, q_pos, k_pos, doc_ids):
+        """`visible` in the form `impl` takes (AttnContext.mask)."""
+        window = self.config.attn_window
+        if impl == "flex":
+            return make_block_mask(doc_ids, len(q_pos), q_pos.device, window)
+        if impl == "sdpa" and self._plain_causal(len(q_pos), len(k_pos), doc_ids is not None):
+            return None
+        return dense_mask(q_pos, k_pos, window, doc_ids)
+
+    def _prior_of_layer(self, layer):
+        if len(self.priors) == 0:
+            return None
+        return self.priors[layer if len(self.priors) > 1 else 0]
+
+    def _logits_and_loss(self, x, targets, last_k, sparse_targets):
+        if last_k is not None:
+            x = x[:, -last_k:]
+        if sparse_targets:
+            if targets is None:
+                raise ValueError("sparse_targets needs targets: it computes logits only where they "
+                                 "are not -1")
+            if last_k is not None and targets.shape[1] != x.shape[1]:
+                targets = targets[:, -last_k:]
+            keep = targets != -1
+            x, targets = x[keep], targets[keep]  # (N, C), (N,)
+            logits = self.lm_head(self.norm(x))
+            # No target in the batch: a zero loss that still reaches every parameter (not a NaN).
+            loss = (F.cross_entropy(logits.float(), targets) if len(targets)
+                    else logits.sum() * 0 + x.sum() * 0)
+            return logits, loss
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if targets is not None:
+            if last_k is not None and targets.shape[1] != logits.shape[1]:
+                targets = targets[:, -last_k:]
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Sample continuations of idx (B, T) with a KV cache; temperature 0 is greedy decoding."""
+        B, T = idx.shape
+        dtype = self.lm_head.weight.dtype
+        cache = KVCache(self.config, B, T + max_new_tokens, idx.device, dtype)
+        logits, _ = self(idx, last_k=1, kv_cache=cache)
+        out = [idx]
+        for step in range(max_new_tokens):
+            logits = logits[:, -1].float()
+            if temperature == 0:
+                next_tok = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_tok = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+            out.append(next_tok)
+            if step + 1 < max_new_tokens:
+                logits, _ = self(next_tok, kv_cache=cache, start_pos=T + step)
+        return torch.cat(out, dim=1)
+
+    # -- conveniences ------------------------------------------------------------------------------
+
+    def prior_parameters(self):
+        """BAM's prior and SSMax's scales: an optimizer group of their own (docs/paper.md §4)."""
+        params = [p for prior in self.priors for p in prior.parameters()]
+        params += [b.attn.ssmax_scale for b in self.blocks if b.attn.ssmax_scale is not None]
+        return params
+
+    def optim_groups(self, weight_decay, decay_embeddings=True):
+        """Weight decay on matrices only (docs/paper.md §4); none on norms, prior or SSMax."""
+        prior_ids = {id(p) for p in self.prior_parameters()}
+        embeddings = {id(self.tok_emb.weight)}
+        decay, no_decay, prior = [], [], []
+        for p in self.parameters():
+            if not p.requires_grad:
+                continue
+            if id(p) in prior_ids:
+                prior.append(p)
+            elif p.dim() >= 2 and (decay_embeddings or id(p) not in embeddings):
+                decay.append(p)
+            else:
+                no_decay.append(p)
+        groups = [dict(name="decay", params=decay, weight_decay=weight_decay),
+                  dict(name="no_decay", params=no_decay, weight_decay=0.0),
+                  dict(name="prior", params=prior, weight_decay=0.0)]
+        return [g for g in groups if g["params"]]
+
+    def prior_summary(self):
+        """Every head's positional parameters, per layer: {name: [[head values] per layer]}."""
+        summary = {}
+        for prior in self.priors:
+            for name, values in prior.head_parameters().items():
+                summary.setdefault(f"{prior.METRICS_PREFIX}_{name}", []).append(values)
+        ssmax = [b.attn.ssmax_scale.tolist() for b in self.blocks if b.attn.ssmax_scale is not None]
+        if ssmax:
+            summary["ssmax_scale"] = ssmax
+        return summary
+
+    def num_params(self, non_embedding=False):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6 N for the matmuls (the
+        embedding lookup is not one) plus 12 L H hd T for attention scores and values."""
+        cfg = self.config
+        # a matmul, though its matrix is the embedding
+        head = self.lm_head.weight.numel() if cfg.tie_embeddings else 0
+        return (6 * (self.num_params(non_embedding=True) + head)
+                + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Positional encodings. Each one is a small class registered once in ENCODINGS (below); everything else
-# (the config's choices, the attention paths, the evaluators, benchmarks and tests) reads the registry.
-# An encoding plays at most these roles (docs/INTERFACES.md): rotate q and k (RoPE), add to the token embeddings
-# (sinusoidal), or add a prior to every attention logit (ALiBi, BAM, KERPLE, T5, FIRE, FoX).
+@dataclass
+class AttnContext:
+    """What every layer's attention needs to know about the positions of one forward pass."""
+
+    impl: str  # flex | sdpa | eager (after `auto` was resolved)
+    q_pos: torch.Tensor  # (Tq,) absolute positions of the queries
+    k_pos: torch.Tensor  # (Tk,) absolute positions of the keys
+    # Which keys each query sees, in the form its implementation takes: a BlockMask (flex), a dense
+    # (B or 1, 1, Tq, Tk) bool (eager, sdpa), or None where causality over the same positions is all
+    # there is (sdpa's flash kernel masks by itself: no T x T tensor)
+    mask: torch.Tensor | BlockMask | None
+    log_n: torch.Tensor | None  # (B or 1, Tq) log of how many keys each query sees (SSMax)
+    rope: tuple | None  # (cos, sin) of the queries' positions
+    pos_in_doc: torch.Tensor | None = None  # (B or 1, Tq) the queries' positions in their documents
+    # flex with flex_prior = "table": each layer's distance-only prior comes as its distance_table
+    # (the prior_table argument of Block and Attention, chosen per layer outside them) and SSMax is
+    # tabulated too. A flag, not the tables: a per-layer lookup inside a compiled Block would guard
+    # on the layer's index.
+    flex_tables: bool = False
+
+
+def positions_in_documents(doc_ids):
+    """(B, T) position of each token inside its document: 0 where its document starts."""
+    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
+
+
+def ssmax_log_n(pos_in_doc, window=0):
+    """log n_i for SSMax, n_i = the keys query i can see (docs/paper.md §3): the count of `visible`
+    keys, its in-document position + 1, capped by the window."""
+    n_keys = pos_in_doc + 1
+    return torch.log(n_keys.clamp(max=window).float() if window else n_keys.float())
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x, ctx, prior_module, layer, kv_cache=None, prior_table=None):
+        x = x + self.attn(self.attn_norm(x), ctx, prior_module, layer, kv_cache, prior_table)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.wq = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
+        # SSMax's s_h, per head and per layer, init 1 (docs/paper.md §3)
+        self.ssmax_scale = nn.Parameter(torch.ones(cfg.n_head)) if cfg.ssmax else None
+
+    def project(self, x, ctx: AttnContext):
+        """q, k, v of x, (B, heads, T, head_dim), as every attention implementation receives
+        them (q and k rotated for a rotary encoding); eval.attention scores its sampled
+        queries with the same ones."""
+        B, T, _ = x.shape
+        cfg = self.cfg
+        q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        if ctx.rope is not None:
+            q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+        return q, k, v
+
+    def forward(self, x, ctx: AttnContext, prior_module, layer, kv_cache=None, prior_table=None):
+        """`prior_table`: this layer's prior as its distance_table (ctx.flex_tables), or None."""
+        B, T, _ = x.shape
+        q, k, v = self.project(x, ctx)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, int(ctx.q_pos[0]), k, v)
+        if prior_table is not None:  # built once for this forward (Transformer._flex_prior_tables)
+            prior, features = (table_bias, (prior_table,)), None
+        else:
+            prior, features = layer_prior(prior_module, x, ctx, layer, kv_cache)
+        y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale, features)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def layer_prior(prior_module, x, ctx, layer, kv_cache=None):
+    """What one layer's attention takes from its prior module: (prior, features), `prior` =
+    (bias_fn, tensors) or None, `features` = (at the queries, at the keys), each the tuple of the
+    prior's token features (AdditivePrior.token_features) of x, or None for a prior of the distance
+    alone. With a KV cache, the keys' features are the cached ones followed by the new ones."""
+    if prior_module is None:
+        return None, None
+    prior = (prior_module.bias_fn, prior_module.tensors())
+    if prior_module.DISTANCE_ONLY:
+        return prior, None
+    if kv_cache is None:  # training and full forwards: no position read back from the device
+        new = prior_module.token_features(x, ctx.pos_in_doc, None)
+        return prior, (new, new)
+    start = int(ctx.q_pos[0])
+    new = prior_module.token_features(x, ctx.pos_in_doc, kv_cache.past_features(layer, start))
+    return prior, (new, kv_cache.update_features(layer, start, new))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.n_embd, cfg.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.n_embd, cfg.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.n_embd, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class KVCache:
+    """Keys and values (after RoPE) of every layer, for generation: preallocated for the whole
+    sequence, or, with a sliding window, only the last window - 1 positions, which are all a
+    later query can see."""
+
+    def __init__(self, cfg, batch_size, max_len, device, dtype):
+        self.window = cfg.attn_window
+        shape = (batch_size, cfg.kv_heads, 0 if self.window else max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        # a prior's token features of the cached keys (FoX, FIRE)
+        self.features = [() for _ in range(cfg.n_layer)]
+        self.max_len = max_len
+        self.next_position = 0  # a windowed cache holds no earlier positions to go back to
+
+    def first_key(self, start):
+        """Position of the first key that queries from position `start` on attend over."""
+        return max(0, start - (self.window - 1)) if self.window else 0
+
+    def update(self, layer, start, k, v):
+        """Store the keys and values of positions start, start + 1, ...; return those of positions
+        first_key(start) ... the last one stored, which the current queries attend over."""
+        end = start + k.shape[2]
+        if not self.window:
+            self.k[layer][:, :, start:end] = k
+            self.v[layer][:, :, start:end] = v
+            return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        if start != self.next_position and layer == 0:
+            raise ValueError(f"a windowed KV cache continues where it stopped: position {start} "
+                             f"was not next ({self.next_position} was)")
+        if layer == len(self.k) - 1:
+            self.next_position = end
+        k, v = torch.cat((self.k[layer], k), dim=2), torch.cat((self.v[layer], v), dim=2)
+        self.k[layer], self.v[layer] = k[:, :, k.shape[2] - (end - self.first_key(end)):], \
+            v[:, :, v.shape[2] - (end - self.first_key(end)):]
+        return k, v
+
+    def past_features(self, layer, start):
+        """The prior's token features (layer_prior) of the cached positions before `start`; or
+        None where there are none."""
+        stored = self.features[layer]
+        if not stored:
+            return None
+        return stored if self.window else tuple(t[..., :start] for t in stored)
+
+    def update_features(self, layer, start, features):
+        """As `update`, for the prior's token features, (B or 1, H or 1, T) each: those of the keys
+        the current queries attend over."""
+        past = self.past_features(layer, start) or tuple(t[..., :0] for t in features)
+        joined = tuple(torch.cat(broadcast_leading(p, t), dim=-1) for p, t in zip(past, features))
+        keep = (start + features[0].shape[-1]) - self.first_key(start + features[0].shape[-1])
+        self.features[layer] = (tuple(t[..., t.shape[-1] - keep:] for t in joined) if self.window
+                                else joined)
+        return joined
+
+
+def broadcast_leading(a, b):
+    """a and b expanded to the same leading dimensions, their last ones kept (to join along it)."""
+    lead = torch.broadcast_shapes(a.shape[:-1], b.shape[:-1])
+    return a.expand(*lead, a.shape[-1]), b.expand(*lead, b.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Positional encodings. Each one is a small class registered once in ENCODINGS (at the end of this
+# part); everything else (the config's choices, the attention paths, the evaluators, benchmarks and
+# tests) reads the registry. An encoding plays at most these roles (docs/INTERFACES.md): rotate q
+# and k (`rotation`: RoPE), add to the token embeddings (`embedding`: sinusoidal), or add a prior to
+# every attention logit (an AdditivePrior: ALiBi, BAM, KERPLE, T5, FIRE, FoX). A prior's contract is
+# three hooks:
+#
+#   bias_fn            a plain torch expression of the distance i - j, the head, the prior's tensors
+#   tensors()          what bias_fn takes after the distance and the head (constrained values)
+#   head_parameters()  every head's values, {name: [value per head]}: metrics.jsonl, eval.priors
+#
+# and, where needed, `copies` (how many modules), `DISTANCE_ONLY = False` with `token_features` (a
+# bias that reads more than the distance). The hooks that only serve eval/ stay apart in each class,
+# under the comment "For eval/ only".
 
 
 class Encoding:
-    """What an encoding may set; a role it does not play stays None, and with none at all it is NoPE."""
+    """What an encoding may set; a role it does not play stays None; with none at all, NoPE."""
 
-    even_width = None  # a ModelConfig field this encoding needs even (rotation pairs, sin/cos pairs)
-    # the group eval.report's small-multiples plot draws it with: baselines | RoPE | fixed and kernel priors |
-    # BAM | learnable-bias rivals
-    family = "baselines"
-    # rotation(positions, cfg, length=None) -> (cos, sin) that rotate q and k at these positions; `length`
-    # is how many positions the forward reaches (for a rotation that depends on it, as dynamic NTK does)
+    even_width = None  # a ModelConfig field this encoding needs even (rotation and sin/cos pairs)
+    # rotation(positions, cfg, length=None) -> (cos, sin) that rotate q and k at these
+    # positions; `length` is how many positions the forward reaches (for a rotation that depends
+    # on it, as dynamic NTK does)
     rotation = None
-    # embedding(positions, cfg) -> (..., T, n_embd) added to the token embeddings at these in-document positions
+    # embedding(positions, cfg) -> (..., T, n_embd) added to the token embeddings at these
+    # in-document positions
     embedding = None
 
     @classmethod
@@ -248,56 +639,49 @@ class Encoding:
         """How many prior modules the model holds (AdditivePrior: one per layer, or one shared)."""
         return 0
 
+    # For eval/ only: the group eval.report's small-multiples plot draws it with: baselines | RoPE |
+    # fixed and kernel priors | BAM | learnable-bias rivals
+    family = "baselines"
+
 
 class NoPE(Encoding):
-    """No positional signal but the causal mask: a uniform prior over positions (docs/paper.md §1)."""
+    """Nothing but the causal mask: a uniform prior over positions (docs/paper.md §1)."""
 
 
-def inverse_frequencies(dim, base, device=None):
-    """theta^(-2i/d) for the d/2 rotation pairs, in float64."""
-    return base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
+class RoPE(Encoding):
+    """Rotary embedding (Su et al. 2021), theta 500K as the paper's baseline; computed from
+    positions on the fly, so no table runs out past the training length."""
+
+    even_width = "head_dim"
+    family = "RoPE"  # for eval/ only
+
+    @staticmethod
+    def rotation(positions, cfg, length=None):
+        length = int(positions[-1]) + 1 if length is None else length
+        inv_freq, factor = rope_frequencies(cfg, length, positions.device)
+        # float64: at 500K positions fp32 angles would be off by ~0.03 rad before the cosine.
+        angles = positions.to(torch.float64)[..., None] * inv_freq
+        return (factor * angles.cos()).float(), (factor * angles.sin()).float()
 
 
-def yarn_ramp(cfg, device=None):
-    """YaRN's blend per rotation pair (Peng et al. 2023, "NTK-by-parts"): 0 keeps the pair's frequency
-    (it turns more than beta_fast times over the original context L0, so it has seen every angle),
-    1 divides it by s as position interpolation does (fewer than beta_slow turns), linear in between.
-    As in the reference code (jquesnelle/yarn) and transformers, the ramp is linear in the pair index
-    between the two crossing points rounded outward, not linear in the turn count r as the paper's
-    equation writes it; this keeps our YaRN numbers comparable with published YaRN models. Pair i
-    turns r = L0 / (2 pi theta^(2i/d)) times, so the crossing of r is at i = d ln(L0 / (2 pi r)) / (2 ln theta)."""
-    d, theta, L0 = cfg.head_dim, cfg.rope_theta, cfg.rope_context
-
-    def pair_index(turns):
-        return d * math.log(L0 / (2 * math.pi * turns)) / (2 * math.log(theta))
-
-    low = max(math.floor(pair_index(cfg.yarn_beta_fast)), 0)
-    high = min(math.ceil(pair_index(cfg.yarn_beta_slow)), d - 1)  # d - 1 (not d/2 - 1) as the reference
-    span = max(high - low, 1e-3)  # the reference's guard against a zero-width ramp
-    return ((torch.arange(d // 2, dtype=torch.float64, device=device) - low) / span).clamp(0.0, 1.0)
-
-
-def llama3_ramp(cfg, inv_freq):
-    """Llama 3.1's blend per rotation pair (Meta's Llama 3.1 release; transformers' "llama3" rope type): like
-    YaRN's, 0 keeps the pair's frequency and 1 divides it by s, but the ramp is linear in the pair's turns over
-    the original context, r = L0 f / (2 pi): 1 below r = llama3_low_freq_factor, 0 above llama3_high_freq_factor.
-    No temperature."""
-    low, high = cfg.llama3_low_freq_factor, cfg.llama3_high_freq_factor
-    turns = cfg.rope_context * inv_freq / (2 * math.pi)
-    return ((high - turns) / (high - low)).clamp(0.0, 1.0)
+def apply_rope(x, cos, sin):
+    """Rotate (B, H, T, hd) by position; the pairs are (x[:hd/2], x[hd/2:]), a fixed permutation of
+    Llama's interleaved pairs that leaves the attention scores the same."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
 def rope_frequencies(cfg, length, device=None):
-    """RoPE's inverse frequencies (float64, head_dim / 2, on `device`) under cfg.rope_scaling with s
-    = rope_factor and L0 = cfg.rope_context, and the factor YaRN puts on cos and sin (1 otherwise).
-    `length` is how many positions the current forward reaches (its last query + 1); only dynamic
-    NTK reads it. Built where the positions are: a table built on the host and copied would cost a
-    CPU kernel and a blocking host-to-device copy in every forward (tests/test_baselines.py holds
-    the forward to one device).
+    """RoPE's inverse frequencies (float64, head_dim / 2, on `device`) under cfg.rope_scaling,
+    with s = rope_factor and L0 = cfg.rope_context, and the factor YaRN puts on cos and sin (1
+    otherwise). `length` is how many positions the current forward reaches (its last query + 1);
+    only dynamic NTK reads it. Built where the positions are: a table built on the host and copied
+    would cost a CPU kernel and a blocking host-to-device copy in every forward
+    (tests/test_baselines.py holds the forward to one device).
 
       linear       position interpolation (Chen et al. 2023): every frequency / s
-      ntk          NTK-aware (bloc97 2023): base theta * s^(d / (d - 2)), d = head_dim, which stretches
-                   the lowest frequency by exactly s and leaves the highest alone
+      ntk          NTK-aware (bloc97 2023): base theta * s^(d / (d - 2)), d = head_dim, which
+                   stretches the lowest frequency by exactly s and leaves the highest alone
       dynamic_ntk  NTK-aware with the scale growing with the length, as transformers and Code Llama:
                    base theta * (s L / L0 - (s - 1))^(d / (d - 2)) once L > L0, theta up to L0
       yarn         YaRN (Peng et al. 2023): frequencies blended by yarn_ramp, temperature below
@@ -313,9 +697,10 @@ def rope_frequencies(cfg, length, device=None):
         return inv_freq / s, 1.0
     if kind == "yarn":
         ramp = yarn_ramp(cfg, device)
-        # The paper's attention temperature: softmax(q.k / (t sqrt(d))) with sqrt(1/t) = 0.1 ln s + 1.
-        # As the paper's code (and transformers) do, sqrt(1/t) multiplies cos and sin, so q and k each
-        # carry one factor and the logit gets 1/t = (0.1 ln s + 1)^2 on every path, cached keys included.
+        # The paper's attention temperature: softmax(q.k / (t sqrt(d))) with
+        # sqrt(1/t) = 0.1 ln s + 1. As the paper's code (and transformers) do, sqrt(1/t)
+        # multiplies cos and sin, so q and k each carry one factor and the logit gets
+        # 1/t = (0.1 ln s + 1)^2 on every path, cached keys included.
         return inv_freq * (1 - ramp) + inv_freq / s * ramp, 0.1 * math.log(s) + 1.0
     if kind == "llama3":
         ramp = llama3_ramp(cfg, inv_freq)
@@ -323,33 +708,40 @@ def rope_frequencies(cfg, length, device=None):
     return inv_freq, 1.0
 
 
-def apply_rope(x, cos, sin):
-    """Rotate (B, H, T, hd) by position; the pairs are (x[:hd/2], x[hd/2:]), a fixed permutation of
-    Llama's interleaved pairs that leaves the attention scores the same."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+def yarn_ramp(cfg, device=None):
+    """YaRN's blend per rotation pair (Peng et al. 2023, "NTK-by-parts"): 0 keeps the pair's
+    frequency (it turns more than beta_fast times over the original context L0, so it has seen every
+    angle), 1 divides it by s as position interpolation does (fewer than beta_slow turns), linear in
+    between. As in the reference code (jquesnelle/yarn) and transformers, the ramp is linear in the
+    pair index between the two crossing points rounded outward, not linear in the turn count r as
+    the paper's equation writes it; this keeps our YaRN numbers comparable with published YaRN
+    models. Pair i turns r = L0 / (2 pi theta^(2i/d)) times, so the crossing of r is at
+    i = d ln(L0 / (2 pi r)) / (2 ln theta)."""
+    d, theta, L0 = cfg.head_dim, cfg.rope_theta, cfg.rope_context
+
+    def pair_index(turns):
+        return d * math.log(L0 / (2 * math.pi * turns)) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_index(cfg.yarn_beta_fast)), 0)
+    # d - 1 (not d/2 - 1) as the reference
+    high = min(math.ceil(pair_index(cfg.yarn_beta_slow)), d - 1)
+    span = max(high - low, 1e-3)  # the reference's guard against a zero-width ramp
+    return ((torch.arange(d // 2, dtype=torch.float64, device=device) - low) / span).clamp(0.0, 1.0)
 
 
-class RoPE(Encoding):
-    """Rotary embedding (Su et al. 2021), theta 500K as the paper's baseline; computed from positions on
-    the fly, so no table runs out past the training length."""
-
-    even_width = "head_dim"
-    family = "RoPE"
-
-    @staticmethod
-    def rotation(positions, cfg, length=None):
-        length = int(positions[-1]) + 1 if length is None else length
-        inv_freq, factor = rope_frequencies(cfg, length, positions.device)
-        # float64: at 500K positions fp32 angles would be off by ~0.03 rad before the cosine.
-        angles = positions.to(torch.float64)[..., None] * inv_freq
-        return (factor * angles.cos()).float(), (factor * angles.sin()).float()
+def llama3_ramp(cfg, inv_freq):
+    """Llama 3.1's blend per rotation pair (Meta's Llama 3.1 release; transformers' "llama3" rope
+    type): like YaRN's, 0 keeps the pair's frequency and 1 divides it by s, but the ramp is linear
+    in the pair's turns over the original context, r = L0 f / (2 pi): 1 below r =
+    llama3_low_freq_factor, 0 above llama3_high_freq_factor. No temperature."""
+    low, high = cfg.llama3_low_freq_factor, cfg.llama3_high_freq_factor
+    turns = cfg.rope_context * inv_freq / (2 * math.pi)
+    return ((high - turns) / (high - low)).clamp(0.0, 1.0)
 
 
-def sinusoidal_embedding(positions, dim, base):
-    """Vaswani et al.'s absolute encoding, (..., T) positions -> (..., T, dim): sin on even, cos on odd."""
-    angles = positions.to(torch.float64)[..., None] * inverse_frequencies(dim, base, positions.device)
-    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).float()
+def inverse_frequencies(dim, base, device=None):
+    """theta^(-2i/d) for the d/2 rotation pairs, in float64."""
+    return base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
 
 
 class Sinusoidal(Encoding):
@@ -365,68 +757,85 @@ class Sinusoidal(Encoding):
         return cfg.init_std * sinusoidal_embedding(positions, cfg.n_embd, cfg.sinusoidal_base)
 
 
+def sinusoidal_embedding(positions, dim, base):
+    """Vaswani et al.'s absolute encoding, (..., T) positions -> (..., T, dim): sin on even,
+    cos on odd."""
+    inv_freq = inverse_frequencies(dim, base, positions.device)
+    angles = positions.to(torch.float64)[..., None] * inv_freq
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).float()
+
+
 class AdditivePrior(Encoding, nn.Module):
-    """A bias added to the attention logit of head h, query i and key j (docs/paper.md §1), written as a
-    plain broadcastable torch expression `bias_fn` (on scalars inside FlexAttention's score_mod, on whole
-    grids on eager and sdpa). Two forms (docs/INTERFACES.md "Additive priors"):
+    """A bias added to the attention logit of head h, query i and key j (docs/paper.md §1), written
+    as a plain broadcastable torch expression `bias_fn` (on scalars inside FlexAttention's
+    score_mod, on whole grids on eager and sdpa). Two forms (docs/INTERFACES.md "Additive priors"):
 
-      DISTANCE_ONLY = True   bias_fn(dist, head, *tensors()): g_h(i - j), a function of the distance alone
-                             (ALiBi, BAM, KERPLE, T5); sdpa evaluates it once per distance (dense_prior)
-      DISTANCE_ONLY = False  bias_fn(dist, head, query, key, *tensors()): `query` and `key` are the prior's
-                             per-token values (`token_features`) at token i and at token j, of head h
+      DISTANCE_ONLY = True   bias_fn(dist, head, *tensors()): g_h(i - j), a function of the distance
+                             alone (ALiBi, BAM, KERPLE, T5); sdpa evaluates it once per distance
+                             (dense_prior)
+      DISTANCE_ONLY = False  bias_fn(dist, head, query, key, *tensors()): `query` and `key` are the
+                             prior's per-token values (`token_features`) at token i and at token j,
+                             of head h
 
-    `token_features(x, pos_in_doc, past)` computes those values in each layer from the layer's input x
-    (B, T, n_embd) and the in-document positions (B or 1, T): a tuple of (B or 1, H or 1, T) fp32 tensors
-    (FIRE: the query's position; FoX: the cumulative log forget gate). `past` is what the KV cache holds for
-    the earlier positions (None without one), so a prior whose values accumulate along the sequence can
-    continue from them. Values must be functions of the token's own document only (documents stay isolated).
+    `token_features(x, pos_in_doc, past)` computes those values in each layer from the layer's input
+    x (B, T, n_embd) and the in-document positions (B or 1, T): a tuple of (B or 1, H or 1, T) fp32
+    tensors (FIRE: the query's position; FoX: the cumulative log forget gate). `past` is what the KV
+    cache holds for the earlier positions (None without one), so a prior whose values accumulate
+    along the sequence can continue from them. Values must be functions of the token's own document
+    only (documents stay isolated).
 
-    `head_parameters()` gives every head's parameters, {name: [value per head]}: eval.priors' table under
-    these names, metrics.jsonl under "METRICS_PREFIX_name". A prior whose heads fall into named groups
-    (BAM's shapes) sets GROUPS, GROUP_SPANS and `head_group`."""
+    `head_parameters()` gives every head's parameters, {name: [value per head]}: eval.priors' table
+    under these names, metrics.jsonl under "METRICS_PREFIX_name". A prior whose heads fall into
+    named groups (BAM's shapes) sets GROUPS, GROUP_SPANS and `head_group`."""
+
+    # bias_fn = staticmethod(my_bias): set by every prior (the first of its three hooks)
+
+    def tensors(self):
+        raise NotImplementedError
+
+    def head_parameters(self):
+        raise NotImplementedError
 
     METRICS_PREFIX = None  # e.g. "bam": metrics.jsonl logs bam_shape, bam_log_scale, ...
-    # True: the bias depends on the head and i - j only, so the flex path may read it from a per-head table of
-    # distances (distance_table, ModelConfig.flex_prior); a prior that also reads positions, tokens or
-    # documents sets False and is always evaluated by its formula.
+    # True: the bias depends on the head and i - j only, so the flex path may read it from a
+    # per-head table of distances (distance_table, ModelConfig.flex_prior); a prior that also reads
+    # positions, tokens or documents sets False and is always evaluated by its formula.
     DISTANCE_ONLY = True
-    GROUPS = {}  # group name -> rule, in the order they are reported
-    family = "fixed and kernel priors"
 
     @classmethod
     def copies(cls, cfg):
         return cfg.n_layer  # one prior per layer unless the encoding says otherwise
 
-    def tensors(self):
-        raise NotImplementedError
-
     def token_features(self, x, pos_in_doc, past=None):
         raise NotImplementedError(f"{type(self).__name__} is a function of the distance only")
 
-    def distance_curve(self, dist, head):
-        """The bias against the distance (eval.priors), dist (1, D), head (H, 1) -> (H, D); None where the
-        prior is not a function of the distance (FoX)."""
-        return self.bias_fn(dist, head, *self.tensors())
-
-    def head_parameters(self):
-        raise NotImplementedError
+    # For eval/ only: the report's plot group, named head groups (eval.priors, eval.attention), the
+    # curve eval.priors draws
+    family = "fixed and kernel priors"
+    GROUPS = {}  # group name -> rule, in the order they are reported
 
     def head_group(self, head):
         return None
 
+    def distance_curve(self, dist, head):
+        """The bias against the distance (eval.priors), dist (1, D), head (H, 1) -> (H, D); None
+        where the prior is not a function of the distance (FoX)."""
+        return self.bias_fn(dist, head, *self.tensors())
+
 
 # Every bias function takes the distance i - j (float), the head index and the prior's tensors.
 
+
 GGD_EPS = 1e-5  # docs/paper.md §2: keeps distance 0 finite when the shape is negative
-# exp(50) ~ 5e21: far past anything softmax can tell from -inf, far below fp32's overflow even after the
-# SSMax factor, so an extreme negative shape at distance 0 (the only key of a document's first token)
-# gives a finite logit instead of -inf - -inf = NaN. The shape itself is never clamped.
+# exp(50) ~ 5e21: far past anything softmax can tell from -inf, far below fp32's overflow even after
+# the SSMax factor, so an extreme negative shape at distance 0 (the only key of a document's first
+# token) gives a finite logit instead of -inf - -inf = NaN. The shape itself is never clamped.
 MAX_LOG_BIAS = 50.0
 
 
 def alibi_slopes(n_head):
-    """ALiBi's per-head slopes (Press et al. 2022): a geometric sequence from 2^(-8/n) for a power of two;
-    otherwise the power of two below, then every other slope of the power of two above."""
+    """ALiBi's per-head slopes (Press et al. 2022): a geometric sequence from 2^(-8/n) for a power
+    of two; otherwise the power of two below, then every other slope of the power of two above."""
 
     def power_of_two_slopes(n):
         start = 2.0 ** (-8.0 / n)
@@ -448,22 +857,24 @@ def ggd_bias(dist, head, shape, log_scale, loc):
 
         -exp(a_h) * (|i - j - mu_h| + eps) ** b_h,    mu_h = exp(l_h) - exp(-l_h)
 
-    evaluated as -exp(a + b * log(|d - mu| + eps)), the same number, so that the magnitude can be capped
-    (MAX_LOG_BIAS) before it overflows for very negative shapes."""
+    evaluated as -exp(a + b * log(|d - mu| + eps)), the same number, so that the magnitude can be
+    capped (MAX_LOG_BIAS) before it overflows for very negative shapes."""
     mu = 2.0 * torch.sinh(loc[head])
     log_magnitude = log_scale[head] + shape[head] * torch.log((dist - mu).abs() + GGD_EPS)
     return -torch.exp(torch.clamp(log_magnitude, max=MAX_LOG_BIAS))
 
 
 def kerple_log_bias(dist, head, r1, r2):
-    """KERPLE's logarithmic kernel (Chi et al., NeurIPS 2022): -r1 log(1 + r2 |i - j|), r1, r2 > 0."""
+    """KERPLE's logarithmic kernel (Chi et al., NeurIPS 2022): -r1 log(1 + r2 |i - j|),
+    r1, r2 > 0."""
     return -r1[head] * torch.log1p(r2[head] * dist.abs())
 
 
 def kerple_power_bias(dist, head, r1, r2):
-    """KERPLE's power kernel: -r1 |i - j| ** r2 with r1 > 0, 0 < r2 <= 2 (conditionally positive definite
-    only up to 2). Written as exp(r2 log |d|) on a distance kept away from 0, and 0 at distance 0:
-    d ** r2 there is 0 but its derivative in r2 (d ** r2 log d) would be 0 x -inf = NaN."""
+    """KERPLE's power kernel: -r1 |i - j| ** r2 with r1 > 0, 0 < r2 <= 2 (conditionally
+    positive definite only up to 2). Written as exp(r2 log |d|) on a distance kept away from
+    0, and 0 at distance 0: d ** r2 there is 0 but its derivative in r2 (d ** r2 log d)
+    would be 0 x -inf = NaN."""
     d = dist.abs()
     far = d > 0
     power = torch.exp(r2[head] * torch.log(torch.where(far, d, torch.ones_like(d))))
@@ -496,13 +907,6 @@ class BAMPrior(AdditivePrior):
 
     bias_fn = staticmethod(ggd_bias)
     METRICS_PREFIX = "bam"
-    family = "BAM"
-    # After training, heads cluster by shape (docs/paper.md §2): retrieval heads have LOW <= b <= HIGH,
-    # local heads a larger shape, aggressive-retrieval heads a smaller one. Every rule below reads these two.
-    LOW, HIGH = -0.6, 0.0
-    GROUPS = {"local": f"b > {HIGH:g}", "retrieval": f"{LOW:g} <= b <= {HIGH:g}", "aggressive": f"b < {LOW:g}"}
-    GROUP_SPANS = {"local": (HIGH, math.inf), "retrieval": (LOW, HIGH), "aggressive": (-math.inf, LOW)}
-    GROUP_PARAMETER, SECOND_PARAMETER = "shape", "log_scale"  # what eval.priors plots the groups against
 
     def __init__(self, cfg: ModelConfig, generator=None):
         super().__init__()
@@ -513,9 +917,11 @@ class BAMPrior(AdditivePrior):
         elif cfg.bam_init == "uniform":  # exactly NoPE: b = 0 makes the bias a constant
             shape, log_scale = torch.zeros(H), torch.zeros(H)
         elif cfg.bam_init == "constant":
-            shape, log_scale = torch.full((H,), cfg.bam_init_shape), torch.full((H,), cfg.bam_init_log_scale)
+            shape = torch.full((H,), cfg.bam_init_shape)
+            log_scale = torch.full((H,), cfg.bam_init_log_scale)
         elif cfg.bam_init == "sampled":  # as the official code: b ~ N(0, 1), a ~ N(0, 1)
-            shape, log_scale = torch.randn(H, generator=generator), torch.randn(H, generator=generator)
+            shape = torch.randn(H, generator=generator)
+            log_scale = torch.randn(H, generator=generator)
         else:  # "linear": shapes from flat (0) to Laplace (1) across heads, ALiBi scales
             shape, log_scale = torch.linspace(0.0, 1.0, H), log_slopes
         self.shape = nn.Parameter(shape, requires_grad=cfg.bam_train_shape)
@@ -531,14 +937,27 @@ class BAMPrior(AdditivePrior):
 
     def head_parameters(self):
         return {"shape": self.shape.tolist(), "log_scale": self.log_scale.tolist(),
-                "scale": self.log_scale.exp().tolist(), "loc": (2.0 * torch.sinh(self.loc)).tolist()}
+                "scale": self.log_scale.exp().tolist(),
+                "loc": (2.0 * torch.sinh(self.loc)).tolist()}
+
+    # For eval/ only. After training, heads cluster by shape (docs/paper.md §2): retrieval heads
+    # have LOW <= b <= HIGH, local heads a larger shape, aggressive-retrieval heads a smaller one.
+    # Every rule below reads these two.
+    family = "BAM"
+    LOW, HIGH = -0.6, 0.0
+    GROUPS = {"local": f"b > {HIGH:g}", "retrieval": f"{LOW:g} <= b <= {HIGH:g}",
+              "aggressive": f"b < {LOW:g}"}
+    GROUP_SPANS = {"local": (HIGH, math.inf), "retrieval": (LOW, HIGH),
+                   "aggressive": (-math.inf, LOW)}
+    # what eval.priors plots the groups against
+    GROUP_PARAMETER, SECOND_PARAMETER = "shape", "log_scale"
 
     def head_group(self, head):
         b = float(self.shape[head].detach())
         return "local" if b > self.HIGH else ("retrieval" if b >= self.LOW else "aggressive")
 
 
-KERPLE_FLOOR = 1e-2  # Chi et al.'s reference code keeps r1, r2 >= 0.01 (by clamping after each step)
+KERPLE_FLOOR = 1e-2  # Chi et al.'s reference code keeps r1, r2 >= 0.01 (clamped after each step)
 
 
 def _inverse_softplus(y):
@@ -546,12 +965,13 @@ def _inverse_softplus(y):
 
 
 class KerplePrior(AdditivePrior):
-    """KERPLE's two per-head parameters r1, r2 > 0, per layer. The reference code clamps the raw values
-    after every update; here they are smooth functions of unconstrained parameters instead, so nothing
-    edits weights behind the optimizer's back and the same tensors serve score_mod and the dense paths:
-    r = 0.01 + softplus(raw), linear in raw away from the floor (the reference's dynamics there), and,
-    for an exponent bounded above (the power kernel's r2 <= 2), r = 0.01 + (max - 0.01) sigmoid(raw).
-    Init as the reference: r1 ~ U(0, R1_INIT) and r2 ~ U(0, R2_INIT), kept strictly inside the bounds."""
+    """KERPLE's two per-head parameters r1, r2 > 0, per layer. The reference code clamps the raw
+    values after every update; here they are smooth functions of unconstrained parameters instead,
+    so nothing edits weights behind the optimizer's back and the same tensors serve score_mod and
+    the dense paths: r = 0.01 + softplus(raw), linear in raw away from the floor (the reference's
+    dynamics there), and, for an exponent bounded above (the power kernel's r2 <= 2), r = 0.01 +
+    (max - 0.01) sigmoid(raw). Init as the reference: r1 ~ U(0, R1_INIT) and r2 ~ U(0, R2_INIT),
+    kept strictly inside the bounds."""
 
     METRICS_PREFIX = "kerple"
     R1_INIT, R2_INIT, R2_MAX = 2.0, 1.0, None
@@ -565,7 +985,8 @@ class KerplePrior(AdditivePrior):
         if self.R2_MAX is None:
             self.raw_r2 = nn.Parameter(_inverse_softplus(r2 - KERPLE_FLOOR))
         else:
-            self.raw_r2 = nn.Parameter(torch.logit((r2 - KERPLE_FLOOR) / (self.R2_MAX - KERPLE_FLOOR), eps=1e-3))
+            unit = (r2 - KERPLE_FLOOR) / (self.R2_MAX - KERPLE_FLOOR)
+            self.raw_r2 = nn.Parameter(torch.logit(unit, eps=1e-3))
 
     def tensors(self):
         r1 = KERPLE_FLOOR + F.softplus(self.raw_r1)
@@ -587,23 +1008,25 @@ class KerplePowerPrior(KerplePrior):
     R1_INIT, R2_INIT, R2_MAX = 1.0, 2.0, 2.0
 
 
-# The learnable-bias rivals of BAM on length extrapolation (docs/paper.md "Beyond the paper"): T5's bucketed
-# bias, FIRE's MLP of the interpolated distance, and FoX's data-dependent forget gates.
+# The learnable-bias rivals of BAM on length extrapolation (docs/paper.md "Beyond the paper"): T5's
+# bucketed bias, FIRE's MLP of the interpolated distance, and FoX's data-dependent forget gates.
 
 
 def t5_bucket(dist, num_buckets, max_distance):
-    """T5's causal relative-position bucket (Raffel et al. 2020; the unidirectional case of transformers'
-    T5Attention._relative_position_bucket): each distance below num_buckets / 2 has its own bucket, longer
-    ones share buckets log-spaced up to max_distance, every distance past it falls in the last one.
-    Negative distances (masked anyway) fall in bucket 0. `max_distance` is a 0-dim tensor.
+    """T5's causal relative-position bucket (Raffel et al. 2020; the unidirectional case of
+    transformers' T5Attention._relative_position_bucket): each distance below num_buckets / 2 has
+    its own bucket, longer ones share buckets log-spaced up to max_distance, every distance past it
+    falls in the last one. Negative distances (masked anyway) fall in bucket 0. `max_distance` is a
+    0-dim tensor.
 
-    As transformers, the log-spaced part is truncated to an integer before the exact buckets' offset is added:
-    adding first and flooring the sum in fp32 can round up to the next bucket (num_buckets 42, max_distance
-    8192, distance 4641: 21 + 18.999998 is 40.0 in fp32, bucket 39 in transformers). The part is >= 0 (n is
-    clamped to >= exact), so floor is the truncation."""
+    As transformers, the log-spaced part is truncated to an integer before the exact buckets' offset
+    is added: adding first and flooring the sum in fp32 can round up to the next bucket (num_buckets
+    42, max_distance 8192, distance 4641: 21 + 18.999998 is 40.0 in fp32, bucket 39 in
+    transformers). The part is >= 0 (n is clamped to >= exact), so floor is the truncation."""
     exact = num_buckets // 2
     n = dist.clamp(min=0)
-    log_part = torch.log(n.clamp(min=exact) / exact) / torch.log(max_distance / exact) * (num_buckets - exact)
+    log_part = (torch.log(n.clamp(min=exact) / exact) / torch.log(max_distance / exact)
+                * (num_buckets - exact))
     return torch.where(n < exact, n, (exact + log_part.floor()).clamp(max=num_buckets - 1)).long()
 
 
@@ -613,17 +1036,17 @@ def t5_bias(dist, head, table, max_distance):
 
 
 class T5Prior(AdditivePrior):
-    """T5's relative attention bias, one table shared by every layer as in T5 (only its first layer holds
-    one), initialised as transformers initialises it: N(0, n_embd^-1/2)."""
+    """T5's relative attention bias, one table shared by every layer as in T5 (only its first layer
+    holds one), initialised as transformers initialises it: N(0, n_embd^-1/2)."""
 
     bias_fn = staticmethod(t5_bias)
     METRICS_PREFIX = "t5"
-    family = "learnable-bias rivals"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.table = nn.Parameter(torch.randn(cfg.n_head, cfg.t5_num_buckets) * cfg.n_embd ** -0.5)
-        self.register_buffer("max_distance", torch.tensor(float(cfg.t5_max_distance)), persistent=False)
+        self.register_buffer("max_distance", torch.tensor(float(cfg.t5_max_distance)),
+                             persistent=False)
 
     @classmethod
     def copies(cls, cfg):
@@ -635,6 +1058,8 @@ class T5Prior(AdditivePrior):
     def head_parameters(self):
         return {"bias_d0": self.table[:, 0].tolist(), "bias_d1": self.table[:, 1].tolist(),
                 "bias_far": self.table[:, -1].tolist()}
+
+    family = "learnable-bias rivals"  # for eval/ only
 
 
 def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2, *segments):
@@ -663,8 +1088,8 @@ def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2, *segment
     shift = 2.0 ** 31
     pairs, where = torch.unique(i.double() * shift + d.double(), return_inverse=True)
     i_pair = torch.div(pairs, shift, rounding_mode="floor")
-    every_head = fire_mlp(fire_input((pairs - i_pair * shift).to(d.dtype), i_pair.to(i.dtype), c, threshold),
-                          None, w1, b1, w2)  # (pairs, H)
+    x = fire_input((pairs - i_pair * shift).to(d.dtype), i_pair.to(i.dtype), c, threshold)
+    every_head = fire_mlp(x, None, w1, b1, w2)  # (pairs, H)
     return every_head[where, head]
 
 
@@ -674,16 +1099,17 @@ def fire_input(dist, i, c, threshold):
 
 
 def fire_mlp(x, head, w1, b1, w2):
-    """FIRE's MLP, output `head`: sum_u w2_hu relu(w1_u x + b1_u). On FlexAttention's scalars it is a
-    sum over the W hidden units, so that score_mod stays elementwise; on a vector of inputs (head None) the
-    same sum is a matmul of the (head-independent) hidden layer with w2, every head at once (x's shape +
-    (H,)); test_model's flex == eager holds the two to each other."""
+    """FIRE's MLP, output `head`: sum_u w2_hu relu(w1_u x + b1_u). On FlexAttention's scalars it is
+    a sum over the W hidden units, so that score_mod stays elementwise; on a vector of inputs (head
+    None) the same sum is a matmul of the (head-independent) hidden layer with w2, every head at
+    once (x's shape + (H,)); test_model's flex == eager holds the two to each other."""
     if x.dim() == 0:
         bias = torch.zeros_like(x)
         for unit in range(w1.shape[0]):
             bias = bias + w2[head, unit] * torch.relu(w1[unit] * x + b1[unit])
         return bias
-    with torch.autocast(x.device.type, enabled=False):  # a prior is computed in fp32, also under bf16 autocast
+    # a prior is computed in fp32, also under bf16 autocast
+    with torch.autocast(x.device.type, enabled=False):
         hidden = torch.relu(x[..., None] * w1 + b1)
         return hidden @ w2.to(hidden.dtype).T
 
@@ -729,22 +1155,22 @@ def _fire_scalars_as_vectors(module, state_dict, prefix, *args):
 
 
 class FIREPrior(AdditivePrior):
-    """FIRE's learned c and threshold L (positive through their logarithms) and its MLP, per layer as in the
-    paper. The MLP starts as torch's nn.Linear default (the paper's code and its reimplementations use it),
-    c = 0.1 and L = 512 as theirs (ModelConfig.fire_init_*). Its output layer has no bias: a per-head
-    constant on every logit of a row, which softmax ignores (its gradient is zero, so it would never train)."""
+    """FIRE's learned c and threshold L (positive through their logarithms) and its MLP, per layer
+    as in the paper. The MLP starts as torch's nn.Linear default (the paper's code and its
+    reimplementations use it), c = 0.1 and L = 512 as theirs (ModelConfig.fire_init_*). Its output
+    layer has no bias: a per-head constant on every logit of a row, which softmax ignores (its
+    gradient is zero, so it would never train)."""
 
     bias_fn = staticmethod(fire_bias)
     METRICS_PREFIX = "fire"
     DISTANCE_ONLY = False
-    family = "learnable-bias rivals"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         W, H = cfg.fire_mlp_width, cfg.n_head
         self.log_c = nn.Parameter(torch.tensor([math.log(cfg.fire_init_c)]))
         self.log_threshold = nn.Parameter(torch.tensor([math.log(cfg.fire_init_threshold)]))
-        self.w1 = nn.Parameter(torch.empty(W).uniform_(-1.0, 1.0))  # nn.Linear(1, W): U(+-1/sqrt(1))
+        self.w1 = nn.Parameter(torch.empty(W).uniform_(-1.0, 1.0))  # nn.Linear(1, W): U(+-1/1)
         self.b1 = nn.Parameter(torch.empty(W).uniform_(-1.0, 1.0))
         self.w2 = nn.Parameter(torch.empty(H, W).uniform_(-W ** -0.5, W ** -0.5))  # nn.Linear(W, H)
 
@@ -760,13 +1186,17 @@ class FIREPrior(AdditivePrior):
     def token_features(self, x, pos_in_doc, past=None):
         return (pos_in_doc.float()[:, None, :],)  # the position of each token in its document
 
+    def head_parameters(self):
+        H = self.w2.shape[0]
+        return {"c": [self.log_c.exp().item()] * H,
+                "threshold": [self.log_threshold.exp().item()] * H}
+
+    # For eval/ only
+    family = "learnable-bias rivals"
+
     def distance_curve(self, dist, head):
         """The bias of a document's first token seen from the query at position d (i = d, j = 0)."""
         return self.bias_fn(dist, head, (dist,), (torch.zeros_like(dist),), *self.tensors())
-
-    def head_parameters(self):
-        H = self.w2.shape[0]
-        return {"c": [self.log_c.exp().item()] * H, "threshold": [self.log_threshold.exp().item()] * H}
 
 
 def fox_bias(dist, head, query, key):
@@ -779,21 +1209,21 @@ def fox_bias(dist, head, query, key):
 
 
 class FoXPrior(AdditivePrior):
-    """The Forgetting Transformer's forget gate f_t,h = sigmoid(w_h . x_t + b_h), one projection per layer
-    from the layer's (normalised) input, as the reference code: weights N(0, init_std), biases 0, so every
-    gate starts near 1/2 (a strong recency bias that training opens up). `fox_gate_init_bias` b starts the
-    biases at b instead, and the gates near sigmoid(b) (b = 5: ~0.993, nearly open). FoX is used without RoPE
-    in its paper, and so here (pe = "fox" is the gate alone)."""
+    """The Forgetting Transformer's forget gate f_t,h = sigmoid(w_h . x_t + b_h), one projection per
+    layer from the layer's (normalised) input, as the reference code: weights N(0, init_std), biases
+    0, so every gate starts near 1/2 (a strong recency bias that training opens up).
+    `fox_gate_init_bias` b starts the biases at b instead, and the gates near sigmoid(b) (b = 5:
+    ~0.993, nearly open). FoX is used without RoPE in its paper, and so here (pe = "fox" is
+    the gate alone)."""
 
     bias_fn = staticmethod(fox_bias)
     METRICS_PREFIX = "fox"
     DISTANCE_ONLY = False
-    family = "learnable-bias rivals"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # weight re-initialised by Transformer
-        nn.init.constant_(self.gate.bias, cfg.fox_gate_init_bias)  # 0 by default, as the reference code
+        self.gate = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # weight: Transformer's init
+        nn.init.constant_(self.gate.bias, cfg.fox_gate_init_bias)  # 0 by default, as the reference
 
     def tensors(self):
         return ()
@@ -812,19 +1242,25 @@ class FoXPrior(AdditivePrior):
         log_f = self.log_gates(x).double()
         total = log_f.cumsum(dim=-1)
         idx = torch.arange(log_f.shape[-1], device=x.device)
-        last_start = torch.where(pos_in_doc == 0, idx, 0).cummax(dim=-1).values  # 0 (nothing to remove) if none
+        # 0 (nothing to remove) if none
+        last_start = torch.where(pos_in_doc == 0, idx, 0).cummax(dim=-1).values
         before = (total - log_f).gather(-1, last_start[:, None, :].expand_as(log_f))
         c = total - before
-        if past is not None and past[0].shape[-1]:  # a KV cache holds the same row: no document start in between
+        # a KV cache holds the same row: no document start in between
+        if past is not None and past[0].shape[-1]:
             c = c + past[0][..., -1:].double()
         c = c.float()
         return c, c.clone()  # the copy is the keys' (fox_bias); autograd sums both gradients into c
 
+    def head_parameters(self):
+        return {"gate_bias": self.gate.bias.tolist(),
+                "gate_weight_norm": self.gate.weight.norm(dim=1).tolist()}
+
+    # For eval/ only
+    family = "learnable-bias rivals"
+
     def distance_curve(self, dist, head):
         return None  # a function of the content: eval.priors shows the gates instead
-
-    def head_parameters(self):
-        return {"gate_bias": self.gate.bias.tolist(), "gate_weight_norm": self.gate.weight.norm(dim=1).tolist()}
 
 
 # The registry: the name a config uses -> the encoding. PE_CHOICES and PRIORS are views of it.
@@ -844,25 +1280,11 @@ PE_CHOICES = tuple(ENCODINGS)
 PRIORS = {name: enc for name, enc in ENCODINGS.items() if issubclass(enc, AdditivePrior)}
 
 
-# ---------------------------------------------------------------------------------------------------
-# Attention. What positions do to it is written once, as two plain torch expressions on broadcastable
-# tensors: `positional_scores` (the logits) and `visible` (the mask). FlexAttention evaluates them on
-# scalars (score_mod, mask_mod), the dense paths on whole grids, so the paths cannot drift apart;
-# `eager` is the reference the tests hold the others to.
-
-
-def prior_bias(prior, head, dist, query=None, key=None):
-    """The prior's bias: `prior` is (bias_fn, tensors), `dist` the distance i - j; `query` and `key` are the
-    prior's token features at i and at j, None for a prior of the distance alone (AdditivePrior)."""
-    bias_fn, tensors = prior
-    if query is None:
-        return bias_fn(dist.to(torch.float32), head, *tensors)
-    return bias_fn(dist.to(torch.float32), head, query, key, *tensors)
-
-
-def ssmax_factor(ssmax_scale, head, log_n):
-    """SSMax's s_h log(n_i), `log_n` = log(number of keys query i may attend to) (docs/paper.md §3)."""
-    return ssmax_scale[head] * log_n
+# --------------------------------------------------------------------------------------------------
+# Attention. What positions do to it is written once, as two plain torch expressions on
+# broadcastable tensors: `positional_scores` (the logits) and `visible` (the mask). FlexAttention
+# evaluates them on scalars (score_mod, mask_mod), the dense paths on whole grids, so the paths
+# cannot drift apart; `eager` is the reference the tests hold the others to.
 
 
 def positional_scores(scores, head, q_pos, k_pos, log_n, prior, ssmax_scale, query=None, key=None):
@@ -870,15 +1292,30 @@ def positional_scores(scores, head, q_pos, k_pos, log_n, prior, ssmax_scale, que
 
         ((q.k / sqrt(d) + g_h(i, j)) * s_h * log(n_i))
 
-    docs/paper.md §3: for every additive prior the SSMax factor multiplies the content score *and* the prior
-    (the official ALiBi+SSMax baseline scales only q.k; we are consistent across encodings instead).
-    `prior` is (bias_fn, tensors) or None; `ssmax_scale` is the per-head s_h or None; `query`, `key` the
-    prior's token features at i and j (prior_bias)."""
+    docs/paper.md §3: for every additive prior the SSMax factor multiplies the content score *and*
+    the prior (the official ALiBi+SSMax baseline scales only q.k; we are consistent across encodings
+    instead). `prior` is (bias_fn, tensors) or None; `ssmax_scale` is the per-head s_h or None;
+    `query`, `key` the prior's token features at i and j (prior_bias)."""
     if prior is not None:
         scores = scores + prior_bias(prior, head, q_pos - k_pos, query, key)
     if ssmax_scale is not None:
         scores = scores * ssmax_factor(ssmax_scale, head, log_n)
     return scores
+
+
+def prior_bias(prior, head, dist, query=None, key=None):
+    """The prior's bias: `prior` is (bias_fn, tensors), `dist` the distance i - j; `query`
+    and `key` are the prior's token features at i and at j, None for a prior of the distance
+    alone (AdditivePrior)."""
+    bias_fn, tensors = prior
+    if query is None:
+        return bias_fn(dist.to(torch.float32), head, *tensors)
+    return bias_fn(dist.to(torch.float32), head, query, key, *tensors)
+
+
+def ssmax_factor(ssmax_scale, head, log_n):
+    """SSMax's s_h log(n_i), `log_n` = log(how many keys query i sees) (docs/paper.md §3)."""
+    return ssmax_scale[head] * log_n
 
 
 def visible(q_pos, k_pos, window=0, q_doc=None, k_doc=None):
@@ -894,60 +1331,25 @@ def visible(q_pos, k_pos, window=0, q_doc=None, k_doc=None):
 
 
 def dense_mask(q_pos, k_pos, window=0, doc_ids=None):
-    """`visible` on the (Tq, Tk) grid, (B or 1, 1, Tq, Tk) bool; doc_ids (B, T) needs Tq = Tk = T."""
+    """`visible` on the (Tq, Tk) grid, (B or 1, 1, Tq, Tk) bool; doc_ids (B, T) needs
+    Tq = Tk = T."""
     if doc_ids is None:
         return visible(q_pos[:, None], k_pos[None, :], window)[None, None]
-    return visible(q_pos[:, None], k_pos[None, :], window, doc_ids[:, :, None], doc_ids[:, None, :])[:, None]
+    return visible(q_pos[:, None], k_pos[None, :], window, doc_ids[:, :, None],
+                   doc_ids[:, None, :])[:, None]
 
 
 def flex_mask_mod(window=0, doc_ids=None):
     """`visible` as FlexAttention's mask_mod(b, h, q_idx, kv_idx)."""
     if doc_ids is None:
         return lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window)
-    return lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window, doc_ids[b, q_idx], doc_ids[b, kv_idx])
-
-
-@dataclass
-class AttnContext:
-    """What every layer's attention needs to know about the positions of one forward pass."""
-
-    impl: str  # flex | sdpa | eager (after `auto` was resolved)
-    q_pos: torch.Tensor  # (Tq,) absolute positions of the queries
-    k_pos: torch.Tensor  # (Tk,) absolute positions of the keys
-    # Which keys each query sees, in the form its implementation takes: a BlockMask (flex), a dense
-    # (B or 1, 1, Tq, Tk) bool (eager, sdpa), or None where causality over the same positions is all
-    # there is (sdpa's flash kernel masks by itself: no T x T tensor)
-    mask: torch.Tensor | BlockMask | None
-    log_n: torch.Tensor | None  # (B or 1, Tq) log of how many keys each query sees (SSMax)
-    rope: tuple | None  # (cos, sin) of the queries' positions
-    pos_in_doc: torch.Tensor | None = None  # (B or 1, Tq) the queries' positions in their documents
-    # flex with flex_prior = "table": each layer's distance-only prior comes as its distance_table
-    # (the prior_table argument of Block and Attention, chosen per layer outside them) and SSMax is
-    # tabulated too. A flag, not the tables: a per-layer lookup inside a compiled Block would guard
-    # on the layer's index.
-    flex_tables: bool = False
-
-
-def layer_prior(prior_module, x, ctx, layer, kv_cache=None):
-    """What one layer's attention takes from its prior module: (prior, features), `prior` = (bias_fn,
-    tensors) or None, `features` = (at the queries, at the keys), each the tuple of the prior's token
-    features (AdditivePrior.token_features) of x, or None for a prior of the distance alone. With a KV
-    cache, the keys' features are the cached ones followed by the new ones."""
-    if prior_module is None:
-        return None, None
-    prior = (prior_module.bias_fn, prior_module.tensors())
-    if prior_module.DISTANCE_ONLY:
-        return prior, None
-    if kv_cache is None:  # training and full forwards: no position read back from the device per layer
-        new = prior_module.token_features(x, ctx.pos_in_doc, None)
-        return prior, (new, new)
-    start = int(ctx.q_pos[0])
-    new = prior_module.token_features(x, ctx.pos_in_doc, kv_cache.past_features(layer, start))
-    return prior, (new, kv_cache.update_features(layer, start, new))
+    return lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window, doc_ids[b, q_idx],
+                                               doc_ids[b, kv_idx])
 
 
 def grid_features(features):
-    """Token features on the (B, H, Tq, Tk) score grid: (at the queries, at the keys), or (None, None)."""
+    """Token features on the (B, H, Tq, Tk) score grid: (at the queries, at the keys), or
+    (None, None)."""
     if features is None:
         return None, None
     return tuple(t[..., :, None] for t in features[0]), tuple(t[..., None, :] for t in features[1])
@@ -958,9 +1360,9 @@ def _head_index(n_head, device):
 
 
 def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
-    """Materialised fp32 scores: the reference implementation, O(Tq x Tk) memory. `features`: see
-    layer_prior. fp32 also under bf16 autocast, which would round q.k (and the weights' product with
-    v) to 8 bits."""
+    """Materialised fp32 scores: the reference implementation, O(Tq x Tk) memory.
+    `features`: see layer_prior. fp32 also under bf16 autocast, which would round q.k (and the
+    weights' product with v) to 8 bits."""
     H, hd = q.shape[1], q.shape[-1]
     k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
     with torch.autocast(q.device.type, enabled=False):
@@ -973,22 +1375,16 @@ def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
         return (scores.softmax(dim=-1) @ v.float()).type_as(q)
 
 
-def dense_prior(prior, head, q_pos, k_pos):
-    """g_h(i - j) on the (Tq, Tk) grid, (H, Tq, Tk) for head (H, 1). The prior depends on i - j only, so it
-    is evaluated once per distance (H x (Tq + Tk - 1) values, not H x Tq x Tk) and spread over the grid
-    by indexing, whose backward is a scatter-add."""
-    smallest = q_pos[0] - k_pos[-1]  # a tensor, so no device sync
-    distances = smallest + torch.arange(len(q_pos) + len(k_pos) - 1, device=q_pos.device)
-    table = prior_bias(prior, head, distances[None, :])  # (H, D)
-    return table[:, q_pos[:, None] - k_pos[None, :] - smallest]
-
-
 def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
     """torch's scaled_dot_product_attention. With nothing positional in the logits it is the flash
     kernel (O(T) memory). Otherwise the prior and the mask become one dense fp32 bias, and SSMax's
-    factor, which multiplies the whole logit, is folded into q:  (q.k/sqrt(d) + g) c = (c q).k/sqrt(d) + g c.
-    This is the CPU training path (flex has no CPU backward), so a prior of the distance alone is built
-    cheaply (dense_prior); one with token features (FIRE, FoX) is evaluated on the whole grid."""
+    factor, which multiplies the whole logit, is folded into q:
+
+        (q.k/sqrt(d) + g) c = (c q).k/sqrt(d) + g c.
+
+    This is the CPU training path (flex has no CPU backward), so a prior of the distance
+    alone is built cheaply (dense_prior); one with token features (FIRE, FoX) is
+    evaluated on the whole grid."""
     gqa = k.shape[1] != q.shape[1]
     if ctx.mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -1003,32 +1399,44 @@ def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
         factor = ssmax_factor(ssmax_scale, head, ctx.log_n[:, None, :, None])  # (B or 1, H, Tq, 1)
         bias, q = bias * factor, q.float() * factor
     bias = torch.where(ctx.mask, bias, float("-inf"))
-    # fp32 also under bf16 autocast, which would otherwise round the bias (and FIRE's or SSMax's gradient
-    # through it) to 8 bits: eager, the reference, keeps its scores in fp32 too
+    # fp32 also under bf16 autocast, which would otherwise round the bias (and FIRE's or SSMax's
+    # gradient through it) to 8 bits: eager, the reference, keeps its scores in fp32 too
     with torch.autocast(q.device.type, enabled=False):
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias,
+                                           enable_gqa=gqa)
     return y.type_as(v)
 
 
-# Prior tables for flex (ModelConfig.flex_prior = "table"). A prior that depends on the head and i - j only
-# (AdditivePrior.DISTANCE_ONLY) takes at most T values per head on a causal grid of T tokens; evaluating it
-# per score repeats its formula T times over, and in the backward pass every score adds its gradient into the
-# same few scalars per head (atomics on a GPU, pytorch/pytorch#137452). Instead the table is built outside
-# the kernel in plain torch, once per forward and prior module (Transformer._flex_prior_tables), the kernel
-# only gathers from it, and autograd takes the table's gradient back to the parameters. SSMax's factor
-# s_h log n_i is tabulated alike by query. tests/test_prior_tables.py holds the tables to the formulas.
+def dense_prior(prior, head, q_pos, k_pos):
+    """g_h(i - j) on the (Tq, Tk) grid, (H, Tq, Tk) for head (H, 1). The prior depends on i - j
+    only, so it is evaluated once per distance (H x (Tq + Tk - 1) values, not H x Tq x Tk) and
+    spread over the grid by indexing, whose backward is a scatter-add."""
+    smallest = q_pos[0] - k_pos[-1]  # a tensor, so no device sync
+    distances = smallest + torch.arange(len(q_pos) + len(k_pos) - 1, device=q_pos.device)
+    table = prior_bias(prior, head, distances[None, :])  # (H, D)
+    return table[:, q_pos[:, None] - k_pos[None, :] - smallest]
+
+
+# Prior tables for flex (ModelConfig.flex_prior = "table"). A prior that depends on the head and i -
+# j only (AdditivePrior.DISTANCE_ONLY) takes at most T values per head on a causal grid of T tokens;
+# evaluating it per score repeats its formula T times over, and in the backward pass every score
+# adds its gradient into the same few scalars per head (atomics on a GPU, pytorch/pytorch#137452).
+# Instead the table is built outside the kernel in plain torch, once per forward and prior module
+# (Transformer._flex_prior_tables), the kernel only gathers from it, and autograd takes the table's
+# gradient back to the parameters. SSMax's factor s_h log n_i is tabulated alike by query.
+# tests/test_prior_tables.py holds the tables to the formulas.
 
 
 def distance_table(prior, n_head, length, device):
-    """g_h(d) for d = 0 .. length - 1: (H, length) fp32, every value a causal kernel over `length` tokens
-    asks of a distance-only prior; `prior` is (bias_fn, tensors) as for prior_bias."""
+    """g_h(d) for d = 0 .. length - 1: (H, length) fp32, every value a causal kernel over `length`
+    tokens asks of a distance-only prior; `prior` is (bias_fn, tensors) as for prior_bias."""
     distances = torch.arange(length, device=device, dtype=torch.float32)
     return prior_bias(prior, torch.arange(n_head, device=device)[:, None], distances[None, :])
 
 
 def table_bias(dist, head, table):
-    """The bias function of a prior read from its distance_table: entry d is distance d. A negative distance
-    (a key after its query, masked anyway) reads entry 0, so no index leaves the table."""
+    """The bias function of a prior read from its distance_table: entry d is distance d. A negative
+    distance (a key after its query, masked anyway) reads entry 0, so no index leaves the table."""
     return table[head, dist.clamp(min=0).long()]
 
 
@@ -1048,8 +1456,9 @@ def flex_captured(t):
 
 
 def tabled_scores(scores, b, head, q_pos, k_pos, bias_table, factor_table):
-    """positional_scores with both of its terms read from tables: (scores + g_h(i - j)) * s_h log n_i, where
-    `bias_table` is a distance_table (or None) and `factor_table` an ssmax_table (or None)."""
+    """positional_scores with both of its terms read from tables:
+    (scores + g_h(i - j)) * s_h log n_i, where `bias_table` is a distance_table (or None) and
+    `factor_table` an ssmax_table (or None)."""
     if bias_table is not None:
         scores = scores + table_bias(q_pos - k_pos, head, bias_table)
     if factor_table is not None:
@@ -1057,15 +1466,137 @@ def tabled_scores(scores, b, head, q_pos, k_pos, bias_table, factor_table):
     return scores
 
 
+def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
+    """FlexAttention: the prior as score_mod, the mask as a sparse BlockMask; never
+    materialises Tq x Tk. Queries and keys are the same positions 0..T-1 (no KV cache), so
+    the token features at the queries are those at the keys (layer_prior). With prior tables
+    (ctx.flex_tables) a tabulated prior, (table_bias, (table,)), and SSMax are gathered from
+    tables; any other prior (one with token features included), and everything with
+    flex_prior = "formula", is evaluated by its formula per score."""
+    log_n = None
+    if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
+        log_n = (ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1
+                 else ctx.log_n)
+    bias_fn, tensors = (None, ()) if prior is None else prior
+    tabulated = ctx.flex_tables and bias_fn in (None, table_bias)
+    cpu = q.device.type == "cpu"
+    kernel = flex_kernel(flex_variant(bias_fn, ssmax_scale is not None, features is not None,
+                                      tabulated, cpu))
+    T, padded = q.shape[2], ctx.mask.seq_lengths[0]
+    if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
+        features = tuple(flex_captured(t.expand(q.shape[0], q.shape[1], T)) for t in features[0])
+    # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
+    if padded > T:
+        q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
+        log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
+        features = None if features is None else tuple(F.pad(t, (0, padded - T)) for t in features)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one kernel
+    if tabulated:
+        bias_table = tensors[0] if tensors else None
+        if bias_table is not None and bias_table.shape[-1] < padded:  # a shape, no device sync
+            raise ValueError(f"a prior table covers distances 0..{bias_table.shape[-1] - 1}, the "
+                             f"kernel runs {padded} tokens: build it at ctx.mask.seq_lengths[0]")
+        factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, q.shape[0])
+        return kernel(q, k, v, ctx.mask, bias_table, factor_table)[:, :, :T]
+    return kernel(q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)[:, :, :T]
 
 
+# The attention paths by name (ModelConfig.attn_impl after `auto`):
+# Attention.forward looks its path up here.
+ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_fused}
 
-# flex_attention_fused, the third path, and the BlockMasks it takes are in "Flex runtime" at the end of the
-# file, with the caches, compiled kernels and torch 2.13 CPU workarounds they need.
+
+# --------------------------------------------------------------------------------------------------
+# Validation: what ModelConfig refuses (ModelConfig.__post_init__ calls check_model_config), the
+# numeric ranges of its fields, and the order of document ids.
 
 
-# ---------------------------------------------------------------------------------------------------
-# The model
+def check_model_config(cfg):
+    """ValueError("model config: ...") naming the first setting of `cfg` that is not allowed."""
+
+    def bad(msg):
+        raise ValueError(f"model config: {msg}")
+
+    check_ranges(cfg, MODEL_RANGES, bad)
+    if cfg.pe not in ENCODINGS:
+        bad(f"unknown pe {cfg.pe!r}; allowed: {', '.join(ENCODINGS)}")
+    if cfg.attn_impl not in ATTN_IMPLS:
+        bad(f"unknown attn_impl {cfg.attn_impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
+    if cfg.flex_prior not in FLEX_PRIORS:
+        bad(f"unknown flex_prior {cfg.flex_prior!r}; allowed: {', '.join(FLEX_PRIORS)}")
+    if cfg.bam_init not in BAM_INITS:
+        bad(f"unknown bam_init {cfg.bam_init!r}; allowed: {', '.join(BAM_INITS)}")
+    if cfg.n_embd % cfg.n_head and not cfg.attn_head_dim:
+        bad(f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} (or set attn_head_dim)")
+    even = ENCODINGS[cfg.pe].even_width
+    if even and getattr(cfg, even) % 2:
+        bad(f"{cfg.pe} needs an even {even}, got {even}={getattr(cfg, even)}")
+    if cfg.n_kv_head < 0 or (cfg.n_kv_head and cfg.n_head % cfg.n_kv_head):
+        bad(f"n_kv_head={cfg.n_kv_head} must divide n_head={cfg.n_head} (or be 0 for n_head)")
+    if cfg.t5_num_buckets % 2 or cfg.t5_max_distance <= cfg.t5_num_buckets // 2:
+        bad(f"T5 needs an even t5_num_buckets and t5_max_distance > t5_num_buckets / 2, got "
+            f"{cfg.t5_num_buckets} and {cfg.t5_max_distance}")
+    check_rope_scaling(cfg, bad)
+
+
+def check_rope_scaling(cfg, bad):
+    """The RoPE scalings' settings: bad(msg) for the first that is not allowed."""
+    if cfg.rope_scaling not in ROPE_SCALINGS:
+        bad(f"unknown rope_scaling {cfg.rope_scaling!r}; allowed: {', '.join(ROPE_SCALINGS)}")
+    if not 0 < cfg.yarn_beta_slow < cfg.yarn_beta_fast:
+        bad(f"YaRN needs 0 < yarn_beta_slow < yarn_beta_fast, got {cfg.yarn_beta_slow} and "
+            f"{cfg.yarn_beta_fast}")
+    if cfg.rope_scaling == "none" and cfg.rope_factor != 1.0:
+        bad(f"rope_factor={cfg.rope_factor} has no effect with rope_scaling='none'; choose one of "
+            f"{', '.join(ROPE_SCALINGS[1:])}")
+    if cfg.rope_scaling != "none" and ENCODINGS[cfg.pe].rotation is None:
+        bad(f"rope_scaling needs a rotary encoding (pe = 'rope'), got pe={cfg.pe!r}")
+    if not cfg.llama3_low_freq_factor < cfg.llama3_high_freq_factor:
+        bad(f"llama3 scaling needs llama3_low_freq_factor < llama3_high_freq_factor, got "
+            f"{cfg.llama3_low_freq_factor} and {cfg.llama3_high_freq_factor}")
+    if cfg.rope_scaling in ("ntk", "dynamic_ntk") and cfg.head_dim <= 2:
+        bad(f"rope_scaling={cfg.rope_scaling!r} needs head_dim > 2 (its exponent is d / (d - 2)), "
+            f"got {cfg.head_dim}")
+
+
+# What every numeric ModelConfig field may be (bam/ranges.py's notation; always finite as well). A
+# new numeric field needs its line here: tests/test_ranges.py fails for one without. Bases below 2
+# would make RoPE's and the sinusoids' frequencies grow with the pair index (or all equal 1) instead
+# of spreading them out. A range refuses nonsense (a width below 1, a negative count), never a value
+# the method admits: "" is any finite number. BAM's shape is one: b <= 0 is the paper's retrieval
+# head and b = 0 NoPE (docs/paper.md §2), and the paper puts no clamp on b.
+MODEL_RANGES = {
+    "vocab_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_kv_head": ">= 0",
+    "n_embd": ">= 1", "mlp_hidden": ">= 0", "block_size": ">= 1", "norm_eps": "> 0, < 1",
+    "init_std": "> 0, <= 10", "rope_theta": ">= 2", "rope_factor": ">= 1",
+    "rope_original_context": ">= 0", "yarn_beta_fast": "> 0", "yarn_beta_slow": "> 0",
+    "sinusoidal_base": ">= 2", "attn_window": ">= 0", "bam_init_shape": "",
+    "bam_init_log_scale": ">= -30, <= 30", "t5_num_buckets": ">= 2", "t5_max_distance": ">= 2",
+    "fire_mlp_width": ">= 1", "fire_init_c": "> 0", "fire_init_threshold": "> 0",
+    "attn_head_dim": ">= 0",
+    "llama3_low_freq_factor": "> 0", "llama3_high_freq_factor": "> 0",
+    # past +-30 a gate is shut (log f < -30 a token) or open to 1e-13
+    "fox_gate_init_bias": ">= -30, <= 30",
+}
+_LIMIT = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
+
+
+def check_ranges(obj, table, bad):
+    """bad("NAME = VALUE: allowed: ...") for a field of `obj` that is not a finite number
+    within its range in `table` ("> 0", ">= 0, <= 1"). ranges.check does the same for the other
+    configs and the command lines; this copy keeps model.py free of the repository's other
+    modules (it is exported alone)."""
+    for name, spec in table.items():
+        value, kind = getattr(obj, name), type(getattr(type(obj), name, 0.0))
+        integer = kind is int
+        ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+        ok = ok and math.isfinite(value)
+        for part in spec.split(",") if spec else ():  # "": any finite number
+            op, _, limit = part.strip().partition(" ")
+            ok = ok and _LIMIT[op](float(value), float(limit))
+        if not ok:
+            what = "an integer" if integer else "a finite number"
+            bad(f"{name} = {value!r}: allowed: {what} {spec}".rstrip())
 
 
 def check_doc_ids(doc_ids):
@@ -1074,385 +1605,7 @@ def check_doc_ids(doc_ids):
         raise ValueError("doc_ids must be non-decreasing along each row (documents are contiguous)")
 
 
-def positions_in_documents(doc_ids):
-    """(B, T) position of each token inside its document: 0 where its document starts."""
-    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
-
-
-def ssmax_log_n(pos_in_doc, window=0):
-    """log n_i for SSMax, n_i = the keys query i can see (docs/paper.md §3): the count of `visible` keys,
-    its in-document position + 1, capped by the window."""
-    n_keys = pos_in_doc + 1
-    return torch.log(n_keys.clamp(max=window).float() if window else n_keys.float())
-
-
-def broadcast_leading(a, b):
-    """a and b expanded to the same leading dimensions, their last ones kept (to join along it)."""
-    lead = torch.broadcast_shapes(a.shape[:-1], b.shape[:-1])
-    return a.expand(*lead, a.shape[-1]), b.expand(*lead, b.shape[-1])
-
-
-class KVCache:
-    """Keys and values (after RoPE) of every layer, for generation: preallocated for the whole sequence,
-    or, with a sliding window, only the last window - 1 positions, which are all a later query can see."""
-
-    def __init__(self, cfg, batch_size, max_len, device, dtype):
-        self.window = cfg.attn_window
-        shape = (batch_size, cfg.kv_heads, 0 if self.window else max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.features = [() for _ in range(cfg.n_layer)]  # a prior's token features of the cached keys (FoX, FIRE)
-        self.max_len = max_len
-        self.next_position = 0  # a windowed cache holds no earlier positions to go back to
-
-    def first_key(self, start):
-        """Position of the first key that queries from position `start` on attend over."""
-        return max(0, start - (self.window - 1)) if self.window else 0
-
-    def update(self, layer, start, k, v):
-        """Store the keys and values of positions start, start + 1, ...; return those of positions
-        first_key(start) ... the last one stored, which the current queries attend over."""
-        end = start + k.shape[2]
-        if not self.window:
-            self.k[layer][:, :, start:end] = k
-            self.v[layer][:, :, start:end] = v
-            return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-        if start != self.next_position and layer == 0:
-            raise ValueError(f"a windowed KV cache continues where it stopped: position {start} was not next "
-                             f"({self.next_position} was)")
-        if layer == len(self.k) - 1:
-            self.next_position = end
-        k, v = torch.cat((self.k[layer], k), dim=2), torch.cat((self.v[layer], v), dim=2)
-        self.k[layer], self.v[layer] = k[:, :, k.shape[2] - (end - self.first_key(end)):], \
-            v[:, :, v.shape[2] - (end - self.first_key(end)):]
-        return k, v
-
-    def past_features(self, layer, start):
-        """The prior's token features (layer_prior) of the cached positions before `start`, or None."""
-        stored = self.features[layer]
-        if not stored:
-            return None
-        return stored if self.window else tuple(t[..., :start] for t in stored)
-
-    def update_features(self, layer, start, features):
-        """As `update`, for the prior's token features, (B or 1, H or 1, T) each: those of the keys the
-        current queries attend over."""
-        past = self.past_features(layer, start) or tuple(t[..., :0] for t in features)
-        joined = tuple(torch.cat(broadcast_leading(p, t), dim=-1) for p, t in zip(past, features))
-        keep = (start + features[0].shape[-1]) - self.first_key(start + features[0].shape[-1])
-        self.features[layer] = tuple(t[..., t.shape[-1] - keep:] for t in joined) if self.window else joined
-        return joined
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        hd = cfg.head_dim
-        self.wq = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
-        # SSMax's s_h, per head and per layer, init 1 (docs/paper.md §3)
-        self.ssmax_scale = nn.Parameter(torch.ones(cfg.n_head)) if cfg.ssmax else None
-
-    def project(self, x, ctx: AttnContext):
-        """q, k, v of x, (B, heads, T, head_dim), as every attention implementation receives them (q and
-        k rotated for a rotary encoding); eval.attention scores its sampled queries with the same ones."""
-        B, T, _ = x.shape
-        cfg = self.cfg
-        q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
-        if ctx.rope is not None:
-            q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
-        return q, k, v
-
-    def forward(self, x, ctx: AttnContext, prior_module, layer, kv_cache=None, prior_table=None):
-        """`prior_table`: this layer's prior as its distance_table (ctx.flex_tables), or None."""
-        B, T, _ = x.shape
-        q, k, v = self.project(x, ctx)
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer, int(ctx.q_pos[0]), k, v)
-        if prior_table is not None:  # built once for this forward (Transformer._flex_prior_tables)
-            prior, features = (table_bias, (prior_table,)), None
-        else:
-            prior, features = layer_prior(prior_module, x, ctx, layer, kv_cache)
-        y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale, features)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.w1 = nn.Linear(cfg.n_embd, cfg.hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.n_embd, cfg.hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(cfg.hidden_dim, cfg.n_embd, bias=False)  # down
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
-
-    def forward(self, x, ctx, prior_module, layer, kv_cache=None, prior_table=None):
-        x = x + self.attn(self.attn_norm(x), ctx, prior_module, layer, kv_cache, prior_table)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
-        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied, as in the paper
-        self.encoding = ENCODINGS[cfg.pe]
-        # empty unless the encoding is a prior: one module per layer, or one that every layer shares
-        self.priors = nn.ModuleList(self.encoding(cfg) for _ in range(self.encoding.copies(cfg)))
-        self.apply(self._init_weights)
-        if cfg.tie_embeddings:  # one matrix, the embedding's (its init); the state dict names it under both keys
-            self.lm_head.weight = self.tok_emb.weight
-        # GPT-2 / nanoGPT: shrink the residual-stream writes with depth so activations stay O(1)
-        for name, p in self.named_parameters():
-            if name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
-        self.build_flex_kernels()
-
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
-        if isinstance(module, Attention):  # qkv_bias starts at 0; a prior's own biases (FoX's gates) keep their init
-            for projection in (module.wq, module.wk, module.wv):
-                if projection.bias is not None:
-                    nn.init.zeros_(projection.bias)
-
-    # -- forward, in the order data flows ------------------------------------------------------------
-
-    def forward(self, idx, targets=None, doc_ids=None, last_k=None, kv_cache=None, start_pos=0,
-                sparse_targets=False):
-        """idx (B, T) tokens -> (logits, loss). With `last_k`, logits (and loss) only for the last k
-        positions: long-context evaluation never builds a T x vocab tensor. `doc_ids` (B, T) restricts
-        attention to earlier tokens of the same document. Targets of -1 are ignored by the loss; with
-        `sparse_targets` (most of them -1) the output layer runs only at the N other positions and the
-        logits are (N, vocab): the same loss for a fraction of the output layer's cost."""
-        B, T = idx.shape
-        if doc_ids is not None:
-            self._check_doc_ids(doc_ids, (B, T), start_pos)
-        # Each token's position inside its document: RoPE and the priors only see differences, which are
-        # the same either way; the sinusoidal encoding and SSMax's key count need the in-document position.
-        pos_in_doc = (torch.arange(start_pos, start_pos + T, device=idx.device)[None] if doc_ids is None
-                      else positions_in_documents(doc_ids))
-        x = self._embed(idx, pos_in_doc)
-        ctx = self._attention_context(start_pos, T, pos_in_doc, doc_ids, kv_cache)
-        # Each layer's table is picked here, outside the Block that FSDP compiles, so that one Block
-        # graph serves every layer
-        tables = None
-        if ctx.flex_tables:
-            tables = self._flex_prior_tables(ctx.mask.seq_lengths[0], idx.device)
-        for layer, block in enumerate(self.blocks):
-            x = block(x, ctx, self._prior_of_layer(layer), layer, kv_cache,
-                      prior_table=None if tables is None else tables[layer])
-        return self._logits_and_loss(x, targets, last_k, sparse_targets)
-
-    def _check_doc_ids(self, doc_ids, shape, start_pos):
-        if start_pos:
-            raise ValueError("doc_ids cannot be combined with a KV cache")
-        if doc_ids.shape != shape:
-            raise ValueError(f"doc_ids must have the shape of idx, {shape}, got {tuple(doc_ids.shape)}")
-        # The order check reads the tensor back (a device sync, and a graph break under torch.compile), so it
-        # runs only where that is free: eager calls on CPU tensors. ShardLoader's ids are ordered by
-        # construction (a cumulative count of EOTs); a GPU caller is trusted as the compiled one is.
-        if doc_ids.device.type == "cpu" and not torch.compiler.is_compiling():
-            check_doc_ids(doc_ids)
-
-    def _embed(self, idx, pos_in_doc):
-        x = self.tok_emb(idx)
-        if self.encoding.embedding is not None:
-            x = x + self.encoding.embedding(pos_in_doc, self.config).to(x.dtype)
-        return x
-
-    def _attention_context(self, start_pos, T, pos_in_doc, doc_ids, kv_cache):
-        """What every layer's attention needs about the positions of this forward: built once, shared."""
-        cfg, device = self.config, pos_in_doc.device
-        q_pos = torch.arange(start_pos, start_pos + T, device=device)
-        first_key = kv_cache.first_key(start_pos) if kv_cache is not None else 0
-        k_pos = torch.arange(first_key, start_pos + T, device=device)
-        impl = self.attention_impl(T, len(k_pos), doc_ids is not None)
-        log_n = ssmax_log_n(pos_in_doc, cfg.attn_window) if cfg.ssmax else None
-        rotation = self.encoding.rotation
-        rope = rotation(q_pos, cfg, length=start_pos + T) if rotation is not None else None
-        mask = self._mask(impl, q_pos, k_pos, doc_ids)
-        flex_tables = impl == "flex" and cfg.flex_prior == "table"
-        return AttnContext(impl, q_pos, k_pos, mask, log_n, rope, pos_in_doc, flex_tables)
-
-    def _flex_prior_tables(self, length, device):
-        """Per layer, the distance_table of its prior over the kernel's `length` tokens, built once per prior
-        module (once for all layers where the prior is shared), or None where the prior is not distance-only."""
-        built = [distance_table((p.bias_fn, p.tensors()), self.config.n_head, length, device) if p.DISTANCE_ONLY
-                 else None for p in self.priors]
-        return tuple(built[layer if len(built) > 1 else 0] if built else None for layer in range(self.config.n_layer))
-
-    def build_flex_kernels(self):
-        """Every flex kernel a forward of this model can ask for (flex_kernel), on a CPU or a GPU,
-        with either flex_prior: made before any trace, so that a compiled forward only reads them.
-        Making one costs nothing (it compiles at its first call)."""
-        use_ssmax = self.config.ssmax
-        for prior in self.priors or [None]:
-            bias_fn = None if prior is None else prior.bias_fn
-            has_features = prior is not None and not prior.DISTANCE_ONLY
-            for cpu in (False, True):
-                if not has_features:  # read from its table (table_bias), or SSMax's table alone
-                    tabled = None if prior is None else table_bias
-                    flex_kernel(flex_variant(tabled, use_ssmax, False, True, cpu))
-                flex_kernel(flex_variant(bias_fn, use_ssmax, has_features, False, cpu))
-
-    def _plain_causal(self, T_q, T_k, has_docs):
-        """Nothing positional in attention but causality, which sdpa's flash kernel does by itself."""
-        cfg = self.config
-        return T_q == T_k and not (len(self.priors) > 0 or cfg.ssmax or has_docs or cfg.attn_window > 0)
-
-    def attention_impl(self, T_q, T_k, has_docs):
-        """Which attention implementation a forward over T_q queries and T_k keys will use."""
-        cfg = self.config
-        impl = cfg.attn_impl
-        if T_q != T_k:  # decoding with a KV cache: a few queries against all keys; flex needs Tq == Tk
-            return "eager" if impl == "eager" else "sdpa"
-        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
-        on_cuda = self.lm_head.weight.is_cuda
-        if impl == "flex" and training and not on_cuda:
-            raise ValueError("attn_impl='flex' has no backward pass on CPU (torch 2.13): train on CPU with "
-                             "'sdpa', 'eager' or 'auto', or run inference under torch.no_grad()")
-        if impl != "auto":
-            return impl
-        if self._plain_causal(T_q, T_k, has_docs):
-            return "sdpa"  # flash attention with is_causal
-        if on_cuda:
-            return "flex"
-        # FlexAttention has no backward on CPU (torch 2.13), and below a few thousand tokens the dense
-        # bias costs less than flex's compile; past that the dense bias grows as T^2 and flex wins.
-        return "sdpa" if training or T_q <= 2048 else "flex"
-
-    def _mask(self, impl, q_pos, k_pos, doc_ids):
-        """`visible` in the form `impl` takes (AttnContext.mask)."""
-        window = self.config.attn_window
-        if impl == "flex":
-            return make_block_mask(doc_ids, len(q_pos), q_pos.device, window)
-        if impl == "sdpa" and self._plain_causal(len(q_pos), len(k_pos), doc_ids is not None):
-            return None
-        return dense_mask(q_pos, k_pos, window, doc_ids)
-
-    def _prior_of_layer(self, layer):
-        if len(self.priors) == 0:
-            return None
-        return self.priors[layer if len(self.priors) > 1 else 0]
-
-    def _logits_and_loss(self, x, targets, last_k, sparse_targets):
-        if last_k is not None:
-            x = x[:, -last_k:]
-        if sparse_targets:
-            if targets is None:
-                raise ValueError("sparse_targets needs targets: it computes logits only where they are not -1")
-            if last_k is not None and targets.shape[1] != x.shape[1]:
-                targets = targets[:, -last_k:]
-            keep = targets != -1
-            x, targets = x[keep], targets[keep]  # (N, C), (N,)
-            logits = self.lm_head(self.norm(x))
-            # No target in the batch: a zero loss that still reaches every parameter (not a NaN).
-            loss = F.cross_entropy(logits.float(), targets) if len(targets) else logits.sum() * 0 + x.sum() * 0
-            return logits, loss
-        logits = self.lm_head(self.norm(x))
-        loss = None
-        if targets is not None:
-            if last_k is not None and targets.shape[1] != logits.shape[1]:
-                targets = targets[:, -last_k:]
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
-        return logits, loss
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Sample continuations of idx (B, T) with a KV cache; temperature 0 is greedy decoding."""
-        B, T = idx.shape
-        dtype = self.lm_head.weight.dtype
-        cache = KVCache(self.config, B, T + max_new_tokens, idx.device, dtype)
-        logits, _ = self(idx, last_k=1, kv_cache=cache)
-        out = [idx]
-        for step in range(max_new_tokens):
-            logits = logits[:, -1].float()
-            if temperature == 0:
-                next_tok = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_tok = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
-            out.append(next_tok)
-            if step + 1 < max_new_tokens:
-                logits, _ = self(next_tok, kv_cache=cache, start_pos=T + step)
-        return torch.cat(out, dim=1)
-
-    # -- conveniences ------------------------------------------------------------------------------
-
-    def prior_parameters(self):
-        """BAM's prior and SSMax's scales: trained in their own optimizer group (docs/paper.md §4)."""
-        params = [p for prior in self.priors for p in prior.parameters()]
-        params += [b.attn.ssmax_scale for b in self.blocks if b.attn.ssmax_scale is not None]
-        return params
-
-    def optim_groups(self, weight_decay, decay_embeddings=True):
-        """Weight decay on matrices only (docs/paper.md §4); none on norms, prior or SSMax parameters."""
-        prior_ids = {id(p) for p in self.prior_parameters()}
-        embeddings = {id(self.tok_emb.weight)}
-        decay, no_decay, prior = [], [], []
-        for p in self.parameters():
-            if not p.requires_grad:
-                continue
-            if id(p) in prior_ids:
-                prior.append(p)
-            elif p.dim() >= 2 and (decay_embeddings or id(p) not in embeddings):
-                decay.append(p)
-            else:
-                no_decay.append(p)
-        groups = [dict(name="decay", params=decay, weight_decay=weight_decay),
-                  dict(name="no_decay", params=no_decay, weight_decay=0.0),
-                  dict(name="prior", params=prior, weight_decay=0.0)]
-        return [g for g in groups if g["params"]]
-
-    def prior_summary(self):
-        """Every head's positional parameters, per layer: {name: [[head values] per layer]}."""
-        summary = {}
-        for prior in self.priors:
-            for name, values in prior.head_parameters().items():
-                summary.setdefault(f"{prior.METRICS_PREFIX}_{name}", []).append(values)
-        ssmax = [b.attn.ssmax_scale.tolist() for b in self.blocks if b.attn.ssmax_scale is not None]
-        if ssmax:
-            summary["ssmax_scale"] = ssmax
-        return summary
-
-    def num_params(self, non_embedding=False):
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_emb.weight.numel() if non_embedding else n
-
-    def flops_per_token(self, seq_len):
-        """Training FLOPs per token (forward + backward), PaLM appendix B: 6 N for the matmuls (the
-        embedding lookup is not one) plus 12 L H hd T for attention scores and values."""
-        cfg = self.config
-        head = self.lm_head.weight.numel() if cfg.tie_embeddings else 0  # a matmul, though its matrix is the embedding
-        return 6 * (self.num_params(non_embedding=True) + head) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
-
-
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Flex runtime: what FlexAttention needs around the math above. The BlockMasks (written down
 # directly, and the causal ones kept in a small cache), one compiled kernel per variant (kept in
 # _FLEX_KERNELS, built outside any trace, where dynamo's recompile budget is raised), and torch
@@ -1460,30 +1613,64 @@ class Transformer(nn.Module):
 # padded to whole blocks).
 
 
-# FlexAttention's BlockMask says which 128 x 128 blocks of the score grid to visit at all (in full, or
-# through the mask_mod); the causal and the windowed one are written down directly, because
+# FlexAttention's BlockMask says which 128 x 128 blocks of the score grid to visit at all (in full,
+# or through the mask_mod); the causal and the windowed one are written down directly, because
 # create_block_mask would first evaluate the mask on all T x T pairs (10 bytes each: 640 MiB at 8K
 # tokens, 2.5 TB at 500K).
 
 
+def make_block_mask(doc_ids, T, device, window=0):
+    """The BlockMask of one forward pass over T tokens (causal, within documents, within the window
+    if any), built once per forward and shared by every layer, at flex_mask_length(T): padded
+    positions are a document of their own after the last one."""
+    T_mask = flex_mask_length(T, device)
+    if doc_ids is None:
+        if window:
+            return window_block_mask(T_mask, window, device)
+        return cached_causal_block_mask(T_mask, device)
+    if T_mask > T:
+        doc_ids = torch.cat([doc_ids, (doc_ids[:, -1:] + 1).expand(-1, T_mask - T)], dim=1)
+    # Documents are a training-time feature, where T is the training context: the dense evaluation
+    # inside create_block_mask is affordable there.
+    return create_block_mask(flex_mask_mod(window, doc_ids), doc_ids.shape[0], None, T_mask, T_mask,
+                             device=device)
+
+
+def flex_mask_length(T, device):
+    """The length FlexAttention runs at. torch 2.13's compiled CPU kernel returns wrong values, and
+    not the same ones twice, when the sequence ends inside one of its blocks on an AVX2 CPU
+    (measured on this project's CI machine: T = 8, 24, 40 and 120 wrong, multiples of 16 right). On
+    CPU the sequence is therefore padded to whole 128-token blocks; on GPU it runs as it is."""
+    return T if torch.device(device).type != "cpu" else -(-T // 128) * 128
+
+
 def causal_block_mask(T, device, block=128):
-    """The causal BlockMask: query block i sees key blocks 0..i-1 in full and block i through the mask.
-    O((T / block)^2) small ints."""
+    """The causal BlockMask: query block i sees key blocks 0..i-1 in full and block i through the
+    mask. O((T / block)^2) small ints."""
     n = -(-T // block)
     rows = torch.arange(n, device=device, dtype=torch.int32)
     diagonal_count = torch.ones(1, 1, n, device=device, dtype=torch.int32)
-    diagonal_index = torch.zeros(1, 1, n, n, device=device, dtype=torch.int32)  # only column 0 is read
+    # only column 0 is read
+    diagonal_index = torch.zeros(1, 1, n, n, device=device, dtype=torch.int32)
     diagonal_index[..., 0] = rows
     full_count = rows.view(1, 1, n)  # block i has i full blocks before it
-    full_index = rows.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()  # entries past the count unused
-    return BlockMask.from_kv_blocks(diagonal_count, diagonal_index, full_count, full_index, BLOCK_SIZE=block,
-                                    mask_mod=flex_mask_mod(), seq_lengths=(T, T))
+    # entries past the count are unused
+    full_index = rows.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()
+    return BlockMask.from_kv_blocks(diagonal_count, diagonal_index, full_count, full_index,
+                                    BLOCK_SIZE=block, mask_mod=flex_mask_mod(), seq_lengths=(T, T))
 
 
-# Causal masks kept by (length, device): evaluation calls the model again and again at one length, and a
-# long mask is (T / 128)^2 indices plus their transpose, rebuilt for nothing each time. A few entries only,
-# so a sweep over lengths does not keep every mask; inference-mode tensors are kept apart (the third key)
-# because autograd refuses to save them for a later backward.
+def cached_causal_block_mask(T, device):
+    # inside a compiled graph the mask is part of the graph: no cache, no guards
+    if torch.compiler.is_compiling():
+        return causal_block_mask(T, device)
+    return _kept_causal_block_mask(T, torch.device(device), torch.is_inference_mode_enabled())
+
+
+# Causal masks kept by (length, device): evaluation calls the model again and again at one length,
+# and a long mask is (T / 128)^2 indices plus their transpose, rebuilt for nothing each time. A few
+# entries only, so a sweep over lengths does not keep every mask; inference-mode tensors are kept
+# apart (the third key) because autograd refuses to save them for a later backward.
 CAUSAL_MASKS_KEPT = 4
 
 
@@ -1492,106 +1679,28 @@ def _kept_causal_block_mask(T, device, inference_mode):
     return causal_block_mask(T, device)
 
 
-def cached_causal_block_mask(T, device):
-    if torch.compiler.is_compiling():  # inside a compiled graph the mask is part of the graph: no cache, no guards
-        return causal_block_mask(T, device)
-    return _kept_causal_block_mask(T, torch.device(device), torch.is_inference_mode_enabled())
-
-
 def window_block_mask(T, window, device, block=128):
-    """The causal sliding-window BlockMask, block-banded: query block i sees the key blocks whose every
-    pair has 0 <= q - k < window in full, and through the mask the diagonal block and the blocks the
-    band's lower edge cuts; the rest is skipped, so the cost grows as T x window. For blocks of B rows,
-    every pair of query block i and key block c < i is inside the window iff (i - c + 1) B <= window,
-    and some pair is iff (i - c - 1) B + 1 < window."""
+    """The causal sliding-window BlockMask, block-banded: query block i sees the key blocks whose
+    every pair has 0 <= q - k < window in full, and through the mask the diagonal block and the
+    blocks the band's lower edge cuts; the rest is skipped, so the cost grows as T x window. For
+    blocks of B rows, every pair of query block i and key block c < i is inside the window iff (i -
+    c + 1) B <= window, and some pair is iff (i - c - 1) B + 1 < window."""
     n = -(-T // block)
     rows = torch.arange(n, device=device, dtype=torch.int64)[:, None]
     cols = torch.arange(n, device=device, dtype=torch.int64)[None, :]
     full = (cols < rows) & ((rows - cols + 1) * block <= window)
     partial = (cols <= rows) & ((rows - cols - 1) * block + 1 < window) & ~full
-    # The index tensors are n x n like causal_block_mask's (BlockMask's transpose for the backward pass
-    # reads their width as the number of key blocks); only the first `count` entries of a row are used.
+    # The index tensors are n x n like causal_block_mask's (BlockMask's transpose for
+    # the backward pass reads their width as the number of key blocks); only the first
+    # `count` entries of a row are used.
     def ordered(blocks):
         count = blocks.sum(dim=1).to(torch.int32)
-        index = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)  # hits first
+        # hits first
+        index = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)
         return count.view(1, 1, n), index.view(1, 1, n, n)
 
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block,
                                     mask_mod=flex_mask_mod(window), seq_lengths=(T, T))
-
-
-def flex_mask_length(T, device):
-    """The length FlexAttention runs at. torch 2.13's compiled CPU kernel returns wrong values, and not
-    the same ones twice, when the sequence ends inside one of its blocks on an AVX2 CPU (measured on this
-    project's CI machine: T = 8, 24, 40 and 120 wrong, multiples of 16 right). On CPU the sequence is
-    therefore padded to whole 128-token blocks; on GPU it runs as it is."""
-    return T if torch.device(device).type != "cpu" else -(-T // 128) * 128
-
-
-def make_block_mask(doc_ids, T, device, window=0):
-    """The BlockMask of one forward pass over T tokens (causal, within documents, within the window if
-    any), built once per forward and shared by every layer, at flex_mask_length(T): padded positions
-    are a document of their own after the last one."""
-    T_mask = flex_mask_length(T, device)
-    if doc_ids is None:
-        return window_block_mask(T_mask, window, device) if window else cached_causal_block_mask(T_mask, device)
-    if T_mask > T:
-        doc_ids = torch.cat([doc_ids, (doc_ids[:, -1:] + 1).expand(-1, T_mask - T)], dim=1)
-    # Documents are a training-time feature, where T is the training context: the dense evaluation
-    # inside create_block_mask is affordable there.
-    return create_block_mask(flex_mask_mod(window, doc_ids), doc_ids.shape[0], None, T_mask, T_mask, device=device)
-
-
-def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes):
-    """One compiled FlexAttention for every distance-only prior (with or without SSMax): its score_mod only
-    gathers from the tables, which are arguments, so gradients flow to them as to q, k and v. `static_shapes`
-    (the CPU): torch 2.13's C++ code for this gather under a document-and-window mask fails to compile once
-    dynamo has made the length dynamic (an undeclared `cur_kvSplitSize` in inductor's flex template; the
-    formula kernel is not affected), so on a CPU each length gets a kernel of its own."""
-
-    def kernel(q, k, v, block_mask, bias_table, factor_table):
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return tabled_scores(score, b, h, q_idx, kv_idx, bias_table if use_prior else None,
-                                 factor_table if use_ssmax else None)
-
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                              enable_gqa=k.shape[1] != q.shape[1])
-
-    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
-
-
-def _make_flex_kernel(bias_fn, use_ssmax, static_shapes):
-    """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
-    captured from a module, so every layer (and every model of that variant) reuses one compiled kernel
-    instead of recompiling per layer; each variant also gets its own recompile budget. `static_shapes` (the
-    CPU, for a score_mod that gathers per-query tensors): torch 2.13's C++ flex template fails to compile
-    FoX + SSMax's (the gates and log n by query) once dynamo has made the batch and length dynamic (an
-    undeclared `cur_qSplitSize2`, as the table kernel's `cur_kvSplitSize`), so each shape gets its own."""
-
-    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features):
-        prior = None if bias_fn is None else (bias_fn, prior_tensors)
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            row_log_n = log_n[b, q_idx] if use_ssmax else None
-            query = key = None
-            if features is not None:  # queries and keys are the same tokens: one (B, H, T) tensor each
-                query, key = tuple(t[b, h, q_idx] for t in features), tuple(t[b, h, kv_idx] for t in features)
-            return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale, query, key)
-
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                              enable_gqa=k.shape[1] != q.shape[1])
-
-    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
-
-
-def flex_variant(bias_fn, use_ssmax, has_features, tabulated, cpu):
-    """The key of the compiled kernel that serves a layer: ("table", prior?, SSMax?, CPU?) for a
-    prior read from its table (bias_fn table_bias or None), else (bias_fn, SSMax?, static shapes?),
-    static shapes being the CPU's workaround for a score_mod that gathers per-query tensors
-    (_make_flex_kernel)."""
-    if tabulated:
-        return ("table", bias_fn is not None, use_ssmax, cpu)
-    return (bias_fn, use_ssmax, cpu and (use_ssmax or has_features))
 
 
 _FLEX_KERNELS = {}
@@ -1621,37 +1730,58 @@ def flex_kernel(variant):
     return kernel
 
 
-def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
-    """FlexAttention: the prior as score_mod, the mask as a sparse BlockMask; never materialises Tq x Tk.
-    Queries and keys are the same positions 0..T-1 (no KV cache), so the token features at the queries
-    are those at the keys (layer_prior). With prior tables (ctx.flex_tables) a tabulated prior,
-    (table_bias, (table,)), and SSMax are gathered from tables; any other prior (one with token features
-    included), and everything with flex_prior = "formula", is evaluated by its formula per score."""
-    log_n = None
-    if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
-        log_n = ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1 else ctx.log_n
-    bias_fn, tensors = (None, ()) if prior is None else prior
-    tabulated = ctx.flex_tables and bias_fn in (None, table_bias)
-    cpu = q.device.type == "cpu"
-    kernel = flex_kernel(flex_variant(bias_fn, ssmax_scale is not None, features is not None,
-                                      tabulated, cpu))
-    T, padded = q.shape[2], ctx.mask.seq_lengths[0]
-    if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
-        features = tuple(flex_captured(t.expand(q.shape[0], q.shape[1], T)) for t in features[0])
-    if padded > T:  # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
-        q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
-        log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
-        features = None if features is None else tuple(F.pad(t, (0, padded - T)) for t in features)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one compiled kernel
+def flex_variant(bias_fn, use_ssmax, has_features, tabulated, cpu):
+    """The key of the compiled kernel that serves a layer: ("table", prior?, SSMax?, CPU?) for a
+    prior read from its table (bias_fn table_bias or None), else (bias_fn, SSMax?, static shapes?),
+    static shapes being the CPU's workaround for a score_mod that gathers per-query tensors
+    (_make_flex_kernel)."""
     if tabulated:
-        bias_table = tensors[0] if tensors else None
-        if bias_table is not None and bias_table.shape[-1] < padded:  # a shape, no device sync
-            raise ValueError(f"a prior table covers distances 0..{bias_table.shape[-1] - 1}, the kernel runs "
-                             f"{padded} tokens: build it at ctx.mask.seq_lengths[0]")
-        factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, q.shape[0])
-        return kernel(q, k, v, ctx.mask, bias_table, factor_table)[:, :, :T]
-    return kernel(q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)[:, :, :T]
+        return ("table", bias_fn is not None, use_ssmax, cpu)
+    return (bias_fn, use_ssmax, cpu and (use_ssmax or has_features))
 
 
-# The attention paths by name (ModelConfig.attn_impl after `auto`): Attention.forward looks its path up here.
-ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_fused}
+def _make_flex_kernel(bias_fn, use_ssmax, static_shapes):
+    """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
+    captured from a module, so every layer (and every model of that variant) reuses one compiled
+    kernel instead of recompiling per layer; each variant also gets its own recompile budget.
+    `static_shapes` (the CPU, for a score_mod that gathers per-query tensors): torch 2.13's C++ flex
+    template fails to compile FoX + SSMax's (the gates and log n by query) once dynamo has made the
+    batch and length dynamic (an undeclared `cur_qSplitSize2`, as the table kernel's
+    `cur_kvSplitSize`), so each shape gets its own."""
+
+    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features):
+        prior = None if bias_fn is None else (bias_fn, prior_tensors)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            row_log_n = log_n[b, q_idx] if use_ssmax else None
+            query = key = None
+            # queries and keys are the same tokens: one (B, H, T) tensor each
+            if features is not None:
+                query = tuple(t[b, h, q_idx] for t in features)
+                key = tuple(t[b, h, kv_idx] for t in features)
+            return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale, query,
+                                     key)
+
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                              enable_gqa=k.shape[1] != q.shape[1])
+
+    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
+
+
+def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes):
+    """One compiled FlexAttention for every distance-only prior (with or without SSMax): its
+    score_mod only gathers from the tables, which are arguments, so gradients flow to them as to q,
+    k and v. `static_shapes` (the CPU): torch 2.13's C++ code for this gather under a
+    document-and-window mask fails to compile once dynamo has made the length dynamic (an undeclared
+    `cur_kvSplitSize` in inductor's flex template; the formula kernel is not affected), so on a CPU
+    each length gets a kernel of its own."""
+
+    def kernel(q, k, v, block_mask, bias_table, factor_table):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return tabled_scores(score, b, h, q_idx, kv_idx, bias_table if use_prior else None,
+                                 factor_table if use_ssmax else None)
+
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                              enable_gqa=k.shape[1] != q.shape[1])
+
+    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
