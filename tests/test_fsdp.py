@@ -451,7 +451,9 @@ def test_fire_is_sharded_and_computes_what_it_computes_unsharded(ssmax, one_rank
     (loss, grads), (loss_sharded, grads_sharded) = loss_and_gradients(whole), loss_and_gradients(sharded)
     assert torch.equal(loss, loss_sharded)
     assert grads.keys() == grads_sharded.keys() and grads["priors.0.log_c"].shape == (1,)
-    assert max(relative_difference(grads_sharded[k], grads[k]) for k in grads) < 1e-6
+    # 1e-5, not tighter: with two threads the unsharded model's own FIRE gradients differ from one backward to
+    # the next by up to 1.6e-6 (the CPU's parallel accumulation into the MLP's few parameters)
+    assert max(relative_difference(grads_sharded[k], grads[k]) for k in grads) < 1e-5
 
 
 def test_per_block_compile_under_fsdp_matches_eager(one_rank):
