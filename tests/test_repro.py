@@ -153,5 +153,5 @@ def test_grid5_at_another_budget_keeps_its_runs_apart_and_reports_them_beside_th
     report = (tmp_path / "report.md").read_text()
     assert "| nope, 10,000 steps |" in report and "| nope, 2,000 steps |" in report, report
     assert "10,000 steps against the grid's 2,000" in report
-    assert "| bam_ssmax_prior_lr3_seed1 | bam + ssmax |" in report and "alibi" not in report
+    assert "| bam_ssmax_prior_lr3_seed1 | bam + ssmax, prior lr x3 |" in report and "alibi" not in report
     assert (tmp_path / "report_priors.png").stat().st_size > 10_000
