@@ -22,6 +22,8 @@ gathers (`distance_table`, ModelConfig.flex_prior).
 
 import functools
 import math
+import re
+from collections import namedtuple
 from dataclasses import dataclass, fields
 
 import torch
@@ -93,6 +95,12 @@ class ModelConfig:
     # document); 0 is off. RoPE-local (docs/paper.md §4) is pe = "rope", attn_window = block_size.
     attn_window: int = 0
     ssmax: bool = False  # Scalable-Softmax (Nakanishi 2025), docs/paper.md §3
+    # Per-layer attention (docs/training.md "Per-layer patterns"): one word per layer, the list
+    # repeated over n_layer, each word ENCODING[+ssmax|-ssmax][@WINDOW|@full][*COUNT], e.g.
+    # "rope@256*3 nope@full" (RoPE with a 256-token window in three layers of four, NoPE with full
+    # attention in the fourth). A part a word leaves out is the model-wide pe, ssmax or
+    # attn_window above; "" gives every layer those (LayerKind, parse_layer_pattern).
+    layer_pattern: str = ""
     attn_impl: str = "auto"  # auto | flex | sdpa | eager
     # How the flex kernel reads a distance-only prior and SSMax's factor: "table" gathers them from
     # per-head tables built once per forward in plain torch (distance_table), "formula" evaluates
@@ -130,6 +138,13 @@ class ModelConfig:
         return self.attn_head_dim or self.n_embd // self.n_head
 
     @property
+    def layer_kinds(self):
+        """Every layer's LayerKind (encoding, window, SSMax): the pattern's, or the model-wide."""
+        return tuple(LayerKind(pe or self.pe, self.attn_window if window is None else window,
+                               self.ssmax if ssmax is None else ssmax)
+                     for pe, window, ssmax in parse_layer_pattern(self.layer_pattern, self.n_layer))
+
+    @property
     def rope_context(self):
         """The context RoPE was trained at, which the scalings stretch from."""
         return self.rope_original_context or self.block_size
@@ -162,6 +177,37 @@ class ModelConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
+# One layer's attention: its encoding (a name in ENCODINGS), its sliding window (0: none) and
+# whether it has SSMax. ModelConfig.layer_kinds gives every layer's.
+LayerKind = namedtuple("LayerKind", "pe window ssmax")
+LAYER_WORD = re.compile(r"(?P<pe>\w*?)(?P<ssmax>[+-]ssmax)?(?:@(?P<window>\d+|full))?"
+                        r"(?:\*(?P<count>\d+))?")
+LAYER_WORD_FORM = "ENCODING[+ssmax|-ssmax][@WINDOW|@full][*COUNT]"
+
+
+def parse_layer_pattern(pattern, n_layer):
+    """ModelConfig.layer_pattern as n_layer LayerKinds, None where a word leaves a part to the
+    model-wide field; its words repeat until every layer has one. ValueError naming the first word
+    that is not LAYER_WORD_FORM, or a pattern that does not divide n_layer."""
+    words = pattern.replace(",", " ").split()
+    if not words:
+        return (LayerKind(None, None, None),) * n_layer
+    cycle = []
+    for word in words:
+        match = LAYER_WORD.fullmatch(word)
+        if match is None or word.startswith("*") or int(match["count"] or 1) < 1:
+            raise ValueError(f"layer_pattern word {word!r} is not {LAYER_WORD_FORM} (e.g. "
+                             f"'rope@256*3', 'bam+ssmax@full', 'nope'), COUNT >= 1")
+        window = None if match["window"] is None else (
+            0 if match["window"] == "full" else int(match["window"]))
+        ssmax = None if match["ssmax"] is None else match["ssmax"] == "+ssmax"
+        cycle += [LayerKind(match["pe"] or None, window, ssmax)] * int(match["count"] or 1)
+    if n_layer % len(cycle):
+        raise ValueError(f"layer_pattern {pattern!r} describes {len(cycle)} layers, which does not "
+                         f"divide n_layer={n_layer}: it must repeat a whole number of times")
+    return tuple(cycle * (n_layer // len(cycle)))
+
+
 # --------------------------------------------------------------------------------------------------
 # The model, top-down: Transformer.forward -> Block -> Attention (and SwiGLU), then the KV cache
 # of generation. What an encoding and an attention path are comes after, in their own parts.
@@ -172,12 +218,20 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        kinds = cfg.layer_kinds
+        self.blocks = nn.ModuleList([Block(cfg, kind) for kind in kinds])
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied, as in the paper
-        self.encoding = ENCODINGS[cfg.pe]
-        # empty unless the encoding is a prior: one module per layer, or one that every layer shares
-        self.priors = nn.ModuleList(self.encoding(cfg) for _ in range(self.encoding.copies(cfg)))
+        # every layer's encoding; a pattern mixes them (layer_pattern), but an embedding
+        # (sinusoidal) is the whole model's or none (check_layer_pattern)
+        self.encodings = tuple(ENCODINGS[kind.pe] for kind in kinds)
+        self.position_embedding = self.encodings[0].embedding
+        self.rotation = next((e.rotation for e in self.encodings if e.rotation is not None), None)
+        # The window a pattern gives a layer, None where it takes attn_window, read at each forward
+        self.pattern_windows = tuple(window for _, window, _ in
+                                     parse_layer_pattern(cfg.layer_pattern, cfg.n_layer))
+        # the prior modules (empty without a prior), and for each layer the index of its own or None
+        self.priors, self.prior_index = self._make_priors(cfg, kinds)
         self.apply(self._init_weights)
         # one matrix, the embedding's (its init); the state dict names it under both keys
         if cfg.tie_embeddings:
@@ -187,6 +241,23 @@ class Transformer(nn.Module):
             if name.endswith(("wo.weight", "w2.weight")):
                 nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
         self.build_flex_kernels()
+
+    @staticmethod
+    def _make_priors(cfg, kinds):
+        """An encoding that is a prior gets a module per layer that uses it, or, where it is shared
+        (copies 1: ALiBi, T5, BAM with bam_per_layer false), one for all of them; the modules in
+        the order of their first layer. Without a pattern: n_layer modules, or one."""
+        modules, index, shared = nn.ModuleList(), [], {}
+        for kind in kinds:
+            encoding = ENCODINGS[kind.pe]
+            if encoding.copies(cfg) == 0:
+                index.append(None)
+                continue
+            if encoding.copies(cfg) > 1 or kind.pe not in shared:
+                shared[kind.pe] = len(modules)
+                modules.append(encoding(cfg))
+            index.append(shared[kind.pe])
+        return modules, tuple(index)
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -216,16 +287,26 @@ class Transformer(nn.Module):
         pos_in_doc = (torch.arange(start_pos, start_pos + T, device=idx.device)[None]
                       if doc_ids is None else positions_in_documents(doc_ids))
         x = self._embed(idx, pos_in_doc)
-        ctx = self._attention_context(start_pos, T, pos_in_doc, doc_ids, kv_cache)
+        windows = self.layer_windows()
+        # one context, and so one mask, per distinct window, shared by the layers that have it
+        contexts = {window: self._attention_context(start_pos, T, pos_in_doc, doc_ids, kv_cache,
+                                                    window) for window in dict.fromkeys(windows)}
         # Each layer's table is picked here, outside the Block that FSDP compiles, so that one Block
         # graph serves every layer
         tables = None
-        if ctx.flex_tables:
-            tables = self._flex_prior_tables(ctx.mask.seq_lengths[0], idx.device)
+        flex = next((ctx for ctx in contexts.values() if ctx.flex_tables), None)
+        if flex is not None:
+            tables = self._flex_prior_tables(flex.mask.seq_lengths[0], idx.device)
         for layer, block in enumerate(self.blocks):
-            x = block(x, ctx, self._prior_of_layer(layer), layer, kv_cache,
+            x = block(x, contexts[windows[layer]], self._prior_of_layer(layer), layer, kv_cache,
                       prior_table=None if tables is None else tables[layer])
         return self._logits_and_loss(x, targets, last_k, sparse_targets)
+
+    def layer_windows(self):
+        """Every layer's attention window (0: none): its pattern's, else the config's attn_window,
+        read now (an evaluator may change it on a built model)."""
+        default = self.config.attn_window
+        return tuple(default if window is None else window for window in self.pattern_windows)
 
     def _check_doc_ids(self, doc_ids, shape, start_pos):
         if start_pos:
@@ -242,40 +323,45 @@ class Transformer(nn.Module):
 
     def _embed(self, idx, pos_in_doc):
         x = self.tok_emb(idx)
-        if self.encoding.embedding is not None:
-            x = x + self.encoding.embedding(pos_in_doc, self.config).to(x.dtype)
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(pos_in_doc, self.config).to(x.dtype)
         return x
 
-    def _attention_context(self, start_pos, T, pos_in_doc, doc_ids, kv_cache):
-        """What every layer's attention needs about this forward's positions: built once, shared."""
+    def _attention_context(self, start_pos, T, pos_in_doc, doc_ids, kv_cache, window=None):
+        """What the attention of every layer with this window (None: attn_window) needs about this
+        forward's positions: built once, shared."""
         cfg, device = self.config, pos_in_doc.device
+        window = cfg.attn_window if window is None else window
         q_pos = torch.arange(start_pos, start_pos + T, device=device)
-        first_key = kv_cache.first_key(start_pos) if kv_cache is not None else 0
+        first_key = kv_cache.first_key(start_pos, window) if kv_cache is not None else 0
         k_pos = torch.arange(first_key, start_pos + T, device=device)
         impl = self.attention_impl(T, len(k_pos), doc_ids is not None)
-        log_n = ssmax_log_n(pos_in_doc, cfg.attn_window) if cfg.ssmax else None
-        rotation = self.encoding.rotation
+        log_n = ssmax_log_n(pos_in_doc, window) if self._has_ssmax() else None
+        rotation = self.rotation
         rope = rotation(q_pos, cfg, length=start_pos + T) if rotation is not None else None
-        mask = self._mask(impl, q_pos, k_pos, doc_ids)
+        mask = self._mask(impl, q_pos, k_pos, doc_ids, window)
         flex_tables = impl == "flex" and cfg.flex_prior == "table"
-        return AttnContext(impl, q_pos, k_pos, mask, log_n, rope, pos_in_doc, flex_tables)
+        return AttnContext(impl, q_pos, k_pos, mask, log_n, rope, pos_in_doc, flex_tables, window)
+
+    def _has_ssmax(self):
+        return any(block.attn.ssmax_scale is not None for block in self.blocks)
 
     def _flex_prior_tables(self, length, device):
         """Per layer, the distance_table of its prior over the kernel's `length` tokens, built once
         per prior module (once for all layers where the prior is shared), or None where the prior
         is not distance-only."""
-        n_head, n_layer = self.config.n_head, self.config.n_layer
+        n_head = self.config.n_head
         built = [distance_table((p.bias_fn, p.tensors()), n_head, length, device) if p.DISTANCE_ONLY
                  else None for p in self.priors]
-        return tuple(built[layer if len(built) > 1 else 0] if built else None
-                     for layer in range(n_layer))
+        return tuple(None if index is None else built[index] for index in self.prior_index)
 
     def build_flex_kernels(self):
         """Every flex kernel a forward of this model can ask for (flex_kernel), on a CPU or a GPU,
         with either flex_prior: made before any trace, so that a compiled forward only reads them.
         Making one costs nothing (it compiles at its first call)."""
-        use_ssmax = self.config.ssmax
-        for prior in self.priors or [None]:
+        layers = {(self._prior_of_layer(layer), block.attn.ssmax_scale is not None)
+                  for layer, block in enumerate(self.blocks)}
+        for prior, use_ssmax in layers:  # each distinct (prior, SSMax) of the layers
             bias_fn = None if prior is None else prior.bias_fn
             has_features = prior is not None and not prior.DISTANCE_ONLY
             for cpu in (False, True):
@@ -286,8 +372,8 @@ class Transformer(nn.Module):
 
     def _plain_causal(self, T_q, T_k, has_docs):
         """Nothing positional in attention but causality, which sdpa's flash kernel does alone."""
-        cfg = self.config
-        positional = len(self.priors) > 0 or cfg.ssmax or has_docs or cfg.attn_window > 0
+        positional = (len(self.priors) > 0 or self._has_ssmax() or has_docs
+                      or any(self.layer_windows()))
         return T_q == T_k and not positional
 
     def attention_impl(self, T_q, T_k, has_docs):
@@ -313,9 +399,8 @@ class Transformer(nn.Module):
         # grows as T^2 and flex wins.
         return "sdpa" if training or T_q <= 2048 else "flex"
 
-    def _mask(self, impl, q_pos, k_pos, doc_ids):
+    def _mask(self, impl, q_pos, k_pos, doc_ids, window):
         """`visible` in the form `impl` takes (AttnContext.mask)."""
-        window = self.config.attn_window
         if impl == "flex":
             return make_block_mask(doc_ids, len(q_pos), q_pos.device, window)
         if impl == "sdpa" and self._plain_causal(len(q_pos), len(k_pos), doc_ids is not None):
@@ -323,9 +408,9 @@ class Transformer(nn.Module):
         return dense_mask(q_pos, k_pos, window, doc_ids)
 
     def _prior_of_layer(self, layer):
-        if len(self.priors) == 0:
-            return None
-        return self.priors[layer if len(self.priors) > 1 else 0]
+        """The layer's prior module, or None where it has no prior."""
+        index = self.prior_index[layer]
+        return None if index is None else self.priors[index]
 
     def _logits_and_loss(self, x, targets, last_k, sparse_targets):
         if last_k is not None:
@@ -445,6 +530,7 @@ class AttnContext:
     # tabulated too. A flag, not the tables: a per-layer lookup inside a compiled Block would guard
     # on the layer's index.
     flex_tables: bool = False
+    window: int = 0  # the sliding window of the layers this context serves (0: none)
 
 
 def positions_in_documents(doc_ids):
@@ -463,10 +549,10 @@ def ssmax_log_n(pos_in_doc, window=0):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kind: LayerKind = None):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, kind)
         self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
@@ -476,16 +562,22 @@ class Block(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """One layer's attention, of its LayerKind (the model-wide one if none is given): the kind's
+    encoding rotates q and k or not, and SSMax has its scales here or not; the window comes with
+    the context (AttnContext.window) and the prior with the call."""
+
+    def __init__(self, cfg: ModelConfig, kind: LayerKind = None):
         super().__init__()
+        kind = kind or LayerKind(cfg.pe, cfg.attn_window, cfg.ssmax)
         self.cfg = cfg
+        self.rotary = ENCODINGS[kind.pe].rotation is not None
         hd = cfg.head_dim
         self.wq = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
         # SSMax's s_h, per head and per layer, init 1 (docs/paper.md §3)
-        self.ssmax_scale = nn.Parameter(torch.ones(cfg.n_head)) if cfg.ssmax else None
+        self.ssmax_scale = nn.Parameter(torch.ones(cfg.n_head)) if kind.ssmax else None
 
     def project(self, x, ctx: AttnContext):
         """q, k, v of x, (B, heads, T, head_dim), as every attention implementation receives
@@ -496,7 +588,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
-        if ctx.rope is not None:
+        if self.rotary and ctx.rope is not None:
             q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
         return q, k, v
 
@@ -545,39 +637,46 @@ class SwiGLU(nn.Module):
 
 class KVCache:
     """Keys and values (after RoPE) of every layer, for generation: preallocated for the whole
-    sequence, or, with a sliding window, only the last window - 1 positions, which are all a
-    later query can see."""
+    sequence, or, in a layer with a sliding window, only the last window - 1 positions, which are
+    all a later query can see. Each layer has its own window (ModelConfig.layer_kinds)."""
 
     def __init__(self, cfg, batch_size, max_len, device, dtype):
-        self.window = cfg.attn_window
-        shape = (batch_size, cfg.kv_heads, 0 if self.window else max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.windows = [kind.window for kind in cfg.layer_kinds]
+        self.k = [torch.zeros((batch_size, cfg.kv_heads, 0 if window else max_len, cfg.head_dim),
+                              device=device, dtype=dtype) for window in self.windows]
+        self.v = [torch.zeros_like(k) for k in self.k]
         # a prior's token features of the cached keys (FoX, FIRE)
         self.features = [() for _ in range(cfg.n_layer)]
         self.max_len = max_len
-        self.next_position = 0  # a windowed cache holds no earlier positions to go back to
+        # a windowed layer holds no earlier positions to go back to: the first and the last of them
+        # check and advance where the next call must start
+        windowed = [layer for layer, window in enumerate(self.windows) if window]
+        self.windowed_span = (windowed[0], windowed[-1]) if windowed else None
+        self.next_position = 0
 
-    def first_key(self, start):
-        """Position of the first key that queries from position `start` on attend over."""
-        return max(0, start - (self.window - 1)) if self.window else 0
+    @staticmethod
+    def first_key(start, window):
+        """Position of the first key that queries from position `start` on attend over, in a layer
+        with this window (0: none)."""
+        return max(0, start - (window - 1)) if window else 0
 
     def update(self, layer, start, k, v):
         """Store the keys and values of positions start, start + 1, ...; return those of positions
         first_key(start) ... the last one stored, which the current queries attend over."""
-        end = start + k.shape[2]
-        if not self.window:
+        end, window = start + k.shape[2], self.windows[layer]
+        if not window:
             self.k[layer][:, :, start:end] = k
             self.v[layer][:, :, start:end] = v
             return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-        if start != self.next_position and layer == 0:
+        first, last = self.windowed_span
+        if start != self.next_position and layer == first:
             raise ValueError(f"a windowed KV cache continues where it stopped: position {start} "
                              f"was not next ({self.next_position} was)")
-        if layer == len(self.k) - 1:
+        if layer == last:
             self.next_position = end
         k, v = torch.cat((self.k[layer], k), dim=2), torch.cat((self.v[layer], v), dim=2)
-        self.k[layer], self.v[layer] = k[:, :, k.shape[2] - (end - self.first_key(end)):], \
-            v[:, :, v.shape[2] - (end - self.first_key(end)):]
+        keep = end - self.first_key(end, window)
+        self.k[layer], self.v[layer] = k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:]
         return k, v
 
     def past_features(self, layer, start):
@@ -586,15 +685,16 @@ class KVCache:
         stored = self.features[layer]
         if not stored:
             return None
-        return stored if self.window else tuple(t[..., :start] for t in stored)
+        return stored if self.windows[layer] else tuple(t[..., :start] for t in stored)
 
     def update_features(self, layer, start, features):
         """As `update`, for the prior's token features, (B or 1, H or 1, T) each: those of the keys
         the current queries attend over."""
         past = self.past_features(layer, start) or tuple(t[..., :0] for t in features)
         joined = tuple(torch.cat(broadcast_leading(p, t), dim=-1) for p, t in zip(past, features))
-        keep = (start + features[0].shape[-1]) - self.first_key(start + features[0].shape[-1])
-        self.features[layer] = (tuple(t[..., t.shape[-1] - keep:] for t in joined) if self.window
+        window, end = self.windows[layer], start + features[0].shape[-1]
+        keep = end - self.first_key(end, window)
+        self.features[layer] = (tuple(t[..., t.shape[-1] - keep:] for t in joined) if window
                                 else joined)
         return joined
 
@@ -1528,18 +1628,43 @@ def check_model_config(cfg):
         bad(f"unknown bam_init {cfg.bam_init!r}; allowed: {', '.join(BAM_INITS)}")
     if cfg.n_embd % cfg.n_head and not cfg.attn_head_dim:
         bad(f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} (or set attn_head_dim)")
-    even = ENCODINGS[cfg.pe].even_width
-    if even and getattr(cfg, even) % 2:
-        bad(f"{cfg.pe} needs an even {even}, got {even}={getattr(cfg, even)}")
+    kinds = check_layer_pattern(cfg, bad)
+    for pe in dict.fromkeys(kind.pe for kind in kinds):
+        even = ENCODINGS[pe].even_width
+        if even and getattr(cfg, even) % 2:
+            bad(f"{pe} needs an even {even}, got {even}={getattr(cfg, even)}")
     if cfg.n_kv_head < 0 or (cfg.n_kv_head and cfg.n_head % cfg.n_kv_head):
         bad(f"n_kv_head={cfg.n_kv_head} must divide n_head={cfg.n_head} (or be 0 for n_head)")
     if cfg.t5_num_buckets % 2 or cfg.t5_max_distance <= cfg.t5_num_buckets // 2:
         bad(f"T5 needs an even t5_num_buckets and t5_max_distance > t5_num_buckets / 2, got "
             f"{cfg.t5_num_buckets} and {cfg.t5_max_distance}")
-    check_rope_scaling(cfg, bad)
+    check_rope_scaling(cfg, bad, kinds)
 
 
-def check_rope_scaling(cfg, bad):
+def check_layer_pattern(cfg, bad):
+    """Every layer's LayerKind; bad(msg) for a layer_pattern that does not parse, fit n_layer or
+    name known encodings, or one that mixes an embedding (sinusoidal) with other encodings: it is
+    added to the tokens once, before every layer, so it is the whole model's or none."""
+    if not isinstance(cfg.layer_pattern, str):
+        bad(f"layer_pattern must be a string of words {LAYER_WORD_FORM}, got "
+            f"{cfg.layer_pattern!r}")
+    try:
+        kinds = cfg.layer_kinds
+    except ValueError as e:
+        bad(str(e))
+    for pe in dict.fromkeys(kind.pe for kind in kinds):
+        if pe not in ENCODINGS:
+            bad(f"unknown encoding {pe!r} in layer_pattern {cfg.layer_pattern!r}; allowed: "
+                f"{', '.join(ENCODINGS)}")
+    embeddings = {kind.pe for kind in kinds if ENCODINGS[kind.pe].embedding is not None}
+    if embeddings and len({kind.pe for kind in kinds}) > 1:
+        bad(f"layer_pattern {cfg.layer_pattern!r} mixes {', '.join(sorted(embeddings))} with "
+            f"other encodings: it is added to the token embeddings once for every layer, so it "
+            f"can only be the whole model's pe")
+    return kinds
+
+
+def check_rope_scaling(cfg, bad, kinds):
     """The RoPE scalings' settings: bad(msg) for the first that is not allowed."""
     if cfg.rope_scaling not in ROPE_SCALINGS:
         bad(f"unknown rope_scaling {cfg.rope_scaling!r}; allowed: {', '.join(ROPE_SCALINGS)}")
@@ -1549,8 +1674,9 @@ def check_rope_scaling(cfg, bad):
     if cfg.rope_scaling == "none" and cfg.rope_factor != 1.0:
         bad(f"rope_factor={cfg.rope_factor} has no effect with rope_scaling='none'; choose one of "
             f"{', '.join(ROPE_SCALINGS[1:])}")
-    if cfg.rope_scaling != "none" and ENCODINGS[cfg.pe].rotation is None:
-        bad(f"rope_scaling needs a rotary encoding (pe = 'rope'), got pe={cfg.pe!r}")
+    if cfg.rope_scaling != "none" and all(ENCODINGS[k.pe].rotation is None for k in kinds):
+        bad(f"rope_scaling needs a rotary encoding (pe = 'rope' in some layer), got pe={cfg.pe!r}"
+            + (f", layer_pattern={cfg.layer_pattern!r}" if cfg.layer_pattern else ""))
     if not cfg.llama3_low_freq_factor < cfg.llama3_high_freq_factor:
         bad(f"llama3 scaling needs llama3_low_freq_factor < llama3_high_freq_factor, got "
             f"{cfg.llama3_low_freq_factor} and {cfg.llama3_high_freq_factor}")

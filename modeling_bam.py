@@ -58,9 +58,9 @@ class _CacheView:
     def __init__(self, cache):
         self.cache = cache
 
-    def first_key(self, start):
-        """The library's cache keeps every position from 0; a sliding window (attn_window) is then applied by
-        the attention mask, over all of them."""
+    def first_key(self, start, window):
+        """The library's cache keeps every position from 0; a sliding window (a layer's attn_window) is then
+        applied by the attention mask, over all of them."""
         return 0
 
     def update(self, layer, start, k, v):

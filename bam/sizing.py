@@ -33,7 +33,7 @@ import dataclasses
 
 import torch
 
-from model import Transformer
+from model import ENCODINGS, Transformer
 
 GiB = 2**30
 
@@ -55,16 +55,32 @@ class Sizes:
         here): every Block is Block(config) and every prior module encoding(config), the same shapes in each
         layer, so each is counted once and multiplied by its number of copies. Planning 100,000 layers then
         takes as long as planning one (building them all took 10 ms a layer)."""
-        with torch.device("meta"):
-            model = Transformer(dataclasses.replace(model_config, n_layer=1))
         count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+        if model_config.layer_pattern:  # layers of several kinds: counted at the real depth
+            return cls.counted(_on_meta(model_config), count)
+        model = _on_meta(dataclasses.replace(model_config, n_layer=1))
         block = count(model.blocks[0])
-        copies = model.encoding.copies(model_config)  # prior modules at the real depth (per layer, or shared)
+        copies = ENCODINGS[model_config.pe].copies(model_config)  # prior modules at the real depth (per layer, or one)
         priors = copies * count(model.priors[0]) if copies else 0
         rest = count(model) - block - sum(count(p) for p in model.priors)  # embedding, final norm, head
         head = count(model.norm) + (0 if model_config.tie_embeddings else count(model.lm_head))  # tied: the embedding's
         return cls(total=rest + model_config.n_layer * block + priors, blocks=model_config.n_layer * block,
                    largest_block=block, embedding=count(model.tok_emb), head=head, priors=priors)
+
+    @classmethod
+    def counted(cls, model, count):
+        """The Sizes of a built model, layer by layer (a layer_pattern's Blocks differ: SSMax's scales)."""
+        blocks = [count(block) for block in model.blocks]
+        priors = sum(count(p) for p in model.priors)
+        head = count(model.norm) + (0 if model.config.tie_embeddings else count(model.lm_head))
+        return cls(total=count(model), blocks=sum(blocks), largest_block=max(blocks), embedding=count(model.tok_emb),
+                   head=head, priors=priors)
+
+
+def _on_meta(model_config):
+    """The model built on the meta device: shapes only, no memory."""
+    with torch.device("meta"):
+        return Transformer(model_config)
 
 
 def available_bytes(device):
