@@ -90,7 +90,7 @@ def attention_stats(attn, x, ctx, prior_module, positions, context):
             scores = q[:, :, rows].float() @ k.transpose(-2, -1) / math.sqrt(head_dim)
             scores = positional_scores(scores, head, q_pos[:, None], ctx.k_pos[None, :], log_n, prior,
                                        attn.ssmax_scale, query, key)
-        visible = dense_mask(q_pos, ctx.k_pos, attn.cfg.attn_window)  # (1, 1, rows, T), as the model masks
+        visible = dense_mask(q_pos, ctx.k_pos, ctx.window)  # (1, 1, rows, T), as the model masks this layer
         log_p = scores.masked_fill(~visible, float("-inf")).log_softmax(dim=-1)
         p = log_p.exp()
         distance = (q_pos[:, None] - ctx.k_pos[None, :]).float()
@@ -199,10 +199,11 @@ def evaluate_attention(source, *, options=None, lengths=None, max_factor=None, p
             if bar is not None:
                 bar.update(len(chunk))
         per_head = torch.cat(parts, dim=2).double().mean(dim=(2, 4))  # (3, layers, heads)
-        window = model.config.attn_window
-        visible = np.minimum(positions + 1, window) if window else positions + 1
+        # uniform attention's entropy over what each query sees, averaged over the layers (their windows)
+        visible = [np.minimum(positions + 1, w) if w else positions + 1 for w in model.layer_windows()]
         row = {"length": length, "factor": length / block_size, "samples": samples, "queries": positions.tolist(),
-               "seconds": round(time.perf_counter() - t0, 3), "uniform_entropy": float(np.log(visible).mean()),
+               "seconds": round(time.perf_counter() - t0, 3),
+               "uniform_entropy": float(np.mean([np.log(v).mean() for v in visible])),
                **{name: per_head[i].tolist() for i, name in enumerate(METRICS)}, **per_length}
         return [row], None
 
@@ -214,11 +215,13 @@ def evaluate_attention(source, *, options=None, lengths=None, max_factor=None, p
 
 
 def head_groups(model):
-    """[layer][head] group names of a prior that groups its heads (BAM's shapes), else None."""
+    """[layer][head] group names of a prior that groups its heads (BAM's shapes), None for a layer without one
+    (a layer_pattern's RoPE layers); None where no layer has one."""
     priors = [model._prior_of_layer(layer) for layer in range(len(model.blocks))]
-    if not priors or priors[0] is None or not priors[0].GROUPS:
+    if not any(prior is not None and prior.GROUPS for prior in priors):
         return None
-    return [[prior.head_group(head) for head in range(model.config.n_head)] for prior in priors]
+    return [[prior.head_group(head) for head in range(model.config.n_head)]
+            if prior is not None and prior.GROUPS else None for prior in priors]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -290,7 +293,7 @@ def plot_attention(results, path):
         if longer and longer[0] > 0:
             ax.axvline(longer[0] - 0.5, color="white", linestyle="--", linewidth=1.2)  # the training context
         if n_layer * n_head <= 48:
-            labels = [f"L{layer} h{head}" + (f" {groups[layer][head]}" if groups else "")
+            labels = [f"L{layer} h{head}" + (f" {groups[layer][head]}" if groups and groups[layer] else "")
                       for layer in range(n_layer) for head in range(n_head)]
             ax.set_yticks(range(n_layer * n_head), labels, fontsize=6)
         else:

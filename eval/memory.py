@@ -41,7 +41,8 @@ def forward_bytes(model, batch, length, scored):
         impl = resolve(length, length, False) if resolve else "flex"
     if impl == "flex":
         need += 8 * (length // 128 + 1) ** 2  # the causal BlockMask's block indices
-    dense = impl == "eager" or (impl == "sdpa" and (len(getattr(model, "priors", ())) > 0 or cfg.ssmax))
+    ssmax = any(block.attn.ssmax_scale is not None for block in getattr(model, "blocks", ()))  # in some layer
+    dense = impl == "eager" or (impl == "sdpa" and (len(getattr(model, "priors", ())) > 0 or ssmax))
     if dense:
         need += 3 * 4 * batch * cfg.n_head * length * length  # bias, masked bias, probabilities (fp32)
     return need
@@ -69,8 +70,9 @@ def generation_bytes(model, batch, prompt, new_tokens):
     window), plus the prompt's forward."""
     cfg = model.config
     weight = next(model.parameters())
-    kept = min(prompt + new_tokens, cfg.attn_window) if cfg.attn_window else prompt + new_tokens
-    cache = 2 * cfg.n_layer * batch * cfg.kv_heads * cfg.head_dim * kept * weight.element_size()
+    kept = sum(min(prompt + new_tokens, kind.window) if kind.window else prompt + new_tokens
+               for kind in cfg.layer_kinds)  # positions, over the layers (each its own window)
+    cache = 2 * batch * cfg.kv_heads * cfg.head_dim * kept * weight.element_size()
     return cache + forward_bytes(model, batch, prompt, 1)
 
 

@@ -389,6 +389,20 @@ def test_prior_groups_and_curves_come_from_the_model():
         assert h["scale"] == pytest.approx(np.exp(h["log_scale"]))
 
 
+def test_priors_of_a_layer_pattern_skip_the_layers_without_one():
+    """RoPE-window layers have no prior and no SSMax: no rows; the BAM + SSMax layer's curve is its own prior's."""
+    model = tiny_model("rope", ssmax=False, n_layer=3, bam_init="sampled", layer_pattern="rope@16*2 bam+ssmax")
+    res = priors.evaluate_priors(model, options=quiet(), max_distance=1000)
+    assert {h["layer"] for h in res["heads"]} == {2} and sum(res["groups"].values()) == 4
+    assert res["layer_pattern"] == "rope@16*2 bam+ssmax" and res["ssmax"] and not res["shared_across_layers"]
+    shape, log_scale, loc = model._prior_of_layer(2).tensors()
+    for h in res["heads"]:
+        expected = ggd_bias(torch.tensor(100.0), h["head"], shape, log_scale, loc).item()
+        assert h["bias_at"]["100"] == pytest.approx(expected, rel=1e-5)
+        assert h["ssmax_scale"] == pytest.approx(1.0)
+    assert "layer_pattern='rope@16*2 bam+ssmax'" in priors.format_table(res)
+
+
 def test_priors_of_a_model_without_one(capsys):
     assert priors.evaluate_priors(tiny_model("rope", ssmax=False)) is None
     assert "no learned positional prior" in capsys.readouterr().out

@@ -37,15 +37,16 @@ def model_of(pe, ssmax=False, window=0, seed=0, **kw):
     return Transformer(ModelConfig(**{**cfg, **kw})).eval()
 
 
-def dense_probabilities(attn, x, ctx, prior_module):
+def dense_probabilities(attn, x, ctx, prior_module, window=None):
     """(B, H, T, T) attention probabilities in float64, written out from the formula (docs/paper.md §3):
     softmax over the keys j <= i inside the window of ((q_i.k_j / sqrt(d) + g_h(i - j)) * s_h * log n_i),
-    n_i the number of keys query i sees; and the (B, T, n_embd) output of the layer they give."""
+    n_i the number of keys query i sees; and the (B, T, n_embd) output of the layer they give. `window`: the
+    layer's (ModelConfig.layer_kinds), attn_window if None."""
     q, k, v = (t.double() for t in attn.project(x, ctx))
     H, T, d = q.shape[1], q.shape[2], q.shape[3]
     k, v = k.repeat_interleave(H // k.shape[1], dim=1), v.repeat_interleave(H // v.shape[1], dim=1)
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    window = attn.cfg.attn_window
+    window = attn.cfg.attn_window if window is None else window
     visible = (j <= i) & ((i - j < window) if window else True)
     scores = q @ k.transpose(-2, -1) / math.sqrt(d)
     if prior_module is not None:
@@ -78,7 +79,16 @@ def metrics_of(p, positions, context):
 @pytest.mark.parametrize("ssmax", [False, True], ids=["softmax", "ssmax"])
 @pytest.mark.parametrize("pe", list(ENCODINGS))
 def test_the_sampled_queries_match_the_dense_attention(pe, ssmax, window, monkeypatch):
-    model = model_of(pe, ssmax, window)
+    check_sampled_queries(model_of(pe, ssmax, window), monkeypatch)
+
+
+@pytest.mark.parametrize("pattern", ["rope@24 bam+ssmax@full", "fox+ssmax alibi@24"])
+def test_the_sampled_queries_match_the_dense_attention_of_each_layer_of_a_pattern(pattern, monkeypatch):
+    """A layer_pattern: each layer scored with its own encoding, window and SSMax."""
+    check_sampled_queries(model_of("rope", layer_pattern=pattern), monkeypatch)
+
+
+def check_sampled_queries(model, monkeypatch):
     tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
     captured = {}
     hooks = []
@@ -96,7 +106,7 @@ def test_the_sampled_queries_match_the_dense_attention(pe, ssmax, window, monkey
     monkeypatch.setattr(attention, "SCORE_BYTES", 4 * 2 * 4 * 40 * 7)  # chunks of 7 queries: the chunking is used
     got = attention.score_prompts(model, tokens.numpy(), positions, CONTEXT, nullcontext())  # (3, L, B, H, Q)
     for layer, block in enumerate(model.blocks):
-        p, out = dense_probabilities(block.attn, *captured[layer])
+        p, out = dense_probabilities(block.attn, *captured[layer], window=model.config.layer_kinds[layer].window)
         # the dense probabilities are the model's own attention: they give the layer's output
         torch.testing.assert_close(out, captured[("out", layer)], rtol=1e-4, atol=1e-5)
         want = metrics_of(p, positions, CONTEXT)

@@ -11,13 +11,19 @@ from bam.checkpoint import load_model, save_model
 from model import ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, apply_rope, ggd_bias
 from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 
-GRID = [(pe, ssmax, docs) for pe in PE_CHOICES for ssmax in (False, True) for docs in (False, True)]
+# Per-layer patterns (ModelConfig.layer_pattern) on the tiny models' two layers: RNoPE-SWA's RoPE window and
+# NoPE full attention, BAM + SSMax global with a RoPE window, a per-layer prior with token features beside a
+# shared one (one kernel, table or formula, per layer kind on flex)
+PATTERNS = [("rope", False, "rope@5 nope@full"), ("bam", True, "rope-ssmax@5 bam+ssmax@full"),
+            ("fox", False, "fox@5 alibi+ssmax")]
+GRID = [(pe, ssmax, docs, "") for pe in PE_CHOICES for ssmax in (False, True) for docs in (False, True)] + \
+    [(pe, ssmax, docs, pattern) for pe, ssmax, pattern in PATTERNS for docs in (False, True)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pe,ssmax,docs", GRID)
-def test_flex_and_sdpa_outputs_match_eager(pe, ssmax, docs):
-    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True)
+@pytest.mark.parametrize("pe,ssmax,docs,pattern", GRID)
+def test_flex_and_sdpa_outputs_match_eager(pe, ssmax, docs, pattern):
+    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True, layer_pattern=pattern)
     idx, doc_ids = batch()
     doc_ids = doc_ids if docs else None
     with torch.no_grad():
@@ -27,10 +33,10 @@ def test_flex_and_sdpa_outputs_match_eager(pe, ssmax, docs):
                                        msg=lambda m: f"{impl}: {m}")
 
 
-@pytest.mark.parametrize("pe,ssmax,docs", GRID)
-def test_sdpa_gradients_match_eager(pe, ssmax, docs):
+@pytest.mark.parametrize("pe,ssmax,docs,pattern", GRID)
+def test_sdpa_gradients_match_eager(pe, ssmax, docs, pattern):
     # bam_train_loc so the location parameter's gradient is checked as well
-    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True)
+    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True, layer_pattern=pattern)
     idx, doc_ids = batch(T=24)
     targets = torch.roll(idx, -1, dims=1)
     grads = {}

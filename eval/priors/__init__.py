@@ -50,21 +50,39 @@ from eval.sweep import parse_length
 
 def head_table(model):
     """One row per (layer, head) with every positional parameter that head has, as each prior module
-    names them (`head_parameters`), its group if the prior defines groups, and its SSMax scale."""
+    names them (`head_parameters`), its group if the prior defines groups, and its SSMax scale. A layer with
+    neither (a layer_pattern's RoPE or NoPE layer) has no rows."""
     cfg = model.config
-    ssmax = [b.attn.ssmax_scale for b in model.blocks if b.attn.ssmax_scale is not None]
     rows = []
     for layer in range(cfg.n_layer):
-        prior = model._prior_of_layer(layer)
+        prior, ssmax = model._prior_of_layer(layer), model.blocks[layer].attn.ssmax_scale
+        if prior is None and ssmax is None:
+            continue
         columns = prior.head_parameters() if prior is not None else {}
         for head in range(cfg.n_head):
             row = {"layer": layer, "head": head, **{name: values[head] for name, values in columns.items()}}
             if prior is not None and prior.GROUPS:
                 row["group"] = prior.head_group(head)
-            if ssmax:
-                row["ssmax_scale"] = float(ssmax[layer][head].detach())
+            if ssmax is not None:
+                row["ssmax_scale"] = float(ssmax[head].detach())
             rows.append(row)
     return rows
+
+
+def first_layers(model):
+    """{layer: the first layer of its prior module} for every layer with a prior: the curves (bias_curves) are
+    drawn once per module, at that layer."""
+    first = {}
+    for layer, index in enumerate(model.prior_index):
+        if index is not None:
+            first.setdefault(index, layer)
+    return {layer: first[index] for layer, index in enumerate(model.prior_index) if index is not None}
+
+
+def grouping_prior(model):
+    """The class of the first prior that groups its heads (BAM), else of the first prior, else None."""
+    kinds = [type(p) for p in model.priors]
+    return next((k for k in kinds if k.GROUPS), kinds[0] if kinds else None)
 
 
 def distances(max_distance, points=256):
@@ -73,16 +91,17 @@ def distances(max_distance, points=256):
 
 def bias_curves(model, dist):
     """{layer: (n_head, len(dist)) bias} from each prior module's own bias function (ggd_bias, t5_bias, ...;
-    FIRE's as seen from the query at position d of a document's first token); empty for a prior that is
-    not a function of the distance (FoX: see gate_statistics)."""
+    FIRE's as seen from the query at position d of a document's first token), keyed by the first layer of the
+    module (first_layers); empty for a prior that is not a function of the distance (FoX: see
+    gate_statistics)."""
     d = torch.tensor(dist, dtype=torch.float32)[None, :]
     head = torch.arange(model.config.n_head)[:, None]
     curves = {}
     with torch.no_grad():
-        for i, prior in enumerate(model.priors):
-            curve = prior.distance_curve(d, head)
+        for layer in sorted(set(first_layers(model).values())):
+            curve = model._prior_of_layer(layer).distance_curve(d, head)
             if curve is not None:
-                curves[i] = curve.float().numpy()
+                curves[layer] = curve.float().numpy()
     return curves
 
 
@@ -97,11 +116,12 @@ def gate_statistics(model, tokens):
 
     def hook(layer):
         def record(attn, args):
-            f = model.priors[layer].log_gates(args[0]).exp()  # (B, H, T)
+            f = model._prior_of_layer(layer).log_gates(args[0]).exp()  # (B, H, T)
             gates[layer] = f.transpose(0, 1).reshape(f.shape[1], -1)
         return record
 
-    handles = [b.attn.register_forward_pre_hook(hook(i)) for i, b in enumerate(model.blocks)]
+    handles = [b.attn.register_forward_pre_hook(hook(i)) for i, b in enumerate(model.blocks)
+               if hasattr(model._prior_of_layer(i), "log_gates")]  # the layers with FoX's gates
     try:
         with torch.no_grad():
             model(torch.as_tensor(tokens), last_k=1)
@@ -119,7 +139,7 @@ def gate_statistics(model, tokens):
 
 def fox_gates(model, data_dir, verbose):
     """gate_statistics on the run's validation text, or (None, None) with a note where there is none."""
-    if not hasattr(type(model.priors[0]), "log_gates"):
+    if not any(hasattr(prior, "log_gates") for prior in model.priors):
         return None, None
     T = model.config.block_size
     try:
@@ -169,9 +189,11 @@ def evaluate_priors(source, *, options=None, max_distance=None, metrics=None, da
     model, info = evaluated.model, evaluated.info
     cfg = model.config
     has_prior = len(model.priors) > 0
-    if not has_prior and not cfg.ssmax:
+    ssmax = any(block.attn.ssmax_scale is not None for block in model.blocks)  # in some layer
+    if not has_prior and not ssmax:
         if verbose:
-            print(f"priors: {info['name']} uses pe={cfg.pe} without SSMax: it has no learned positional prior to show")
+            print(f"priors: {info['name']} uses {encoding_name(cfg)} without SSMax: it has no learned positional "
+                  f"prior to show")
         return None
     if isinstance(max_distance, str):  # read before anything is created
         max_distance = parse_length(max_distance, cfg.block_size)
@@ -183,7 +205,7 @@ def evaluate_priors(source, *, options=None, max_distance=None, metrics=None, da
     if max_distance is None:
         max_distance = (folder and longest_evaluated(folder)) or 500 * cfg.block_size
     rows = head_table(model)
-    prior_groups = type(model.priors[0]).GROUPS if has_prior else {}
+    prior_groups = grouping_prior(model).GROUPS if has_prior else {}
     groups = {g: sum(r.get("group") == g for r in rows) for g in prior_groups} or None
     dist = distances(max_distance)
     curves = bias_curves(model, dist) if has_prior else {}
@@ -191,14 +213,16 @@ def evaluate_priors(source, *, options=None, max_distance=None, metrics=None, da
     for row in rows:
         row.update((gate_rows or {}).get((row["layer"], row["head"]), {}))
     decades = [d for d in (1, 10, 100, 1000, 10_000, 100_000, 1_000_000) if d <= max_distance]
+    first = first_layers(model)
     for row in rows:
-        if curves:
-            curve = curves[row["layer"] if len(curves) > 1 else 0][row["head"]]
+        if first.get(row["layer"]) in curves:
+            curve = curves[first[row["layer"]]][row["head"]]
             row["bias_at"] = {str(d): float(np.interp(d, dist, curve)) for d in decades}
     history = training_history(metrics or metrics_file(source))
     results = {"schema": "priors", "schema_version": SCHEMA_VERSION, "model": info,
                "settings": {"max_distance": int(max_distance), "metrics": metrics or metrics_file(source)},
-               "pe": cfg.pe, "ssmax": cfg.ssmax, "shared_across_layers": len(model.priors) == 1 and cfg.n_layer > 1,
+               "pe": cfg.pe, "layer_pattern": cfg.layer_pattern, "ssmax": ssmax,
+               "shared_across_layers": len(model.priors) == 1 and model.prior_index.count(0) > 1,
                "groups": groups, "group_rules": prior_groups or None, "heads": rows,
                "training_rows": len(history)}
     written, failed = [], None
@@ -223,11 +247,11 @@ def write_files(results, model, folder, dist, curves, history, written, gates=No
     """priors.json and the plots; `written` collects the names of the files done."""
     write_json(os.path.join(folder, "priors.json"), results)
     written.append("priors.json")
-    prior_cls, colors = (type(model.priors[0]) if len(model.priors) else None), group_colors(model)
+    prior_cls, colors = grouping_prior(model), group_colors(model)
     if curves:
         plot_curves(results, dist, curves, os.path.join(folder, "priors.png"), colors)
         written.append("priors.png")
-    if any(k not in ("layer", "head", "group", "bias_at", "slope") for k in results["heads"][0]):  # something learned
+    if any(k not in ("layer", "head", "group", "bias_at", "slope") for r in results["heads"] for k in r):  # learned
         plot_shapes(results, os.path.join(folder, "priors_shapes.png"), prior_cls, colors)
         written.append("priors_shapes.png")
     if history:
@@ -238,18 +262,26 @@ def write_files(results, model, folder, dist, curves, history, written, gates=No
         written.append("priors_gates.png")
 
 
+def encoding_name(cfg):
+    """pe=NAME, or the layer pattern where there is one."""
+    return f"layer_pattern={cfg.layer_pattern!r}" if cfg.layer_pattern else f"pe={cfg.pe}"
+
+
 def format_table(results):
-    encoding = results["pe"] + (" + ssmax" if results["ssmax"] else "")
-    lines = [f"positional priors: {results['model']['name']} (pe={encoding}"
+    pattern = results.get("layer_pattern")  # absent in results written before patterns
+    encoding = (f"layer_pattern={pattern!r}" if pattern else
+                "pe=" + results["pe"] + (" + ssmax" if results["ssmax"] else ""))
+    lines = [f"positional priors: {results['model']['name']} ({encoding}"
              + (", one prior shared by all layers" if results["shared_across_layers"] else "") + ")"]
     if results["groups"]:
         total = sum(results["groups"].values())
         counts = [f"{g} ({results['group_rules'][g]}) {n}/{total}" for g, n in results["groups"].items()]
         lines.append("head groups: " + ", ".join(counts))
-    columns = [c for c in results["heads"][0] if c not in ("layer", "head", "bias_at")]
+    # every column some layer has (a layer_pattern's layers may differ: BAM's shapes, SSMax's scale alone)
+    columns = list(dict.fromkeys(c for r in results["heads"] for c in r if c not in ("layer", "head", "bias_at")))
     lines += ["", "| layer | head | " + " | ".join(columns) + " |", "|---:|---:|" + "---:|" * len(columns)]
     for r in results["heads"]:
-        cells = [r[c] if isinstance(r[c], str) else f"{r[c]:.4g}" for c in columns]
+        cells = ["-" if c not in r else r[c] if isinstance(r[c], str) else f"{r[c]:.4g}" for c in columns]
         lines.append(f"| {r['layer']} | {r['head']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ GROUP_COLORS = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
 
 def group_colors(model):
     """{group: colour} for a prior whose heads fall into named groups (BAM's shapes, docs/paper.md §2)."""
-    groups = type(model.priors[0]).GROUPS if len(model.priors) else {}
+    groups = next((p.GROUPS for p in model.priors if p.GROUPS), {})
     return dict(zip(groups, GROUP_COLORS))
 
 
@@ -26,25 +26,28 @@ def _grid(n):
 
 
 def plot_curves(results, dist, curves, path, colors):
-    """One panel per layer (one if the prior is shared), one line per head, coloured by group if any."""
+    """One panel per prior module, titled by its (first) layer (one for all if the prior is shared), one line
+    per head, coloured by group if any. `curves`: {layer: (heads, distances)} (bias_curves)."""
     from eval.plotting import plt, save_figure
 
     rows, cols = _grid(len(curves))
     fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 3.6 * cols), 2.9 * rows + 0.6), squeeze=False, sharex=True,
                              sharey=True)
-    heads = results["heads"]
+    rows = {(r["layer"], r["head"]): r for r in results["heads"]}
+    panels = list(curves.items())
     for idx, ax in enumerate(axes.flat):
-        if idx >= len(curves):
+        if idx >= len(panels):
             ax.set_axis_off()
             continue
-        for h, curve in enumerate(curves[idx]):
-            row = heads[idx * (len(heads) // len(curves)) + h] if len(curves) > 1 else heads[h]
+        layer, layer_curves = panels[idx]
+        for h, curve in enumerate(layer_curves):
+            row = rows.get((layer, h), {})
             ax.plot(dist, curve, color=colors.get(row.get("group"), "tab:blue"), linewidth=1, alpha=0.8)
         ax.set_xscale("log")
         ax.set_yscale("symlog", linthresh=1e-2)
         ax.set_ylim(top=2e-3)  # every prior is <= 0: a log-prior, highest where the head looks
         ax.axvline(results["model"]["config"]["block_size"], color="gray", linestyle=":", linewidth=1)
-        ax.set_title("all layers" if results["shared_across_layers"] else f"layer {idx}", fontsize=9)
+        ax.set_title("all layers" if results["shared_across_layers"] else f"layer {layer}", fontsize=9)
         ax.grid(True, which="major", alpha=0.3)
         ax.tick_params(labelsize=7)
     for ax in axes[-1]:
@@ -96,11 +99,13 @@ def plot_shapes(results, path, prior_cls, colors):
     heads = results["heads"]
     name = results["model"]["name"]
     grouped = prior_cls is not None and prior_cls.GROUPS
-    learned = [c for c in heads[0] if c not in ("layer", "head", "group", "bias_at", "slope")]
+    # every column some layer has: a layer_pattern's layers may differ (a prior in some, SSMax in others)
+    learned = list(dict.fromkeys(c for r in heads for c in r if c not in ("layer", "head", "group", "bias_at",
+                                                                          "slope")))
     if not grouped:
         fig, axes = plt.subplots(1, len(learned), figsize=(4.2 * len(learned), 3.5), squeeze=False)
         for ax, column in zip(axes[0], learned):
-            ax.hist([r[column] for r in heads], bins=30, color="tab:purple")
+            ax.hist([r[column] for r in heads if column in r], bins=30, color="tab:purple")
             ax.set_xlabel(column)
             ax.set_ylabel("heads")
         fig.suptitle(f"{name}: per-head positional parameters of {len(heads)} heads", fontsize=10)
@@ -108,6 +113,7 @@ def plot_shapes(results, path, prior_cls, colors):
         save_figure(fig, path, dpi=110)
         return
     column, other = prior_cls.GROUP_PARAMETER, prior_cls.SECOND_PARAMETER
+    heads = [r for r in heads if column in r]  # the layers of the grouped prior
     values = np.array([r[column] for r in heads])
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     edges = sorted({e for lo_hi in prior_cls.GROUP_SPANS.values() for e in lo_hi if math.isfinite(e)})

@@ -55,8 +55,10 @@ def far_heads_of(run):
     heads without a shape, a log-scale and a location). A prior shared by all layers is listed once per layer
     there: its heads are counted once, as train.py's metrics log them."""
     priors, context = run.get("priors"), run.pretraining_context
-    heads = [h for h in priors["heads"] if not priors.get("shared_across_layers") or h["layer"] == 0]
-    if not context or not all(k in h for h in heads for k in ("shape", "log_scale", "loc")):
+    heads = [h for h in priors["heads"] if "shape" in h]  # a layer_pattern's BAM layers
+    first = min((h["layer"] for h in heads), default=0)
+    heads = [h for h in heads if not priors.get("shared_across_layers") or h["layer"] == first]
+    if not context or not heads or not all(k in h for h in heads for k in ("shape", "log_scale", "loc")):
         return None
     return far_heads([h["shape"] for h in heads], [h["log_scale"] for h in heads], [h["loc"] for h in heads],
                      FAR * context)
@@ -101,7 +103,7 @@ def section(runs, report_options):
             rows.append([r.name, DASH, DASH, DASH, f"{p['pe']}: no shapes", DASH, passkey])
             continue
         g = p["groups"]
-        shapes = sorted(h["shape"] for h in p["heads"])
+        shapes = sorted(h["shape"] for h in p["heads"] if "shape" in h)
         far = far_heads_of(r)
         rows.append([r.name, g["local"], g["retrieval"], g["aggressive"],
                      f"{shapes[0]:.2f} / {shapes[len(shapes) // 2]:.2f} / {shapes[-1]:.2f}",
