@@ -72,12 +72,13 @@ IN_THE_LABEL_OR_DERIVED = ("model.rope_scaling", "model.rope_factor", "model.rop
 def positional_settings(settings):
     """The keys of flattened `settings` that configure the run's positional encoding: the model fields named
     after it (bam_* for bam, fox_* for fox, rope_* for rope, as model.ENCODINGS names them) or after the RoPE
-    scaling it uses (yarn_*), a trained sliding window (RoPE-local is rope with a window), and train.prior_lr,
-    the learning rate of the prior's (and SSMax's) parameters."""
+    scaling it uses (yarn_*), a trained sliding window (RoPE-local is rope with a window), the layer pattern
+    (each layer's encoding, window and SSMax), and train.prior_lr, the learning rate of the prior's (and
+    SSMax's) parameters."""
     owners = (settings.get("model.pe"), settings.get("model.rope_scaling"))
     prefixes = tuple(f"model.{owner}_" for owner in owners if owner and owner != "none")
     return {k for k in settings if k not in IN_THE_LABEL_OR_DERIVED
-            and (k.startswith(prefixes) or k in ("model.attn_window", "train.prior_lr"))}
+            and (k.startswith(prefixes) or k in ("model.attn_window", "model.layer_pattern", "train.prior_lr"))}
 
 
 def _number(value):

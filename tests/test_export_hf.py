@@ -92,6 +92,19 @@ def test_window_and_rope_scaling_are_exported(name, tmp_path):
     assert_same_model(model, AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval())
 
 
+# Per-layer patterns (ModelConfig.layer_pattern): RNoPE-SWA, and BAM + SSMax global with a RoPE window; the
+# prompt and the generated tokens run past the window, through the library's cache
+LAYER_PATTERNS = {"rnope_swa": dict(pe="rope", layer_pattern="rope@8 nope@full"),
+                  "bam_ssmax_global": dict(pe="rope", layer_pattern="rope@8 bam+ssmax@full")}
+
+
+@pytest.mark.parametrize("name", list(LAYER_PATTERNS))
+def test_a_layer_pattern_is_exported(name, tmp_path):
+    model, out = export_case(tmp_path, name, **LAYER_PATTERNS[name])
+    hf_model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert hf_model.config.bam_model["layer_pattern"] == LAYER_PATTERNS[name]["layer_pattern"]
+    assert_same_model(model, hf_model)
+
 
 @pytest.mark.parametrize("name", [name for name, kw in CASES.items() if kw["ssmax"]])
 def test_loaded_in_bf16_the_priors_and_ssmax_stay_fp32(name, exported):

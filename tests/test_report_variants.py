@@ -76,6 +76,21 @@ def test_seeds_are_one_variant_named_by_what_sets_it_apart(grid, tmp_path):
     assert {r.name: r.seed for r in runs}["bam_ssmax_seed2"] == 2  # the legacy config.toml was read too
 
 
+def test_a_layer_pattern_names_its_variant(tmp_path):
+    """A per-layer pattern (model.layer_pattern) is part of the encoding: two seeds share a variant named by it,
+    apart from the model-wide run with the same pe."""
+    root = tmp_path / "runs"
+    pattern = ["--model.pe=bam", "--model.ssmax=false", "--model.layer_pattern=rope@64*2 bam+ssmax@full"]
+    runs = [r for path in (fake_run(root, "global_seed1", 1, [20, 15, 10], pattern),
+                           fake_run(root, "global_seed2", 2, [20, 14, 9], pattern),
+                           fake_run(root, "bam_ssmax_seed1", 1, [20, 15, 10]))
+            for r in load_runs(path)]
+    assign_variants(runs)
+    variant = {r.name: r.variant for r in runs}
+    assert variant["global_seed1"] == variant["global_seed2"] == "bam, layer pattern rope@64*2 bam+ssmax@full"
+    assert variant["bam_ssmax_seed1"] == "bam + ssmax"
+
+
 def test_runs_of_one_name_are_told_apart_by_their_folder_then_their_place(tmp_path):
     # two grids' bam_ssmax_seed1 (docs/repro/runs5 and runs5_10000), then two runs whose folder names match too
     runs = [r for path in (fake_run(tmp_path / "runs5", "bam_ssmax_seed1", 1, [20, 15, 10]),
