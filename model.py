@@ -145,6 +145,13 @@ class ModelConfig:
                      for pe, window, ssmax in parse_layer_pattern(self.layer_pattern, self.n_layer))
 
     @property
+    def encoding_label(self):
+        """How logs name the encoding: "pe=bam + ssmax", or the layer pattern."""
+        if self.layer_pattern:
+            return f"layer_pattern={self.layer_pattern!r}"
+        return f"pe={self.pe}{' + ssmax' if self.ssmax else ''}"
+
+    @property
     def rope_context(self):
         """The context RoPE was trained at, which the scalings stretch from."""
         return self.rope_original_context or self.block_size

@@ -589,7 +589,7 @@ def setup_run_dir(cfg, state, resumed_step):
 
 def print_summary(run, resumed):
     m, t, procs = run.cfg.model, run.cfg.train, run.procs
-    print(f"model: {run.raw_model.num_params():,} parameters, pe={m.pe}{' + ssmax' if m.ssmax else ''}, "
+    print(f"model: {run.raw_model.num_params():,} parameters, {m.encoding_label}, "
           f"{m.n_layer} layers x {m.n_embd} wide, context {m.block_size}")
     precision = ("bf16 weights (FSDP policy)" if run.sharded else "bf16 autocast") if run.bf16 else "fp32"
     print(f"batch: {t.tokens_per_step:,} tokens per step = {run.cfg.data.batch_size} x {m.block_size} x "

@@ -165,7 +165,7 @@ def dry_run(cfg, world_sizes):
         f"{sizes.total / 1e9:.2f}B parameters ({sizes.total:,}): {m.n_layer} Blocks of "
         f"{sizes.largest_block / 1e6:.1f}M, "
         f"tok_emb {sizes.embedding / 1e6:.1f}M, norm + lm_head {sizes.head / 1e6:.1f}M, priors {sizes.priors:,} "
-        f"(pe={m.pe}{' + ssmax' if m.ssmax else ''}; {m.n_layer} x {m.n_embd} wide, {m.n_head} heads"
+        f"({m.encoding_label}; {m.n_layer} x {m.n_embd} wide, {m.n_head} heads"
         f"{f', {m.n_kv_head} kv heads' if m.n_kv_head else ''}, SwiGLU {m.hidden_dim}, context {m.block_size})",
         f"{'bf16' if bf16 else 'fp32'} compute, fp32 weights and AdamW/RAdam moments; {t.tokens_per_step:,} tokens "
         f"per step; micro-batches of data.batch_size = {d.batch_size} sequences per rank, or the largest that "

@@ -20,16 +20,24 @@ EXTRA_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "extra", "*.toml"
 
 
 def test_extra_configs_are_the_paper_settings_with_another_encoding():
-    """configs/extra: encodings beyond the paper's (from model.PRIORS), at the paper's 512 settings."""
+    """configs/extra: encodings beyond the paper's (from model.PRIORS), or per-layer patterns of them named
+    after the design, at the paper's 512 settings."""
     from model import PRIORS
 
     assert EXTRA_CONFIGS
+    patterns = []
     for path in EXTRA_CONFIGS:
         cfg = load_config(path)
-        assert cfg.model.pe in PRIORS, path
         name = os.path.basename(path)
-        assert name == f"{cfg.model.pe}{'_ssmax' if cfg.model.ssmax else ''}_{cfg.model.block_size}.toml", path
+        if cfg.model.layer_pattern:
+            patterns.append(name)
+            assert name.endswith(f"_{cfg.model.block_size}.toml"), path
+            assert len({kind.pe for kind in cfg.model.layer_kinds}) > 1, path  # a pattern of several encodings
+        else:
+            assert cfg.model.pe in PRIORS, path
+            assert name == f"{cfg.model.pe}{'_ssmax' if cfg.model.ssmax else ''}_{cfg.model.block_size}.toml", path
         assert (cfg.train.tokens_per_step, cfg.train.optimizer, cfg.model.n_layer) == (589_824, "radam", 12), path
+    assert patterns == ["bam_ssmax_global_512.toml", "rnope_swa_512.toml"]  # issue 47's two designs
 
 
 def write(tmp_path, text, name="run.toml"):
@@ -48,6 +56,18 @@ def test_defaults_are_the_papers_headline_run():
     assert (t.tokens_per_step, t.max_steps, d.doc_mask, t.prior_lr) == (589_824, 20_000, True, None)
     assert cfg.log.wandb == "disabled"
     check(cfg, world_size=8)  # the default batch fits one 8-GPU node
+
+
+def test_a_layer_pattern_from_a_file_or_the_command_line_round_trips(tmp_path):
+    path = write(tmp_path, '[model]\npe = "rope"\nn_layer = 4\nlayer_pattern = "rope@256*3 nope@full"\n')
+    cfg = load_config(path)
+    assert [k.window for k in cfg.model.layer_kinds] == [256, 256, 256, 0]
+    assert load_config(write(tmp_path, to_toml(cfg), "resolved.toml")).model == cfg.model
+    cfg = load_config(path, ["--model.layer_pattern=rope@64 rope@64 bam+ssmax@full", "--model.n_layer=6"])
+    assert [k.pe for k in cfg.model.layer_kinds] == ["rope", "rope", "bam"] * 2
+    with pytest.raises(ConfigError, match=r"^\[model\] layer_pattern 'rope bam' describes 2 layers, which does "
+                                          r"not divide n_layer=3"):
+        load_config(path, ["--model.layer_pattern=rope bam", "--model.n_layer=3"])
 
 
 def test_file_then_command_line_override_defaults(tmp_path):

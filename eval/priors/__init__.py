@@ -192,7 +192,7 @@ def evaluate_priors(source, *, options=None, max_distance=None, metrics=None, da
     ssmax = any(block.attn.ssmax_scale is not None for block in model.blocks)  # in some layer
     if not has_prior and not ssmax:
         if verbose:
-            print(f"priors: {info['name']} uses {encoding_name(cfg)} without SSMax: it has no learned positional "
+            print(f"priors: {info['name']} uses {cfg.encoding_label} without SSMax: it has no learned positional "
                   f"prior to show")
         return None
     if isinstance(max_distance, str):  # read before anything is created
@@ -260,11 +260,6 @@ def write_files(results, model, folder, dist, curves, history, written, gates=No
     if gates:
         plot_gates(results, gates, os.path.join(folder, "priors_gates.png"))
         written.append("priors_gates.png")
-
-
-def encoding_name(cfg):
-    """pe=NAME, or the layer pattern where there is one."""
-    return f"layer_pattern={cfg.layer_pattern!r}" if cfg.layer_pattern else f"pe={cfg.pe}"
 
 
 def format_table(results):
