@@ -223,18 +223,21 @@ def test_checkpointed_per_block_compiled_flex_runs_the_validation_forward(fresh_
 # None"), a limit of that CPU fallback, not of the GPU's kernel; the GPU acceptance run trains it.
 @needs_counter
 @pytest.mark.slow
-@pytest.mark.parametrize("ssmax,flex_prior", [(False, "table"), (True, "formula")])
+@pytest.mark.parametrize("ssmax,flex_prior,pattern", [(False, "table", ""), (True, "formula", ""),
+                                                      (False, "formula", "rope-ssmax@24 bam+ssmax@full"),
+                                                      (False, "table", "alibi@24 bam@full")])
 def test_checkpointed_per_block_compiled_flex_trains_as_eager_does(fresh_dynamo, flex_backward_on_cpu, ssmax,
-                                                                    flex_prior):
-    """The training forward and backward of the same model, as a GPU runs them (flex with its backward)."""
-    model = bam_ssmax(ssmax=ssmax, flex_prior=flex_prior)
+                                                                    flex_prior, pattern):
+    """The training forward and backward of the same model, as a GPU runs them (flex with its backward); with a
+    layer_pattern, each layer with its own window, prior and SSMax, one Block graph per layer kind."""
+    model = bam_ssmax(ssmax=ssmax, flex_prior=flex_prior, layer_pattern=pattern)
     reference = eager_reference(model)
     counter = CompileCounterWithBackend("aot_eager")
     checkpointed_and_compiled_per_block(flex_everywhere(model), counter)
     x, y, doc_ids = batch()
     (logits, grads), (expected, expected_grads) = loss_and_grads(model, x, y, doc_ids), \
         loss_and_grads(reference, x, y, doc_ids)
-    assert counter.frame_count == 1
+    assert counter.frame_count == len(set(model.config.layer_kinds))
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     assert grads.keys() == expected_grads.keys()
     for name in grads:
