@@ -239,6 +239,7 @@ class Transformer(nn.Module):
                                      parse_layer_pattern(cfg.layer_pattern, cfg.n_layer))
         # the prior modules (empty without a prior), and for each layer the index of its own or None
         self.priors, self.prior_index = self._make_priors(cfg, kinds)
+        self.has_ssmax = any(kind.ssmax for kind in kinds)  # in some layer: log n is computed
         self.apply(self._init_weights)
         # one matrix, the embedding's (its init); the state dict names it under both keys
         if cfg.tie_embeddings:
@@ -343,15 +344,12 @@ class Transformer(nn.Module):
         first_key = kv_cache.first_key(start_pos, window) if kv_cache is not None else 0
         k_pos = torch.arange(first_key, start_pos + T, device=device)
         impl = self.attention_impl(T, len(k_pos), doc_ids is not None)
-        log_n = ssmax_log_n(pos_in_doc, window) if self._has_ssmax() else None
+        log_n = ssmax_log_n(pos_in_doc, window) if self.has_ssmax else None
         rotation = self.rotation
         rope = rotation(q_pos, cfg, length=start_pos + T) if rotation is not None else None
         mask = self._mask(impl, q_pos, k_pos, doc_ids, window)
         flex_tables = impl == "flex" and cfg.flex_prior == "table"
         return AttnContext(impl, q_pos, k_pos, mask, log_n, rope, pos_in_doc, flex_tables, window)
-
-    def _has_ssmax(self):
-        return any(block.attn.ssmax_scale is not None for block in self.blocks)
 
     def _flex_prior_tables(self, length, device):
         """Per layer, the distance_table of its prior over the kernel's `length` tokens, built once
@@ -366,20 +364,22 @@ class Transformer(nn.Module):
         """Every flex kernel a forward of this model can ask for (flex_kernel), on a CPU or a GPU,
         with either flex_prior: made before any trace, so that a compiled forward only reads them.
         Making one costs nothing (it compiles at its first call)."""
-        layers = {(self._prior_of_layer(layer), block.attn.ssmax_scale is not None)
-                  for layer, block in enumerate(self.blocks)}
-        for prior, use_ssmax in layers:  # each distinct (prior, SSMax) of the layers
-            bias_fn = None if prior is None else prior.bias_fn
+        kinds = set()  # each distinct (prior, SSMax) of the layers
+        for layer, block in enumerate(self.blocks):
+            prior = self._prior_of_layer(layer)
             has_features = prior is not None and not prior.DISTANCE_ONLY
+            kinds.add((None if prior is None else prior.bias_fn, has_features,
+                       block.attn.ssmax_scale is not None))
+        for bias_fn, has_features, use_ssmax in kinds:
             for cpu in (False, True):
                 if not has_features:  # read from its table (table_bias), or SSMax's table alone
-                    tabled = None if prior is None else table_bias
+                    tabled = None if bias_fn is None else table_bias
                     flex_kernel(flex_variant(tabled, use_ssmax, False, True, cpu))
                 flex_kernel(flex_variant(bias_fn, use_ssmax, has_features, False, cpu))
 
     def _plain_causal(self, T_q, T_k, has_docs):
         """Nothing positional in attention but causality, which sdpa's flash kernel does alone."""
-        positional = (len(self.priors) > 0 or self._has_ssmax() or has_docs
+        positional = (len(self.priors) > 0 or self.has_ssmax or has_docs
                       or any(self.layer_windows()))
         return T_q == T_k and not positional
 
@@ -575,7 +575,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, kind: LayerKind = None):
         super().__init__()
-        kind = kind or LayerKind(cfg.pe, cfg.attn_window, cfg.ssmax)
+        kind = LayerKind(cfg.pe, cfg.attn_window, cfg.ssmax) if kind is None else kind
         self.cfg = cfg
         self.rotary = ENCODINGS[kind.pe].rotation is not None
         hd = cfg.head_dim

@@ -199,11 +199,10 @@ def evaluate_attention(source, *, options=None, lengths=None, max_factor=None, p
             if bar is not None:
                 bar.update(len(chunk))
         per_head = torch.cat(parts, dim=2).double().mean(dim=(2, 4))  # (3, layers, heads)
-        # uniform attention's entropy over what each query sees, averaged over the layers (their windows)
-        visible = [np.minimum(positions + 1, w) if w else positions + 1 for w in model.layer_windows()]
+        seen = [np.minimum(positions + 1, w) if w else positions + 1 for w in model.layer_windows()]  # per layer
+        uniform = np.mean([np.log(n).mean() for n in seen])  # uniform attention's entropy, over the layers
         row = {"length": length, "factor": length / block_size, "samples": samples, "queries": positions.tolist(),
-               "seconds": round(time.perf_counter() - t0, 3),
-               "uniform_entropy": float(np.mean([np.log(v).mean() for v in visible])),
+               "seconds": round(time.perf_counter() - t0, 3), "uniform_entropy": float(uniform),
                **{name: per_head[i].tolist() for i, name in enumerate(METRICS)}, **per_length}
         return [row], None
 
@@ -215,13 +214,11 @@ def evaluate_attention(source, *, options=None, lengths=None, max_factor=None, p
 
 
 def head_groups(model):
-    """[layer][head] group names of a prior that groups its heads (BAM's shapes), None for a layer without one
-    (a layer_pattern's RoPE layers); None where no layer has one."""
+    """[layer][head] group names of a prior that groups its heads (BAM's shapes); None for a layer without."""
     priors = [model._prior_of_layer(layer) for layer in range(len(model.blocks))]
-    if not any(prior is not None and prior.GROUPS for prior in priors):
-        return None
-    return [[prior.head_group(head) for head in range(model.config.n_head)]
-            if prior is not None and prior.GROUPS else None for prior in priors]
+    groups = [[p.head_group(h) for h in range(model.config.n_head)] if p is not None and p.GROUPS else None
+              for p in priors]
+    return groups if any(groups) else None
 
 
 # ---------------------------------------------------------------------------------------------------
