@@ -132,6 +132,19 @@ def test_flex_builds_one_block_mask_per_window_and_equals_eager(monkeypatch):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
+def test_a_pattern_with_every_layer_alike_is_the_model_wide_config_bitwise_on_flex():
+    """The flex path's forward (a CPU has no flex backward): the same kernel, the same mask, the same logits."""
+    idx = torch.randint(0, 97, (1, 300), generator=torch.Generator().manual_seed(3))
+    doc_ids = torch.tensor([[0] * 100 + [1] * 150 + [2] * 50])
+    logits = []
+    for kw in (dict(pe="bam", ssmax=True, attn_window=129), dict(pe="rope", layer_pattern="bam+ssmax@129")):
+        model = make_model(attn_impl="flex", **kw)
+        with torch.no_grad():
+            logits.append(model(idx, doc_ids=doc_ids)[0])
+    assert torch.equal(*logits)
+
+
 @pytest.mark.parametrize("pe,ssmax,pattern,kv", [("rope", False, "rope@4 nope@full", 0),
                                                  ("bam", True, "rope-ssmax@3 bam+ssmax@full", 2),
                                                  ("fox", False, "fox@5 fire", 0)])
