@@ -34,7 +34,8 @@ Sections, in the order they run (the first four are the acceptance run, the defa
   correctness   the whole model under torch.compile against eager first, then flex (compiled kernel) against
                 eager for every encoding of model.ENCODINGS x SSMax x document masking, forward and backward,
                 the gradient of every parameter (prior and SSMax included), fp32 and bf16 autocast; the priors
-                that read token features (FIRE, FoX) first. On CPU flex has no backward (torch 2.13), so
+                that read token features (FIRE, FoX) first; then two per-layer patterns (model.layer_pattern:
+                RNoPE-SWA, BAM + SSMax global with a RoPE window) with document masking. On CPU flex has no backward (torch 2.13), so
                 --quick compares flex forward against eager and sdpa forward+backward against eager.
   graphs        torch._dynamo.explain of the training forward (document masking, the device's attention
                 path) for every encoding x SSMax: one graph, no graph break.
@@ -430,13 +431,14 @@ def check_graphs(s, report):
 # correctness: flex (and the compiled model) against the eager reference
 
 
-def correctness_model(s, pe, ssmax, seed=0):
+def correctness_model(s, pe, ssmax, seed=0, **kw):
     """A small model with the real head width (48) and every prior/SSMax parameter moved off its init,
     so that no case passes because of a special value (ALiBi's shape exactly 1, SSMax's scale exactly 1)."""
     dims = dict(vocab_size=512, n_layer=2, n_head=4, n_embd=192) if s.cuda else \
         dict(vocab_size=97, n_layer=2, n_head=2, n_embd=32)
     torch.manual_seed(seed)
-    model = Transformer(model_module.ModelConfig(pe=pe, ssmax=ssmax, bam_train_loc=True, block_size=384, **dims))
+    model = Transformer(model_module.ModelConfig(pe=pe, ssmax=ssmax, bam_train_loc=True, block_size=384, **dims,
+                                                 **kw))
     with torch.no_grad():
         for p in model.prior_parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -495,6 +497,21 @@ def correctness_order(pe):
     return (not additive) + (additive and encoding.DISTANCE_ONLY)
 
 
+# Per-layer patterns (model.layer_pattern) on the 2-layer correctness model: RNoPE-SWA, and BAM + SSMax global
+# with a RoPE window, each layer with its own window, prior and SSMax; the window cuts through flex's blocks
+LAYER_PATTERNS = {"rnope-swa": dict(pe="rope", ssmax=False, layer_pattern="rope@100 nope@full"),
+                  "bam+ssmax-global": dict(pe="bam", ssmax=False, layer_pattern="rope@100 bam+ssmax@full")}
+
+
+def path_against_eager(s, model, impl, docs, dtype, backward):
+    """One correctness case: `impl` against the eager reference in fp32 (and eager at `dtype`, the bar)."""
+    batch = correctness_batch(s, docs)
+    ref = forward_backward(model, "eager", batch, nullcontext(), backward)
+    got = forward_backward(model, impl, batch, s.autocast(dtype), backward)
+    low = forward_backward(model, "eager", batch, s.autocast(dtype), backward) if dtype != torch.float32 else None
+    return {"pass": "fwd+bwd" if backward else "fwd only (no flex backward on CPU)", **compare(got, ref, low)}
+
+
 def check_correctness(s, report):
     precision = torch.get_float32_matmul_precision()
     # The fp32 reference and the fp32 flex kernel without TF32 (inductor's flex template follows this setting).
@@ -535,18 +552,17 @@ def check_correctness(s, report):
                 impls.append(("flex", False))
             for impl, backward in impls:
                 def case(pe=pe, ssmax=ssmax, docs=docs, dtype=dtype, impl=impl, backward=backward):
-                    model = correctness_model(s, pe, ssmax)
-                    batch = correctness_batch(s, docs)
-                    ref = forward_backward(model, "eager", batch, nullcontext(), backward)
-                    got = forward_backward(model, impl, batch, s.autocast(dtype), backward)
-                    low = None
-                    if dtype != torch.float32:
-                        low = forward_backward(model, "eager", batch, s.autocast(dtype), backward)
-                    return {"pass": "fwd+bwd" if backward else "fwd only (no flex backward on CPU)",
-                            **compare(got, ref, low)}
+                    return path_against_eager(s, correctness_model(s, pe, ssmax), impl, docs, dtype, backward)
                 name = f"{impl} {variant_name(pe, ssmax)}{' docs' if docs else ''} {str(dtype)[6:]}"
                 # a flex kernel per variant: ~10 s of Triton with its backward, ~30 s of C++ for a CPU's forward
                 report.run(name, case, expected_s=1 if impl != "flex" else 10 if s.cuda else 30)
+        # then the per-layer patterns, with document masking: the device's path (sdpa on a CPU) against eager
+        impl = "flex" if s.cuda else "sdpa"
+        for (pattern, kw), dtype in ((p, d) for p in LAYER_PATTERNS.items() for d in dtypes):
+            def pattern_case(kw=kw, dtype=dtype):
+                return path_against_eager(s, correctness_model(s, **kw), impl, True, dtype, True)
+            report.run(f"{impl} pattern {pattern} docs {str(dtype)[6:]}", pattern_case,
+                       expected_s=20 if s.cuda else 1)  # two flex kernels a pattern, each with its backward
     finally:
         torch.set_float32_matmul_precision(precision)
 
