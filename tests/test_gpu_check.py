@@ -99,11 +99,15 @@ def test_correctness_starts_with_the_compiled_model_then_the_token_feature_prior
     result, markdown, out = quick_run
     names = [c["name"] for c in result["cases"] if c["section"] == "correctness"]
     assert names[0].startswith("torch.compile(model)")
-    grid = [name.split(" ")[1].removesuffix("+ssmax") for name in names[1:]]
+    variants = [name.split(" ")[1].removesuffix("+ssmax") for name in names[1:]]
+    grid = [variant.split(",")[0] for variant in variants]
     token_feature = {pe for pe, enc in model.ENCODINGS.items()
                      if issubclass(enc, model.AdditivePrior) and not enc.DISTANCE_ONLY}
     assert token_feature and set(grid[:2 * len(token_feature)]) == token_feature
     assert set(grid) == set(model.ENCODINGS)
+    # and each encoding's checked_settings (partial RoPE) beside its defaults
+    assert set(variants) == {",".join([pe] + [f"{k}={v}" for k, v in settings.items()])
+                             for pe, settings in model.CHECKED_SETTINGS}
 
 
 def test_every_case_is_written_before_the_next_and_a_stuck_one_is_stopped(tmp_path, monkeypatch):
