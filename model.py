@@ -688,7 +688,7 @@ def apply_rope(x, cos, sin):
 
 def rotated_pairs(cfg):
     """How many of the head_dim / 2 rotation pairs turn: all but the slowest under rope_fraction
-    (p-RoPE, docs/training.md "Partial RoPE"). check_rope_scaling holds it to a whole number."""
+    (p-RoPE, docs/training.md "Partial RoPE"). check_rope_fraction holds it to a whole number."""
     return round(cfg.rope_fraction * (cfg.head_dim // 2))
 
 
