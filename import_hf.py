@@ -9,8 +9,10 @@ Import a Hugging Face model of the Llama family as a run directory, the mirror o
 Supported: LlamaForCausalLM (Llama 2, Llama 3.x with its "llama3" RoPE scaling, SmolLM/SmolLM2),
 MistralForCausalLM (its sliding window becomes model.attn_window) and Qwen2ForCausalLM (biases on q, k and v).
 What model.py lacks for them are ordinary ModelConfig fields (tie_embeddings, qkv_bias, attn_head_dim, the
-llama3 rope_scaling); a setting it cannot honour (another architecture, remote code, another activation or RoPE
-scaling, a bias on o_proj or the MLP, per-layer windows, quantised weights, ...) is refused in one line naming it.
+llama3 rope_scaling, rope_fraction for transformers' "proportional" rope type: p-RoPE, the fastest pairs turning
+at RoPE's frequencies, docs/training.md "Partial RoPE"); a setting it cannot honour (another architecture,
+remote code, another activation or RoPE scaling, a bias on o_proj or the MLP, per-layer windows, quantised
+weights, ...) is refused in one line naming it.
 
 OUT gets what train.py writes: config.toml (the model, the tokenizer, and a fine-tuning template of the other
 sections; log.out_dir names OUT_tuned beside it), checkpoints/step_00000000.pt (bam.checkpoint's layout: fp32
@@ -43,10 +45,14 @@ from model import ModelConfig, Transformer
 
 # The architectures (config.json's "architectures") and the model_type transformers builds each from
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}  # transformers' rope_type -> model.py's
+# transformers' rope_type -> model.py's rope_scaling; "proportional" (Gemma 4's partial RoPE) divides its turning
+# frequencies by `factor` (1 when left out), linear scaling of the turning pairs
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "proportional": "linear"}
 # rope_parameters keys a rope type reads; any other key of a scaled type is a setting model.py does not have
 ROPE_KEYS = {"default": set(), "linear": {"factor"},
-             "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
+             "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+             "proportional": {"factor", "partial_rotary_factor"}}
+ROPE_OPTIONAL = {"proportional": {"factor", "partial_rotary_factor"}}  # keys a type reads that may be left out
 MARKER = "imported.json"  # what OUT holds beside the run's files: the source, and the marker of an import
 TUNED_SUFFIX = "_tuned"  # log.out_dir of the config template: a fine-tuning run never writes into OUT
 
@@ -134,12 +140,16 @@ def model_config(arch, hf, path):
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         refuse(path, "rope_parameters.rope_type", rope_type, f"model.py imports {', '.join(ROPE_TYPES)}")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse(path, "partial_rotary_factor", rope["partial_rotary_factor"], "model.py rotates every dimension")
+    partial = rope.get("partial_rotary_factor")
+    partial = 1.0 if partial is None else partial  # transformers' default
+    if rope_type != "proportional" and partial != 1.0:
+        refuse(path, "partial_rotary_factor", rope["partial_rotary_factor"],
+               f"transformers' {FAMILIES[arch]} does not rotate part of a head under rope_type {rope_type!r}; "
+               f"partial RoPE imports as rope_type 'proportional'")
     unknown = sorted(set(rope) - ROPE_KEYS[rope_type] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     if rope_type != "default" and unknown:
         refuse(path, f"rope_parameters.{unknown[0]}", rope[unknown[0]], f"not a setting of model.py's {rope_type}")
-    for key in sorted(ROPE_KEYS[rope_type] - set(rope)):
+    for key in sorted(ROPE_KEYS[rope_type] - set(rope) - ROPE_OPTIONAL.get(rope_type, set())):
         refuse(path, f"rope_parameters.{key}", None, f"the {rope_type} scaling needs it")
     n_head, width = hf.num_attention_heads, hf.hidden_size
     head_dim = getattr(hf, "head_dim", None) or width // n_head
@@ -150,8 +160,12 @@ def model_config(arch, hf, path):
         context = rope["original_max_position_embeddings"]
         scaling.update(rope_original_context=context, llama3_low_freq_factor=float(rope["low_freq_factor"]),
                        llama3_high_freq_factor=float(rope["high_freq_factor"]))
-    if rope_type == "default":
-        scaling = {}
+    if rope_type == "proportional":
+        # transformers turns the first int(p x head_dim // 2) pairs, at theta^(-2i / head_dim): p-RoPE exactly
+        turning = int(float(partial) * head_dim // 2)
+        scaling["rope_fraction"] = turning / (head_dim // 2)
+    if rope_type == "default" or (rope_type == "proportional" and scaling["rope_factor"] == 1.0):
+        scaling = {k: v for k, v in scaling.items() if k == "rope_fraction"}
     window = getattr(hf, "sliding_window", None) if arch == "MistralForCausalLM" else None
     init_std = getattr(hf, "initializer_range", 0.0)
     try:
@@ -353,6 +367,7 @@ def main(argv=None):
     cfg, path = import_model(args.source, args.out_dir, args.overwrite)
     print(f"imported {args.source} to {path}: {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}"
           + (f", rope_scaling {cfg.rope_scaling} x{cfg.rope_factor:g}" if cfg.rope_scaling != "none" else "")
+          + (f", rope_fraction {cfg.rope_fraction:g}" if cfg.rope_fraction != 1.0 else "")
           + (f", window {cfg.attn_window}" if cfg.attn_window else ""))
     print(f"fine-tune: python train.py {config_path(args.out_dir)} --train.init_from={args.out_dir} "
           f"--data.data_dir=DATA (shards of its tokenizer: prepare_fineweb.py --source ... --tokenizer "

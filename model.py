@@ -82,6 +82,10 @@ class ModelConfig:
     rope_scaling: str = "none"
     rope_factor: float = 1.0
     rope_original_context: int = 0  # the context the RoPE model was trained at; 0 means block_size
+    # Partial RoPE (p-RoPE, Barbero et al. 2024; docs/training.md): the share of each head's
+    # head_dim / 2 rotation pairs that turn, the fastest ones at RoPE's own frequencies; the slowest
+    # are left untouched. A whole number of pairs; 1.0 is RoPE, 0.0 NoPE.
+    rope_fraction: float = 1.0
     # YaRN's ramp bounds, in rotations per original context (Peng et al. 2023)
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
@@ -740,6 +744,10 @@ class Encoding:
     # embedding(positions, cfg) -> (..., T, n_embd) added to the token embeddings at these
     # in-document positions
     embedding = None
+    # Settings that take another code path inside this encoding, each {ModelConfig field: value}:
+    # the correctness grids (tests/test_model.py, bench/gpu_check.py) check each of them beside the
+    # defaults, through CHECKED_SETTINGS
+    checked_settings = ()
 
     @classmethod
     def copies(cls, cfg):
@@ -760,6 +768,7 @@ class RoPE(Encoding):
     positions on the fly, so no table runs out past the training length."""
 
     even_width = "head_dim"
+    checked_settings = ({"rope_fraction": 0.5},)  # partial RoPE: half the pairs turn
     family = "RoPE"  # for eval/ only
 
     @staticmethod
@@ -768,7 +777,13 @@ class RoPE(Encoding):
         inv_freq, factor = rope_frequencies(cfg, length, positions.device)
         # float64: at 500K positions fp32 angles would be off by ~0.03 rad before the cosine.
         angles = positions.to(torch.float64)[..., None] * inv_freq
-        return (factor * angles.cos()).float(), (factor * angles.sin()).float()
+        cos, sin = (factor * angles.cos()).float(), (factor * angles.sin()).float()
+        # Partial RoPE: the pairs that do not turn get cos 1 and sin 0 (YaRN's factor stays on the
+        # turning ones), which apply_rope passes through exactly (x * 1 - y * 0 == x).
+        still = cfg.head_dim // 2 - inv_freq.shape[-1]
+        if still:
+            cos, sin = F.pad(cos, (0, still), value=1.0), F.pad(sin, (0, still), value=0.0)
+        return cos, sin
 
 
 def apply_rope(x, cos, sin):
@@ -778,28 +793,37 @@ def apply_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
+def rotated_pairs(cfg):
+    """How many of the head_dim / 2 rotation pairs turn: all but the slowest under rope_fraction
+    (p-RoPE, docs/training.md "Partial RoPE"). check_rope_fraction holds it to a whole number."""
+    return round(cfg.rope_fraction * (cfg.head_dim // 2))
+
+
 def rope_frequencies(cfg, length, device=None):
-    """RoPE's inverse frequencies (float64, head_dim / 2, on `device`) under cfg.rope_scaling,
-    with s = rope_factor and L0 = cfg.rope_context, and the factor YaRN puts on cos and sin (1
-    otherwise). `length` is how many positions the current forward reaches (its last query + 1);
-    only dynamic NTK reads it. Built where the positions are: a table built on the host and copied
-    would cost a CPU kernel and a blocking host-to-device copy in every forward
-    (tests/test_baselines.py holds the forward to one device).
+    """RoPE's inverse frequencies (float64, one per turning pair, rotated_pairs(cfg), on `device`)
+    under cfg.rope_scaling, with s = rope_factor and L0 = cfg.rope_context, and the factor YaRN
+    puts on cos and sin (1 otherwise). Partial RoPE keeps the fastest pairs at their frequencies
+    theta^(-2i/d) and the scalings act on them alone: NTK stretches the slowest turning pair by s,
+    YaRN's ramp ends at the turning width. `length` is how many positions the current forward
+    reaches (its last query + 1); only dynamic NTK reads it. Built where the positions are: a table
+    built on the host and copied would cost a CPU kernel and a blocking host-to-device copy in
+    every forward (tests/test_baselines.py holds the forward to one device).
 
       linear       position interpolation (Chen et al. 2023): every frequency / s
-      ntk          NTK-aware (bloc97 2023): base theta * s^(d / (d - 2)), d = head_dim, which
-                   stretches the lowest frequency by exactly s and leaves the highest alone
+      ntk          NTK-aware (bloc97 2023): base theta * s^(d / (r - 2)), d = head_dim, r = 2 x
+                   the turning pairs (d for full RoPE), which stretches the lowest turning frequency
+                   by exactly s and leaves the highest alone
       dynamic_ntk  NTK-aware with the scale growing with the length, as transformers and Code Llama:
-                   base theta * (s L / L0 - (s - 1))^(d / (d - 2)) once L > L0, theta up to L0
+                   base theta * (s L / L0 - (s - 1))^(d / (r - 2)) once L > L0, theta up to L0
       yarn         YaRN (Peng et al. 2023): frequencies blended by yarn_ramp, temperature below
       llama3       Llama 3.1's frequencies blended by llama3_ramp (imported Llama 3.x models)"""
     d, theta, s, L0 = cfg.head_dim, cfg.rope_theta, cfg.rope_factor, cfg.rope_context
-    kind = cfg.rope_scaling
+    kind, pairs = cfg.rope_scaling, rotated_pairs(cfg)
     if kind == "ntk":
-        theta = theta * s ** (d / (d - 2))
+        theta = theta * s ** (d / (2 * pairs - 2))
     elif kind == "dynamic_ntk" and length > L0:
-        theta = theta * (s * length / L0 - (s - 1)) ** (d / (d - 2))
-    inv_freq = inverse_frequencies(d, theta, device)
+        theta = theta * (s * length / L0 - (s - 1)) ** (d / (2 * pairs - 2))
+    inv_freq = inverse_frequencies(d, theta, device)[:pairs]
     if kind == "linear":
         return inv_freq / s, 1.0
     if kind == "yarn":
@@ -823,17 +847,18 @@ def yarn_ramp(cfg, device=None):
     pair index between the two crossing points rounded outward, not linear in the turn count r as
     the paper's equation writes it; this keeps our YaRN numbers comparable with published YaRN
     models. Pair i turns r = L0 / (2 pi theta^(2i/d)) times, so the crossing of r is at
-    i = d ln(L0 / (2 pi r)) / (2 ln theta)."""
-    d, theta, L0 = cfg.head_dim, cfg.rope_theta, cfg.rope_context
+    i = d ln(L0 / (2 pi r)) / (2 ln theta). Under partial RoPE the ramp spans the turning pairs
+    only, as transformers' does over its rotary width."""
+    d, theta, L0, pairs = cfg.head_dim, cfg.rope_theta, cfg.rope_context, rotated_pairs(cfg)
 
     def pair_index(turns):
         return d * math.log(L0 / (2 * math.pi * turns)) / (2 * math.log(theta))
 
     low = max(math.floor(pair_index(cfg.yarn_beta_fast)), 0)
-    # d - 1 (not d/2 - 1) as the reference
-    high = min(math.ceil(pair_index(cfg.yarn_beta_slow)), d - 1)
+    # 2 x pairs - 1 (not pairs - 1) as the reference's dim - 1
+    high = min(math.ceil(pair_index(cfg.yarn_beta_slow)), 2 * pairs - 1)
     span = max(high - low, 1e-3)  # the reference's guard against a zero-width ramp
-    return ((torch.arange(d // 2, dtype=torch.float64, device=device) - low) / span).clamp(0.0, 1.0)
+    return ((torch.arange(pairs, dtype=torch.float64, device=device) - low) / span).clamp(0.0, 1.0)
 
 
 def llama3_ramp(cfg, inv_freq):
@@ -1384,6 +1409,9 @@ ENCODINGS = {
     "fox": FoXPrior,
 }
 PE_CHOICES = tuple(ENCODINGS)
+# Every encoding at its defaults, then each of its checked_settings: (name, {field: value})
+CHECKED_SETTINGS = tuple([(pe, {}) for pe in ENCODINGS] + [
+    (pe, dict(settings)) for pe, enc in ENCODINGS.items() for settings in enc.checked_settings])
 PRIORS = {name: enc for name, enc in ENCODINGS.items() if issubclass(enc, AdditivePrior)}
 
 
@@ -1687,9 +1715,24 @@ def check_rope_scaling(cfg, bad, kinds):
     if not cfg.llama3_low_freq_factor < cfg.llama3_high_freq_factor:
         bad(f"llama3 scaling needs llama3_low_freq_factor < llama3_high_freq_factor, got "
             f"{cfg.llama3_low_freq_factor} and {cfg.llama3_high_freq_factor}")
-    if cfg.rope_scaling in ("ntk", "dynamic_ntk") and cfg.head_dim <= 2:
-        bad(f"rope_scaling={cfg.rope_scaling!r} needs head_dim > 2 (its exponent is d / (d - 2)), "
-            f"got {cfg.head_dim}")
+    check_rope_fraction(cfg, bad)
+    if cfg.rope_scaling in ("ntk", "dynamic_ntk") and rotated_pairs(cfg) <= 1:
+        bad(f"rope_scaling={cfg.rope_scaling!r} needs more than one turning pair (its exponent is "
+            f"d / (r - 2), r = 2 x pairs), got head_dim={cfg.head_dim} at "
+            f"rope_fraction={cfg.rope_fraction}")
+
+
+def check_rope_fraction(cfg, bad):
+    """Partial RoPE's share of pairs (its range is in MODEL_RANGES): a whole number of pairs, on a
+    rotary encoding, and with something left to scale where a scaling is set."""
+    pairs = cfg.head_dim // 2
+    if abs(cfg.rope_fraction * pairs - round(cfg.rope_fraction * pairs)) > 1e-9:
+        bad(f"rope_fraction={cfg.rope_fraction} turns {cfg.rope_fraction * pairs:g} of the "
+            f"{pairs} pairs of head_dim={cfg.head_dim}; allowed: a multiple of 1/{pairs}")
+    if cfg.rope_fraction != 1.0 and ENCODINGS[cfg.pe].rotation is None:
+        bad(f"rope_fraction needs a rotary encoding (pe = 'rope'), got pe={cfg.pe!r}")
+    if cfg.rope_scaling != "none" and rotated_pairs(cfg) == 0:
+        bad(f"rope_scaling={cfg.rope_scaling!r} has no effect with rope_fraction=0 (no pair turns)")
 
 
 # What every numeric ModelConfig field may be (bam/ranges.py's notation; always finite as well). A
@@ -1703,6 +1746,7 @@ MODEL_RANGES = {
     "n_embd": ">= 1", "mlp_hidden": ">= 0", "block_size": ">= 1", "norm_eps": "> 0, < 1",
     "init_std": "> 0, <= 10", "rope_theta": ">= 2", "rope_factor": ">= 1",
     "rope_original_context": ">= 0", "yarn_beta_fast": "> 0", "yarn_beta_slow": "> 0",
+    "rope_fraction": ">= 0, <= 1",
     "sinusoidal_base": ">= 2", "attn_window": ">= 0", "bam_init_shape": "",
     "bam_init_log_scale": ">= -30, <= 30", "t5_num_buckets": ">= 2", "t5_max_distance": ">= 2",
     "fire_mlp_width": ">= 1", "fire_init_c": "> 0", "fire_init_threshold": "> 0",

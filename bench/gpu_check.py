@@ -391,8 +391,10 @@ def quick_subset(s, variants, n=2):
     return variants[:n] if s.quick else variants
 
 
-def variant_name(pe, ssmax):
-    return f"{pe}+ssmax" if ssmax else pe
+def variant_name(pe, ssmax, settings=None):
+    """"rope", "bam+ssmax", "rope,rope_fraction=0.5" (an encoding's checked_settings): one word in a case's name."""
+    name = ",".join([pe] + [f"{k}={v}" for k, v in (settings or {}).items()])
+    return f"{name}+ssmax" if ssmax else name
 
 
 def rel_err(got, ref):
@@ -431,14 +433,15 @@ def check_graphs(s, report):
 # correctness: flex (and the compiled model) against the eager reference
 
 
-def correctness_model(s, pe, ssmax, seed=0, **kw):
+def correctness_model(s, pe, ssmax, seed=0, settings=None, **kw):
     """A small model with the real head width (48) and every prior/SSMax parameter moved off its init,
-    so that no case passes because of a special value (ALiBi's shape exactly 1, SSMax's scale exactly 1)."""
+    so that no case passes because of a special value (ALiBi's shape exactly 1, SSMax's scale exactly 1).
+    `settings`: more ModelConfig fields (one of the encoding's checked_settings)."""
     dims = dict(vocab_size=512, n_layer=2, n_head=4, n_embd=192) if s.cuda else \
         dict(vocab_size=97, n_layer=2, n_head=2, n_embd=32)
     torch.manual_seed(seed)
     model = Transformer(model_module.ModelConfig(pe=pe, ssmax=ssmax, bam_train_loc=True, block_size=384, **dims,
-                                                 **kw))
+                                                 **(settings or {}), **kw))
     with torch.no_grad():
         for p in model.prior_parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -541,19 +544,23 @@ def check_correctness(s, report):
                        compiled_case, expected_s=10 if s.quick else 40)
 
         # Document masking first (the training configuration): under a tight budget it is the last skipped.
-        # --quick: document masking on only; tests/test_model.py covers the rest.
-        grid = sorted(((pe, ssmax, docs, dtype) for pe in model_module.ENCODINGS for ssmax in (True, False)
-                       for docs in ((True,) if s.quick else (True, False)) for dtype in dtypes),
+        # --quick: document masking on only; tests/test_model.py covers the rest. Every encoding, and each of
+        # its checked_settings (partial RoPE), from the registry.
+        grid = sorted(((pe, ssmax, docs, dtype, settings) for pe, settings in model_module.CHECKED_SETTINGS
+                       for ssmax in (True, False) for docs in ((True,) if s.quick else (True, False))
+                       for dtype in dtypes),
                       key=lambda c: (not c[2], correctness_order(c[0]), not c[1]))
-        for pe, ssmax, docs, dtype in grid:
+        for pe, ssmax, docs, dtype, settings in grid:
             impls = [("flex", True)] if s.cuda else [("sdpa", True)]
-            if not s.cuda and (pe, ssmax, docs, dtype) == ("bam", True, True, torch.float32):
+            if not s.cuda and (pe, ssmax, docs, dtype, settings) == ("bam", True, True, torch.float32, {}):
                 # CPU flex compiles C++ for ~30 s a variant and has no backward: one case, the richest one
                 impls.append(("flex", False))
             for impl, backward in impls:
-                def case(pe=pe, ssmax=ssmax, docs=docs, dtype=dtype, impl=impl, backward=backward):
-                    return path_against_eager(s, correctness_model(s, pe, ssmax), impl, docs, dtype, backward)
-                name = f"{impl} {variant_name(pe, ssmax)}{' docs' if docs else ''} {str(dtype)[6:]}"
+                def case(pe=pe, ssmax=ssmax, docs=docs, dtype=dtype, impl=impl, backward=backward,
+                         settings=settings):
+                    return path_against_eager(s, correctness_model(s, pe, ssmax, settings=settings), impl,
+                                              docs, dtype, backward)
+                name = f"{impl} {variant_name(pe, ssmax, settings)}{' docs' if docs else ''} {str(dtype)[6:]}"
                 # a flex kernel per variant: ~10 s of Triton with its backward, ~30 s of C++ for a CPU's forward
                 report.run(name, case, expected_s=1 if impl != "flex" else 10 if s.cuda else 30)
         # then the per-layer patterns, with document masking: the device's path (sdpa on a CPU) against eager

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from model import (ENCODINGS, ROPE_SCALINGS, KVCache, ModelConfig, Transformer, apply_rope, positions_in_documents,
-                   rope_frequencies, window_block_mask)
+from model import (CHECKED_SETTINGS, ENCODINGS, ROPE_SCALINGS, KVCache, ModelConfig, Transformer, apply_rope,
+                   positions_in_documents, rope_frequencies, window_block_mask)
 from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 
 FACTORS = [2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
@@ -23,21 +23,24 @@ def rope_cfg(scaling, factor, head_dim=64, theta=500_000.0, context=512, **kw):
 
 # -- RoPE scaling: the formulas, written out independently (plain floats, one pair at a time) ----------
 
-def expected_inv_freq(scaling, s, d, theta, L0, length, beta_fast=32.0, beta_slow=1.0):
-    pairs = range(d // 2)
+def expected_inv_freq(scaling, s, d, theta, L0, length, beta_fast=32.0, beta_slow=1.0, fraction=1.0):
+    """Partial RoPE (p-RoPE) turns the first fraction of the pairs, r = 2 x their count of the d dimensions, at
+    RoPE's frequencies, and a scaling acts on them alone: NTK stretches the slowest turning one by exactly s."""
+    r = 2 * round(fraction * d / 2)
+    pairs = range(r // 2)
     if scaling == "linear":  # Chen et al. 2023: positions (equivalently frequencies) divided by s
         return [theta ** (-2 * i / d) / s for i in pairs]
-    if scaling == "ntk":  # NTK-aware: a larger base, theta * s^(d / (d - 2))
-        base = theta * s ** (d / (d - 2))
+    if scaling == "ntk":  # NTK-aware: a larger base, theta * s^(d / (r - 2)), r = d for whole RoPE
+        base = theta * s ** (d / (r - 2))
         return [base ** (-2 * i / d) for i in pairs]
     if scaling == "dynamic_ntk":  # transformers / Code Llama: the scale follows the length past L0
         grown = s * length / L0 - (s - 1) if length > L0 else 1.0
-        base = theta * grown ** (d / (d - 2))
+        base = theta * grown ** (d / (r - 2))
         return [base ** (-2 * i / d) for i in pairs]
     # YaRN (Peng et al. 2023) as its reference code: dimension where pair i turns `r` times over L0 ...
-    def dim_at(r):
-        return d * math.log(L0 / (r * 2 * math.pi)) / (2 * math.log(theta))
-    lo, hi = max(math.floor(dim_at(beta_fast)), 0), min(math.ceil(dim_at(beta_slow)), d - 1)
+    def dim_at(turns):
+        return d * math.log(L0 / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    lo, hi = max(math.floor(dim_at(beta_fast)), 0), min(math.ceil(dim_at(beta_slow)), r - 1)
     out = []
     for i in pairs:
         keep = 1.0 - min(max((i - lo) / (hi - lo), 0.0), 1.0)  # 1 below lo (extrapolate), 0 above hi
@@ -46,23 +49,27 @@ def expected_inv_freq(scaling, s, d, theta, L0, length, beta_fast=32.0, beta_slo
     return out
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
 @pytest.mark.parametrize("scaling", SCALINGS)
-@pytest.mark.parametrize("head_dim,theta,context", [(64, 500_000.0, 512), (48, 10_000.0, 4096), (128, 1e6, 2048)])
-def test_rope_frequencies_match_the_formulas(scaling, head_dim, theta, context):
+# the last: at a quarter of the pairs YaRN's ramp would run past the turning pairs, which its end is held to
+@pytest.mark.parametrize("head_dim,theta,context", [(64, 500_000.0, 512), (48, 10_000.0, 4096), (128, 1e6, 2048),
+                                                    (64, 10_000.0, 1024)])
+def test_rope_frequencies_match_the_formulas(scaling, head_dim, theta, context, fraction):
     for s in FACTORS:
-        cfg = rope_cfg(scaling, s, head_dim, theta, context)
+        cfg = rope_cfg(scaling, s, head_dim, theta, context, rope_fraction=fraction)
         for length in (context // 2, context, 3 * context, int(s * context)):
             inv_freq, factor = rope_frequencies(cfg, length)
-            expected = torch.tensor(expected_inv_freq(scaling, s, head_dim, theta, context, length),
-                                    dtype=torch.float64)
+            expected = torch.tensor(expected_inv_freq(scaling, s, head_dim, theta, context, length,
+                                                      fraction=fraction), dtype=torch.float64)
             torch.testing.assert_close(inv_freq, expected, rtol=1e-12, atol=0)
             assert factor == (0.1 * math.log(s) + 1.0 if scaling == "yarn" else 1.0)
         if scaling != "dynamic_ntk":
             continue
         # dynamic NTK is plain RoPE up to L0, and static NTK once s L / L0 - (s - 1) = s: at L = L0 (2s - 1) / s
-        plain = rope_frequencies(rope_cfg("none", 1.0, head_dim, theta, context), context)[0]
+        plain_cfg = rope_cfg("none", 1.0, head_dim, theta, context, rope_fraction=fraction)
+        plain = rope_frequencies(plain_cfg, context)[0]
         torch.testing.assert_close(rope_frequencies(cfg, context)[0], plain, rtol=0, atol=0)
-        static = rope_frequencies(rope_cfg("ntk", s, head_dim, theta, context), 1)[0]
+        static = rope_frequencies(rope_cfg("ntk", s, head_dim, theta, context, rope_fraction=fraction), 1)[0]
         torch.testing.assert_close(rope_frequencies(cfg, context * (2 * s - 1) / s)[0], static, rtol=1e-12, atol=0)
 
 
@@ -80,22 +87,28 @@ def test_yarn_ramp_keeps_fast_pairs_and_interpolates_slow_ones():
     assert bool(((inv_freq <= plain) & (inv_freq >= plain / s)).all())
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
 @pytest.mark.parametrize("s", FACTORS)
-def test_yarn_temperature_scales_the_logits_by_one_over_t(s):
+def test_yarn_temperature_scales_the_logits_by_one_over_t(s, fraction):
     """YaRN paper: softmax(q.k / (t sqrt(d))) with sqrt(1/t) = 0.1 ln s + 1, so the logit between q and k
-    at the same position (no rotation left) is q.k times (0.1 ln s + 1)^2."""
-    cfg = rope_cfg("yarn", s, head_dim=16)
+    at the same position (no rotation left) is q.k times (0.1 ln s + 1)^2. Under partial RoPE only the turning
+    pairs (dimensions i and i + 8 for i < 8 x fraction) carry it, as transformers' partial rotary models do."""
+    cfg = rope_cfg("yarn", s, head_dim=16, rope_fraction=fraction)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 1, 1, 16, generator=g), torch.randn(1, 1, 1, 16, generator=g)
+    turning = torch.tensor([i % 8 < 8 * fraction for i in range(16)])
     for pos in (0, 7, 5000):
         cos, sin = ENCODINGS["rope"].rotation(torch.tensor([pos]), cfg)
         rotated = (apply_rope(q, cos, sin) * apply_rope(k, cos, sin)).sum()
-        torch.testing.assert_close(rotated, (q * k).sum() * (0.1 * math.log(s) + 1) ** 2, rtol=1e-5, atol=1e-6)
+        expected = (q * k)[..., turning].sum() * (0.1 * math.log(s) + 1) ** 2 + (q * k)[..., ~turning].sum()
+        torch.testing.assert_close(rotated, expected, rtol=1e-5, atol=1e-6)
 
 
-def transformers_inv_freq(scaling, s, d, theta, L0, length):
+def transformers_inv_freq(scaling, s, d, theta, L0, length, fraction=1.0):
     """The same quantity from transformers' own RoPE initialisation (a second implementation). transformers
-    has no static NTK-aware scaling; its dynamic one with factor 1 at length s L0 is exactly that."""
+    has no static NTK-aware scaling; its dynamic one with factor 1 at length s L0 is exactly that. Its
+    partial_rotary_factor computes the frequencies of the first fraction x d dimensions as a RoPE of that
+    width: base theta over width r is p-RoPE's theta^(d/r) over width d."""
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     rope_type, factor, seq_len, max_pos = {
@@ -104,7 +117,7 @@ def transformers_inv_freq(scaling, s, d, theta, L0, length):
         "dynamic_ntk": ("dynamic", s, length, L0),
         "yarn": ("yarn", s, None, int(s * L0)),
     }[scaling]
-    scaling_dict = {"rope_type": rope_type, "factor": factor}
+    scaling_dict = {"rope_type": rope_type, "factor": factor, "partial_rotary_factor": fraction}
     if rope_type == "yarn":
         scaling_dict.update(original_max_position_embeddings=L0, beta_fast=32.0, beta_slow=1.0)
     config = transformers.LlamaConfig(hidden_size=2 * d, num_attention_heads=2, max_position_embeddings=max_pos,
@@ -113,13 +126,19 @@ def transformers_inv_freq(scaling, s, d, theta, L0, length):
     return inv_freq.double(), attention_factor
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
 @pytest.mark.parametrize("scaling", SCALINGS)
-def test_rope_frequencies_match_transformers(scaling):
-    d, theta, L0 = 64, 500_000.0, 512
+@pytest.mark.parametrize("theta,L0", [(500_000.0, 512), (10.0, 1024)])  # the second: YaRN's ramp ends at the width
+def test_rope_frequencies_match_transformers(scaling, fraction, theta, L0):
+    """Whole RoPE, and partial RoPE against transformers' partial_rotary_factor under the base that makes the
+    two conventions the same frequencies (docs/training.md, "Partial RoPE"): every scaling acts on the
+    turning pairs as transformers' does on its rotary width."""
+    d = 64
     for s in FACTORS:
         for length in ((L0, 3 * L0) if scaling == "dynamic_ntk" else (L0,)):
-            ref, ref_factor = transformers_inv_freq(scaling, s, d, theta, L0, length)
-            ours, factor = rope_frequencies(rope_cfg(scaling, s, d, theta, L0), length)
+            ref, ref_factor = transformers_inv_freq(scaling, s, d, theta, L0, length, fraction)
+            cfg = rope_cfg(scaling, s, d, theta ** (1 / fraction), L0, rope_fraction=fraction)
+            ours, factor = rope_frequencies(cfg, length)
             torch.testing.assert_close(ours, ref, rtol=2e-6, atol=0, msg=lambda m: f"{scaling} s={s}: {m}")
             assert factor == pytest.approx(ref_factor, rel=1e-12)
 
@@ -150,6 +169,12 @@ def test_rope_original_context_defaults_to_block_size():
     (dict(rope_scaling="yarn", rope_factor=2.0, yarn_beta_slow=40.0), "0 < yarn_beta_slow < yarn_beta_fast"),
     (dict(rope_original_context=-1), "rope_original_context = -1: allowed: an integer >= 0"),
     (dict(attn_window=-3), "attn_window = -3: allowed: an integer >= 0"),
+    (dict(rope_fraction=1.5), r"rope_fraction = 1.5: allowed: a finite number >= 0, <= 1"),
+    (dict(rope_fraction=-0.25), r"rope_fraction = -0.25: allowed: a finite number >= 0, <= 1"),
+    (dict(rope_fraction=0.3), r"rope_fraction=0.3 turns 1.2 of the 4 pairs of head_dim=8; allowed: a multiple of 1/4"),
+    (dict(pe="bam", rope_fraction=0.5), "rope_fraction needs a rotary encoding"),
+    (dict(rope_fraction=0.0, rope_scaling="yarn", rope_factor=2.0), "no effect with rope_fraction=0"),
+    (dict(rope_fraction=0.25, rope_scaling="ntk", rope_factor=2.0), "ntk' needs more than one turning pair"),
 ])
 def test_bad_baseline_config_names_what_is_allowed(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -218,13 +243,15 @@ def crop_reference(model_cfg, model, idx, doc_ids, W):
     return ref
 
 
-WINDOW_GRID = [(pe, ssmax) for pe in ("nope", "rope", "alibi", "bam", "kerple_log", "t5", "fox") for ssmax in (False, True)]
+# partial RoPE: RoPE-local with half the pairs turning
+WINDOW_GRID = [(pe, ssmax, {}) for pe in ("nope", "rope", "alibi", "bam", "kerple_log", "t5", "fox")
+               for ssmax in (False, True)] + [("rope", ssmax, {"rope_fraction": 0.5}) for ssmax in (False, True)]
 
 
-@pytest.mark.parametrize("pe,ssmax", WINDOW_GRID)
-def test_window_on_eager_and_sdpa_equals_the_crop_reference(pe, ssmax):
+@pytest.mark.parametrize("pe,ssmax,settings", WINDOW_GRID)
+def test_window_on_eager_and_sdpa_equals_the_crop_reference(pe, ssmax, settings):
     W = 7
-    model = make_model(pe=pe, ssmax=ssmax, n_layer=1, attn_window=W, bam_train_loc=True)
+    model = make_model(pe=pe, ssmax=ssmax, n_layer=1, attn_window=W, bam_train_loc=True, **settings)
     idx, doc_ids = batch(T=30)
     with torch.no_grad():
         ref = crop_reference(model.config, model, idx, doc_ids, W)
@@ -246,12 +273,13 @@ def test_flex_window_equals_eager(W, docs):
                                    atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("pe,ssmax,W,kv", [("rope", False, 4, 0), ("bam", True, 6, 2), ("alibi", True, 1, 0),
-                                           ("sinusoidal", False, 3, 0), ("rope", True, 30, 0)])
-def test_windowed_generation_equals_full_recompute_with_the_window(pe, ssmax, W, kv):
+@pytest.mark.parametrize("pe,ssmax,W,kv,settings", [
+    ("rope", False, 4, 0, {}), ("bam", True, 6, 2, {}), ("alibi", True, 1, 0, {}), ("sinusoidal", False, 3, 0, {}),
+    ("rope", True, 30, 0, {}), ("rope", False, 5, 2, {"rope_fraction": 0.5})])
+def test_windowed_generation_equals_full_recompute_with_the_window(pe, ssmax, W, kv, settings):
     """The cache keeps only the last W - 1 positions, and the tokens are those of recomputing the whole
     sequence with the same window at every step."""
-    model = make_model(pe=pe, ssmax=ssmax, n_kv_head=kv, attn_window=W)
+    model = make_model(pe=pe, ssmax=ssmax, n_kv_head=kv, attn_window=W, **settings)
     model.eval()
     prompt, _ = batch(B=2, T=10)
     out = model.generate(prompt, max_new_tokens=12, temperature=0)
@@ -319,22 +347,24 @@ class TensorsOffDevice(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def positional_variants():
-    """Every encoding that computes from positions in the forward (a rotation or an embedding), and a rotation
-    under every RoPE scaling, evaluated past its original context so dynamic NTK scales too."""
-    for pe, encoding in ENCODINGS.items():
+    """Every encoding that computes from positions in the forward (a rotation or an embedding), at its defaults
+    and its checked settings (partial RoPE), and a rotation under every RoPE scaling, evaluated past its
+    original context so dynamic NTK scales too."""
+    for pe, settings in CHECKED_SETTINGS:
+        encoding = ENCODINGS[pe]
         scalings = ROPE_SCALINGS if encoding.rotation is not None else ("none",)
         if encoding.rotation is None and encoding.embedding is None:
             continue
         for scaling in scalings:
-            yield pe, scaling
+            yield pytest.param(pe, scaling, settings, id=f"{pe}-{scaling}-{settings}")
 
 
-@pytest.mark.parametrize("pe,scaling", list(positional_variants()))
-def test_a_forward_makes_every_tensor_on_the_inputs_device(pe, scaling):
+@pytest.mark.parametrize("pe,scaling,settings", list(positional_variants()))
+def test_a_forward_makes_every_tensor_on_the_inputs_device(pe, scaling, settings):
     """The whole forward (embeddings, RoPE's frequencies and ramps, attention, logits) run on the meta device,
     where a tensor built on the host shows as one that is not on meta."""
     factor = 1.0 if scaling == "none" else 4.0
-    cfg = tiny(pe, attn_impl="sdpa", rope_scaling=scaling, rope_factor=factor, rope_original_context=8)
+    cfg = tiny(pe, attn_impl="sdpa", rope_scaling=scaling, rope_factor=factor, rope_original_context=8, **settings)
     with torch.device("meta"):
         model = Transformer(cfg)
     idx = torch.zeros(2, 24, dtype=torch.long, device="meta")

@@ -28,7 +28,8 @@ CASES = {f"{pe}{'_ssmax' if ssmax else ''}": dict(pe=pe, ssmax=ssmax) for pe in 
 CASES["bam_ssmax_gqa"] = dict(pe="bam", ssmax=True, n_kv_head=2, bam_per_layer=False)
 # Config fields that model.py is gaining; the cases run as soon as it has them (until then: a visible skip).
 WINDOW_AND_SCALING = {"bam_ssmax_window": dict(pe="bam", ssmax=True, attn_window=8),
-                      "rope_yarn": dict(pe="rope", rope_scaling="yarn", rope_factor=4.0)}
+                      "rope_yarn": dict(pe="rope", rope_scaling="yarn", rope_factor=4.0),
+                      "rope_partial_yarn": dict(pe="rope", rope_fraction=0.5, rope_scaling="yarn", rope_factor=4.0)}
 TEXT = ("The quick brown fox jumps over the lazy dog. It's 2024, isn't it?\n\n"
         "  Indented line with trailing spaces   \n\tTabs\tand 1234567 digits; émigré café naïve — “quotes” ✓ 日本語.\n"
         "<|endoftext|>A second document starts here.\r\n\r\nWith CRLF, URLs like https://x.org/a?b=1, and   \n\n\n"
@@ -89,7 +90,9 @@ def test_exported_model_matches_logits_and_greedy_generation(name, exported):
 def test_window_and_rope_scaling_are_exported(name, tmp_path):
     kw = WINDOW_AND_SCALING[name]
     model, out = export_case(tmp_path, name, **kw)
-    assert_same_model(model, AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval())
+    hf_model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert {k: hf_model.config.bam_model[k] for k in kw} == kw
+    assert_same_model(model, hf_model)
 
 
 # Per-layer patterns (ModelConfig.layer_pattern): RNoPE-SWA, and BAM + SSMax global with a RoPE window; the

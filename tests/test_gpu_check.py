@@ -100,11 +100,15 @@ def test_correctness_starts_with_the_compiled_model_then_the_token_feature_prior
     names = [c["name"] for c in result["cases"] if c["section"] == "correctness"]
     assert names[0].startswith("torch.compile(model)")
     patterns = [name.split(" ")[2] for name in names if name.split(" ")[1] == "pattern"]
-    grid = [name.split(" ")[1].removesuffix("+ssmax") for name in names[1:len(names) - len(patterns)]]
+    variants = [name.split(" ")[1].removesuffix("+ssmax") for name in names[1:len(names) - len(patterns)]]
+    grid = [variant.split(",")[0] for variant in variants]
     token_feature = {pe for pe, enc in model.ENCODINGS.items()
                      if issubclass(enc, model.AdditivePrior) and not enc.DISTANCE_ONLY}
     assert token_feature and set(grid[:2 * len(token_feature)]) == token_feature
     assert set(grid) == set(model.ENCODINGS)
+    # and each encoding's checked_settings (partial RoPE) beside its defaults
+    assert set(variants) == {",".join([pe] + [f"{k}={v}" for k, v in settings.items()])
+                             for pe, settings in model.CHECKED_SETTINGS}
     # then the per-layer patterns (model.layer_pattern), last
     from bench.gpu_check import LAYER_PATTERNS
     assert set(patterns) == set(LAYER_PATTERNS) and all(n.split(" ")[1] == "pattern" for n in names[-len(patterns):])

@@ -48,6 +48,11 @@ CASES = {  # name: (family, config, what the import must make of it)
                                  attn_head_dim=32, n_kv_head=0)),
     "mistral_window": ("mistral", dict(sliding_window=8, v4_layout=True), dict(attn_window=8)),
     "qwen2_bias_tied": ("qwen2", dict(tie_word_embeddings=True), dict(qkv_bias=True, tie_embeddings=True)),
+    # Gemma 4's partial RoPE (transformers' "proportional" rope type, p-RoPE): a quarter of the 8 pairs turn, the
+    # frequencies divided by its factor
+    "llama_p_rope": ("llama", dict(rope_parameters=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                                        factor=2.0, rope_theta=10_000.0)),
+                     dict(rope_fraction=0.25, rope_scaling="linear", rope_factor=2.0)),
 }
 PATHS = ("eager", "sdpa", "flex")
 # flex compiles one kernel per shape on a CPU (10-20 s each): every case shares the first one's (GQA, head width
@@ -147,6 +152,7 @@ def test_the_scalings_and_the_window_change_the_logits_here(imported):
     x = tokens()
     for name, setting in (("llama3_mha_head_dim", dict(rope_scaling="none", rope_factor=1.0)),
                           ("llama_linear", dict(rope_scaling="none", rope_factor=1.0)),
+                          ("llama_p_rope", dict(rope_fraction=1.0)),
                           ("mistral_window", dict(attn_window=0))):
         hf_model, _, out = imported[name]
         with torch.no_grad():
@@ -202,6 +208,9 @@ REFUSED = {  # name: (family, config, the words of the one line)
     "mlp_bias": ("llama", dict(mlp_bias=True), "mlp_bias = True"),
     "yarn": ("llama", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10_000.0)),
              "rope_parameters.rope_type = 'yarn'"),
+    # transformers' Llama ignores the factor under the default rope type (and fails under linear): not imported
+    "partial_default": ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=10_000.0,
+                                                           partial_rotary_factor=0.5)), "partial_rotary_factor = 0.5"),
     "qwen2_layer_windows": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
                             "use_sliding_window = True"),
 }

@@ -8,22 +8,31 @@ import torch
 
 import model as model_module
 from bam.checkpoint import load_model, save_model
-from model import ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, apply_rope, ggd_bias
+from model import (CHECKED_SETTINGS, ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, apply_rope,
+                   ggd_bias)
 from tiny_models import VOCAB, batch, logits_with, make_model, tiny
 
-# Per-layer patterns (ModelConfig.layer_pattern) on the tiny models' two layers: RNoPE-SWA's RoPE window and
+
+def settings_id(settings):
+    return ",".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
+
+
+# Every encoding, at its defaults and at each of its checked_settings (partial RoPE), x SSMax x documents; then
+# per-layer patterns (ModelConfig.layer_pattern) on the tiny models' two layers: RNoPE-SWA's RoPE window and
 # NoPE full attention, BAM + SSMax global with a RoPE window, a per-layer prior with token features beside a
 # shared one (one kernel, table or formula, per layer kind on flex)
 PATTERNS = [("rope", False, "rope@5 nope@full"), ("bam", True, "rope-ssmax@5 bam+ssmax@full"),
             ("fox", False, "fox@5 alibi+ssmax")]
-GRID = [(pe, ssmax, docs, "") for pe in PE_CHOICES for ssmax in (False, True) for docs in (False, True)] + \
-    [(pe, ssmax, docs, pattern) for pe, ssmax, pattern in PATTERNS for docs in (False, True)]
+GRID = [pytest.param(pe, settings, ssmax, docs, id=f"{pe}-{settings_id(settings)}-{ssmax}-{docs}")
+        for pe, settings in CHECKED_SETTINGS for ssmax in (False, True) for docs in (False, True)] + \
+    [pytest.param(pe, {"layer_pattern": pattern}, ssmax, docs, id=f"{pe}-{pattern}-{ssmax}-{docs}")
+     for pe, ssmax, pattern in PATTERNS for docs in (False, True)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pe,ssmax,docs,pattern", GRID)
-def test_flex_and_sdpa_outputs_match_eager(pe, ssmax, docs, pattern):
-    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True, layer_pattern=pattern)
+@pytest.mark.parametrize("pe,settings,ssmax,docs", GRID)
+def test_flex_and_sdpa_outputs_match_eager(pe, settings, ssmax, docs):
+    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True, **settings)
     idx, doc_ids = batch()
     doc_ids = doc_ids if docs else None
     with torch.no_grad():
@@ -33,10 +42,10 @@ def test_flex_and_sdpa_outputs_match_eager(pe, ssmax, docs, pattern):
                                        msg=lambda m: f"{impl}: {m}")
 
 
-@pytest.mark.parametrize("pe,ssmax,docs,pattern", GRID)
-def test_sdpa_gradients_match_eager(pe, ssmax, docs, pattern):
+@pytest.mark.parametrize("pe,settings,ssmax,docs", GRID)
+def test_sdpa_gradients_match_eager(pe, settings, ssmax, docs):
     # bam_train_loc so the location parameter's gradient is checked as well
-    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True, layer_pattern=pattern)
+    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True, **settings)
     idx, doc_ids = batch(T=24)
     targets = torch.roll(idx, -1, dims=1)
     grads = {}
@@ -225,23 +234,70 @@ def test_rope_scores_depend_only_on_relative_position():
     assert abs(score(5, 2) - score(5, 4)) > 1e-3  # and they do depend on it
 
 
-def test_rope_turns_each_pair_by_position_times_its_frequency():
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25, 0.0])
+def test_rope_turns_each_pair_by_position_times_its_frequency(fraction):
     """RoFormer (Su et al. 2021, eq. 34): the pair (x_a, x_b) of frequency theta^(-2i/d) at position p turns by
     +p theta^(-2i/d), to (x_a cos - x_b sin, x_a sin + x_b cos); our pairs are (i, i + d/2). Written out here
     one entry at a time. A turn the other way keeps every score relative, so only this catches it; it is
-    also the turn of transformers' Llama, which imports and exports rely on."""
+    also the turn of transformers' Llama, which imports and exports rely on. Partial RoPE (p-RoPE) turns the
+    first rope_fraction of the pairs, the fastest, at these same frequencies; the others keep x as it is."""
     hd = 16
-    cfg = ModelConfig(n_head=1, n_embd=hd, pe="rope", rope_theta=10_000.0)
+    cfg = ModelConfig(n_head=1, n_embd=hd, pe="rope", rope_theta=10_000.0, rope_fraction=fraction)
     x = torch.randn(1, 1, 7, hd, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     turned = apply_rope(x, *ENCODINGS["rope"].rotation(torch.arange(7), cfg))
     expected = torch.zeros_like(x)
     for p in range(7):
         for i in range(hd // 2):
-            angle = p * 10_000.0 ** (-2 * i / hd)
+            angle = p * 10_000.0 ** (-2 * i / hd) if i < fraction * hd // 2 else 0.0
             a, b = x[0, 0, p, i].item(), x[0, 0, p, i + hd // 2].item()
             expected[0, 0, p, i] = a * math.cos(angle) - b * math.sin(angle)
             expected[0, 0, p, i + hd // 2] = a * math.sin(angle) + b * math.cos(angle)
     torch.testing.assert_close(turned, expected, atol=1e-6, rtol=1e-5)
+
+
+def logits_and_grads(model, impl, idx, doc_ids):
+    model.zero_grad(set_to_none=True)
+    model.config.attn_impl = impl
+    logits, loss = model(idx, torch.roll(idx, -1, 1), doc_ids=doc_ids)
+    loss.backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_logits_and_grads(a, b, impls=("eager", "sdpa")):
+    """torch.equal logits and gradients of two models, on each path, with and without documents."""
+    idx, doc_ids = batch(T=24)
+    for impl in impls:
+        for docs in (None, doc_ids):
+            (la, ga), (lb, gb) = logits_and_grads(a, impl, idx, docs), logits_and_grads(b, impl, idx, docs)
+            assert torch.equal(la, lb), impl
+            assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga), impl
+
+
+@pytest.mark.parametrize("scaling,factor", [("none", 1.0), ("linear", 4.0)])
+def test_rope_fraction_one_is_whole_rope_bit_for_bit(scaling, factor, monkeypatch):
+    """rope_fraction = 1.0 is the RoPE every run and checkpoint before partial RoPE computed: the same logits
+    and gradients, bit for bit, as whole-width RoPE written here with model.py's own frequency helper
+    (every pair at theta^(-2i/d), divided by s under linear scaling)."""
+    kw = dict(pe="rope", rope_scaling=scaling, rope_factor=factor, rope_original_context=8)
+    model = make_model(rope_fraction=1.0, **kw)
+    whole = make_model(**kw)
+
+    def whole_rotation(positions, cfg, length=None):
+        inv_freq = model_module.inverse_frequencies(cfg.head_dim, cfg.rope_theta, positions.device) / factor
+        angles = positions.to(torch.float64)[..., None] * inv_freq
+        return angles.cos().float(), angles.sin().float()
+
+    monkeypatch.setattr(whole, "encoding", type("WholeRoPE", (), {"rotation": staticmethod(whole_rotation),
+                                                                    "embedding": None}))
+    assert_same_logits_and_grads(model, whole)
+
+
+def test_rope_fraction_zero_is_nope():
+    """No pair turns: the model is NoPE with the same weights, bit for bit (logits and gradients)."""
+    partial = make_model(pe="rope", rope_fraction=0.0)
+    nope = make_model(pe="nope")
+    nope.load_state_dict(partial.state_dict())
+    assert_same_logits_and_grads(partial, nope)
 
 
 @pytest.mark.parametrize("pe,ssmax", [(pe, s) for pe in PE_CHOICES for s in (False, True)])
@@ -330,10 +386,12 @@ def test_sinusoidal_table_is_vaswanis_formula_at_the_position_in_each_document()
     torch.testing.assert_close(added, (cfg.init_std * expected).float(), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pe,ssmax,kv", [("bam", True, 0), ("rope", False, 2), ("sinusoidal", False, 0),
-                                         ("alibi", True, 0), ("nope", False, 0), ("fox", True, 2), ("fire", False, 2)])
-def test_kv_cache_generation_equals_full_recompute(pe, ssmax, kv):
-    model = make_model(pe=pe, ssmax=ssmax, n_kv_head=kv)
+@pytest.mark.parametrize("pe,ssmax,kv,settings", [
+    ("bam", True, 0, {}), ("rope", False, 2, {}), ("sinusoidal", False, 0, {}), ("alibi", True, 0, {}),
+    ("nope", False, 0, {}), ("fox", True, 2, {}), ("fire", False, 2, {}), ("rope", True, 0, {"rope_fraction": 0.5}),
+    ("rope", False, 2, {"rope_fraction": 0.25, "rope_scaling": "yarn", "rope_factor": 4.0})])
+def test_kv_cache_generation_equals_full_recompute(pe, ssmax, kv, settings):
+    model = make_model(pe=pe, ssmax=ssmax, n_kv_head=kv, **settings)
     model.eval()
     prompt, _ = batch(B=2, T=10)
     out = model.generate(prompt, max_new_tokens=12, temperature=0)
