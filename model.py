@@ -1715,22 +1715,23 @@ def check_rope_scaling(cfg, bad, kinds):
     if not cfg.llama3_low_freq_factor < cfg.llama3_high_freq_factor:
         bad(f"llama3 scaling needs llama3_low_freq_factor < llama3_high_freq_factor, got "
             f"{cfg.llama3_low_freq_factor} and {cfg.llama3_high_freq_factor}")
-    check_rope_fraction(cfg, bad)
+    check_rope_fraction(cfg, bad, kinds)
     if cfg.rope_scaling in ("ntk", "dynamic_ntk") and rotated_pairs(cfg) <= 1:
         bad(f"rope_scaling={cfg.rope_scaling!r} needs more than one turning pair (its exponent is "
             f"d / (r - 2), r = 2 x pairs), got head_dim={cfg.head_dim} at "
             f"rope_fraction={cfg.rope_fraction}")
 
 
-def check_rope_fraction(cfg, bad):
+def check_rope_fraction(cfg, bad, kinds):
     """Partial RoPE's share of pairs (its range is in MODEL_RANGES): a whole number of pairs, on a
     rotary encoding, and with something left to scale where a scaling is set."""
     pairs = cfg.head_dim // 2
     if abs(cfg.rope_fraction * pairs - round(cfg.rope_fraction * pairs)) > 1e-9:
         bad(f"rope_fraction={cfg.rope_fraction} turns {cfg.rope_fraction * pairs:g} of the "
             f"{pairs} pairs of head_dim={cfg.head_dim}; allowed: a multiple of 1/{pairs}")
-    if cfg.rope_fraction != 1.0 and ENCODINGS[cfg.pe].rotation is None:
-        bad(f"rope_fraction needs a rotary encoding (pe = 'rope'), got pe={cfg.pe!r}")
+    if cfg.rope_fraction != 1.0 and all(ENCODINGS[k.pe].rotation is None for k in kinds):
+        bad(f"rope_fraction needs a rotary encoding (pe = 'rope' in some layer), got pe={cfg.pe!r}"
+            + (f", layer_pattern={cfg.layer_pattern!r}" if cfg.layer_pattern else ""))
     if cfg.rope_scaling != "none" and rotated_pairs(cfg) == 0:
         bad(f"rope_scaling={cfg.rope_scaling!r} has no effect with rope_fraction=0 (no pair turns)")
 

@@ -183,8 +183,22 @@ def test_an_evaluators_attn_window_changes_the_layers_that_take_the_model_wide_o
     (dict(pe="rope", rope_scaling="yarn", rope_factor=4.0, layer_pattern="nope alibi"),
      r"rope_scaling needs a rotary encoding \(pe = 'rope' in some layer\)"),
     (dict(layer_pattern=["rope", "nope"]), r"layer_pattern must be a string"),
+    (dict(pe="rope", rope_fraction=0.5, layer_pattern="nope alibi"),
+     r"rope_fraction needs a rotary encoding \(pe = 'rope' in some layer\)"),
 ])
 def test_bad_patterns_name_what_is_allowed(kw, match):
     with pytest.raises(ValueError, match=match) as error:
         tiny(**kw)
     assert "\n" not in str(error.value)
+
+
+def test_partial_rope_turns_the_pattern_s_rope_layers_under_a_non_rotary_default():
+    # pe = "nope" with RoPE in one layer: rope_fraction reaches that layer (0 = NoPE there, exactly)
+    idx, doc_ids = batch()
+
+    def logits(**kw):
+        model = make_model(pe="nope", **kw)
+        with torch.no_grad():
+            return model(idx, doc_ids=doc_ids)[0]
+    assert torch.equal(logits(layer_pattern="rope nope", rope_fraction=0.0), logits(layer_pattern="nope nope"))
+    assert not torch.equal(logits(layer_pattern="rope nope", rope_fraction=0.5), logits(layer_pattern="nope nope"))
