@@ -27,7 +27,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import (AuxRequest, BlockMask, create_block_mask,
+                                               flex_attention)
 
 ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")
 FLEX_PRIORS = ("table", "formula")
@@ -93,6 +94,12 @@ class ModelConfig:
     # document); 0 is off. RoPE-local (docs/paper.md §4) is pe = "rope", attn_window = block_size.
     attn_window: int = 0
     ssmax: bool = False  # Scalable-Softmax (Nakanishi 2025), docs/paper.md §3
+    # A learned sink logit per head and layer: one more term in each softmax's denominator, with no
+    # value (gpt-oss), so a head may attend to nothing (docs/paper.md, "Sinks and gates")
+    attn_sink: bool = False
+    # A sigmoid gate from the layer's input on each head's output, elementwise, before the output
+    # projection (Qiu et al. 2025, arXiv 2505.06708; Qwen3-Next)
+    attn_gate: bool = False
     attn_impl: str = "auto"  # auto | flex | sdpa | eager
     # How the flex kernel reads a distance-only prior and SSMax's factor: "table" gathers them from
     # per-head tables built once per forward in plain torch (distance_table), "formula" evaluates
@@ -274,21 +281,22 @@ class Transformer(nn.Module):
         """Every flex kernel a forward of this model can ask for (flex_kernel), on a CPU or a GPU,
         with either flex_prior: made before any trace, so that a compiled forward only reads them.
         Making one costs nothing (it compiles at its first call)."""
-        use_ssmax = self.config.ssmax
+        use_ssmax, sink = self.config.ssmax, self.config.attn_sink
         for prior in self.priors or [None]:
             bias_fn = None if prior is None else prior.bias_fn
             has_features = prior is not None and not prior.DISTANCE_ONLY
             for cpu in (False, True):
                 if not has_features:  # read from its table (table_bias), or SSMax's table alone
                     tabled = None if prior is None else table_bias
-                    flex_kernel(flex_variant(tabled, use_ssmax, False, True, cpu))
-                flex_kernel(flex_variant(bias_fn, use_ssmax, has_features, False, cpu))
+                    flex_kernel(flex_variant(tabled, use_ssmax, False, True, cpu, sink))
+                flex_kernel(flex_variant(bias_fn, use_ssmax, has_features, False, cpu, sink))
 
     def _plain_causal(self, T_q, T_k, has_docs):
-        """Nothing positional in attention but causality, which sdpa's flash kernel does alone."""
+        """Nothing positional in attention but causality (and no sink), which sdpa's flash kernel
+        does alone."""
         cfg = self.config
         positional = len(self.priors) > 0 or cfg.ssmax or has_docs or cfg.attn_window > 0
-        return T_q == T_k and not positional
+        return T_q == T_k and not positional and not cfg.attn_sink
 
     def attention_impl(self, T_q, T_k, has_docs):
         """Which attention implementation a forward over T_q queries and T_k keys will use."""
@@ -302,6 +310,10 @@ class Transformer(nn.Module):
             raise ValueError("attn_impl='flex' has no backward pass on CPU (torch 2.13): train on "
                              "CPU with 'sdpa', 'eager' or 'auto', or run inference under "
                              "torch.no_grad()")
+        if impl == "flex" and cfg.attn_sink and not on_cuda:
+            raise ValueError("attn_sink on attn_impl='flex' needs a GPU: torch 2.13's compiled CPU "
+                             "FlexAttention gives no log-sum-exp (with_sink); on CPU use 'sdpa', "
+                             "'eager' or 'auto'")
         if impl != "auto":
             return impl
         if self._plain_causal(T_q, T_k, has_docs):
@@ -310,8 +322,8 @@ class Transformer(nn.Module):
             return "flex"
         # FlexAttention has no backward on CPU (torch 2.13), and below a few thousand
         # tokens the dense bias costs less than flex's compile; past that the dense bias
-        # grows as T^2 and flex wins.
-        return "sdpa" if training or T_q <= 2048 else "flex"
+        # grows as T^2 and flex wins, but for a sink, which the CPU's flex cannot add.
+        return "sdpa" if training or T_q <= 2048 or cfg.attn_sink else "flex"
 
     def _mask(self, impl, q_pos, k_pos, doc_ids):
         """`visible` in the form `impl` takes (AttnContext.mask)."""
@@ -486,6 +498,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
         # SSMax's s_h, per head and per layer, init 1 (docs/paper.md §3)
         self.ssmax_scale = nn.Parameter(torch.ones(cfg.n_head)) if cfg.ssmax else None
+        # The sink logit, per head and per layer, shape (n_head,) (FSDP2 shards no 0-d tensor). It
+        # starts at 0, where transformers starts gpt-oss's, N(0, 0.02), up to a few hundredths: one
+        # more key scoring 0, which takes 1 / (n + 1) of a row of n equal scores. Zeros draw
+        # nothing from the random generator: every other weight starts as without sinks.
+        self.sink_logit = nn.Parameter(torch.zeros(cfg.n_head)) if cfg.attn_sink else None
+        # The gate's projection, as the paper's code makes it (more output columns of q's
+        # projection, so initialised as q's: N(0, init_std)); every gate starts near 1/2
+        self.wg = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False) if cfg.attn_gate else None
 
     def project(self, x, ctx: AttnContext):
         """q, k, v of x, (B, heads, T, head_dim), as every attention implementation receives
@@ -510,8 +530,18 @@ class Attention(nn.Module):
             prior, features = (table_bias, (prior_table,)), None
         else:
             prior, features = layer_prior(prior_module, x, ctx, layer, kv_cache)
-        y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale, features)
+        y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale, features, self.sink_logit)
+        if self.wg is not None:
+            y = y * self.output_gate(x)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def output_gate(self, x):
+        """Gated attention's sigmoid(x W_g), (B, heads, T, head_dim): one gate per head and output
+        element, from the layer's normalised input at the query (Qiu et al. 2025's best variant,
+        G1 elementwise, which Qwen3-Next ships; a head-wide scalar gate trails it there)."""
+        B, T, _ = x.shape
+        gate = self.wg(x).view(B, T, self.cfg.n_head, self.cfg.head_dim).transpose(1, 2)
+        return torch.sigmoid(gate)
 
 
 def layer_prior(prior_module, x, ctx, layer, kv_cache=None):
@@ -1318,6 +1348,20 @@ def ssmax_factor(ssmax_scale, head, log_n):
     return ssmax_scale[head] * log_n
 
 
+def sink_scores(sink, ssmax_scale, log_n):
+    """The learned sink's logit in query i's softmax, (B or 1, H, Tq or 1) fp32, for `sink` (H,)
+    and `log_n` (B or 1, Tq): one more score in the denominator, with no value. It is a score like
+    the others, so SSMax's s_h log n_i multiplies it as it multiplies q.k and the prior: the sink
+    then keeps its meaning at every length (a key outweighs it iff its score exceeds it, whatever
+    n_i); unscaled, the threshold it sets would drift towards 0 as n_i grows. A positional prior
+    adds nothing to it: the prior is a function of a key's position, and the sink has none."""
+    logit = sink.float()[None, :, None]
+    if ssmax_scale is None:
+        return logit
+    head = torch.arange(len(sink), device=sink.device)[:, None]
+    return logit * ssmax_factor(ssmax_scale, head, log_n[:, None, :])
+
+
 def visible(q_pos, k_pos, window=0, q_doc=None, k_doc=None):
     """The one place where positions decide which keys a query sees: key j is visible to query i iff
     j <= i, i - j < window (0: no window) and, given documents, both are in the same one."""
@@ -1359,10 +1403,11 @@ def _head_index(n_head, device):
     return torch.arange(n_head, device=device).view(n_head, 1, 1)
 
 
-def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
+def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
     """Materialised fp32 scores: the reference implementation, O(Tq x Tk) memory.
-    `features`: see layer_prior. fp32 also under bf16 autocast, which would round q.k (and the
-    weights' product with v) to 8 bits."""
+    `features`: see layer_prior. `sink` (H,) or None: the sink's logit (sink_scores) is one more
+    column of the softmax, dropped after it, so a row's weights sum to less than 1. fp32 also under
+    bf16 autocast, which would round q.k (and the weights' product with v) to 8 bits."""
     H, hd = q.shape[1], q.shape[-1]
     k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
     with torch.autocast(q.device.type, enabled=False):
@@ -1372,10 +1417,14 @@ def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
         scores = positional_scores(scores, head, ctx.q_pos[:, None], ctx.k_pos[None, :], log_n,
                                    prior, ssmax_scale, *grid_features(features))
         scores = scores.masked_fill(~ctx.mask, float("-inf"))
-        return (scores.softmax(dim=-1) @ v.float()).type_as(q)
+        if sink is None:
+            return (scores.softmax(dim=-1) @ v.float()).type_as(q)
+        column = sink_scores(sink, ssmax_scale, ctx.log_n)[..., None]
+        scores = torch.cat((scores, column.expand(*scores.shape[:-1], 1)), dim=-1)
+        return (scores.softmax(dim=-1)[..., :-1] @ v.float()).type_as(q)
 
 
-def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
+def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
     """torch's scaled_dot_product_attention. With nothing positional in the logits it is the flash
     kernel (O(T) memory). Otherwise the prior and the mask become one dense fp32 bias, and SSMax's
     factor, which multiplies the whole logit, is folded into q:
@@ -1384,7 +1433,8 @@ def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
 
     This is the CPU training path (flex has no CPU backward), so a prior of the distance
     alone is built cheaply (dense_prior); one with token features (FIRE, FoX) is
-    evaluated on the whole grid."""
+    evaluated on the whole grid. A sink is one more key whose k and v are 0 and whose bias is the
+    sink's logit: its score is that logit, its value adds nothing."""
     gqa = k.shape[1] != q.shape[1]
     if ctx.mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -1399,6 +1449,11 @@ def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
         factor = ssmax_factor(ssmax_scale, head, ctx.log_n[:, None, :, None])  # (B or 1, H, Tq, 1)
         bias, q = bias * factor, q.float() * factor
     bias = torch.where(ctx.mask, bias, float("-inf"))
+    if sink is not None:
+        column = sink_scores(sink, ssmax_scale, ctx.log_n)[..., None]
+        lead = torch.broadcast_shapes(bias.shape[:-1], column.shape[:-1])
+        bias = torch.cat((bias.expand(*lead, bias.shape[-1]), column.expand(*lead, 1)), dim=-1)
+        k, v = (torch.cat((x, torch.zeros_like(x[:, :, :1])), dim=2) for x in (k, v))
     # fp32 also under bf16 autocast, which would otherwise round the bias (and FIRE's or SSMax's
     # gradient through it) to 8 bits: eager, the reference, keeps its scores in fp32 too
     with torch.autocast(q.device.type, enabled=False):
@@ -1466,13 +1521,14 @@ def tabled_scores(scores, b, head, q_pos, k_pos, bias_table, factor_table):
     return scores
 
 
-def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
+def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
     """FlexAttention: the prior as score_mod, the mask as a sparse BlockMask; never
     materialises Tq x Tk. Queries and keys are the same positions 0..T-1 (no KV cache), so
     the token features at the queries are those at the keys (layer_prior). With prior tables
     (ctx.flex_tables) a tabulated prior, (table_bias, (table,)), and SSMax are gathered from
     tables; any other prior (one with token features included), and everything with
-    flex_prior = "formula", is evaluated by its formula per score."""
+    flex_prior = "formula", is evaluated by its formula per score. A sink needs no score_mod
+    (with_sink)."""
     log_n = None
     if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
         log_n = (ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1
@@ -1481,7 +1537,7 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
     tabulated = ctx.flex_tables and bias_fn in (None, table_bias)
     cpu = q.device.type == "cpu"
     kernel = flex_kernel(flex_variant(bias_fn, ssmax_scale is not None, features is not None,
-                                      tabulated, cpu))
+                                      tabulated, cpu, sink is not None))
     T, padded = q.shape[2], ctx.mask.seq_lengths[0]
     if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
         features = tuple(flex_captured(t.expand(q.shape[0], q.shape[1], T)) for t in features[0])
@@ -1497,8 +1553,21 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
             raise ValueError(f"a prior table covers distances 0..{bias_table.shape[-1] - 1}, the "
                              f"kernel runs {padded} tokens: build it at ctx.mask.seq_lengths[0]")
         factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, q.shape[0])
-        return kernel(q, k, v, ctx.mask, bias_table, factor_table)[:, :, :T]
-    return kernel(q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)[:, :, :T]
+        out = kernel(q, k, v, ctx.mask, bias_table, factor_table)
+    else:
+        out = kernel(q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)
+    if sink is None:
+        return out[:, :, :T]
+    return with_sink(out[0][:, :, :T], out[1][:, :, :T], sink_scores(sink, ssmax_scale, ctx.log_n))
+
+
+def with_sink(out, lse, sink_logit):
+    """Flex's output without a sink, (B, H, T, hd), as the output with one: the sink adds e^s to the
+    denominator Z = e^lse of every weight, so each output is scaled by Z / (Z + e^s) =
+    sigmoid(lse - s). `lse` (B, H, T) is the kernel's log-sum-exp of the scores it saw, and
+    `sink_logit` the sink's score (sink_scores). Autograd takes the gradient to the sink through
+    the sigmoid, and to the scores through lse, which flex's backward differentiates."""
+    return (out.float() * torch.sigmoid(lse.float() - sink_logit)[..., None]).type_as(out)
 
 
 # The attention paths by name (ModelConfig.attn_impl after `auto`):
@@ -1730,24 +1799,24 @@ def flex_kernel(variant):
     return kernel
 
 
-def flex_variant(bias_fn, use_ssmax, has_features, tabulated, cpu):
-    """The key of the compiled kernel that serves a layer: ("table", prior?, SSMax?, CPU?) for a
-    prior read from its table (bias_fn table_bias or None), else (bias_fn, SSMax?, static shapes?),
-    static shapes being the CPU's workaround for a score_mod that gathers per-query tensors
-    (_make_flex_kernel)."""
+def flex_variant(bias_fn, use_ssmax, has_features, tabulated, cpu, sink=False):
+    """The key of the compiled kernel that serves a layer: ("table", prior?, SSMax?, CPU?, sink?)
+    for a prior read from its table (bias_fn table_bias or None), else (bias_fn, SSMax?, static
+    shapes?, sink?), static shapes being the CPU's workaround for a score_mod that gathers
+    per-query tensors (_make_flex_kernel); with a sink the kernel also returns its log-sum-exp."""
     if tabulated:
-        return ("table", bias_fn is not None, use_ssmax, cpu)
-    return (bias_fn, use_ssmax, cpu and (use_ssmax or has_features))
+        return ("table", bias_fn is not None, use_ssmax, cpu, sink)
+    return (bias_fn, use_ssmax, cpu and (use_ssmax or has_features), sink)
 
 
-def _make_flex_kernel(bias_fn, use_ssmax, static_shapes):
+def _make_flex_kernel(bias_fn, use_ssmax, static_shapes, with_lse=False):
     """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
     captured from a module, so every layer (and every model of that variant) reuses one compiled
     kernel instead of recompiling per layer; each variant also gets its own recompile budget.
     `static_shapes` (the CPU, for a score_mod that gathers per-query tensors): torch 2.13's C++ flex
     template fails to compile FoX + SSMax's (the gates and log n by query) once dynamo has made the
     batch and length dynamic (an undeclared `cur_qSplitSize2`, as the table kernel's
-    `cur_kvSplitSize`), so each shape gets its own."""
+    `cur_kvSplitSize`), so each shape gets its own. `with_lse`: it returns (output, log-sum-exp)."""
 
     def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features):
         prior = None if bias_fn is None else (bias_fn, prior_tensors)
@@ -1762,26 +1831,34 @@ def _make_flex_kernel(bias_fn, use_ssmax, static_shapes):
             return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale, query,
                                      key)
 
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                              enable_gqa=k.shape[1] != q.shape[1])
+        return flex_call(q, k, v, score_mod, block_mask, with_lse)
 
     return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
 
 
-def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes):
+def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes, with_lse=False):
     """One compiled FlexAttention for every distance-only prior (with or without SSMax): its
     score_mod only gathers from the tables, which are arguments, so gradients flow to them as to q,
     k and v. `static_shapes` (the CPU): torch 2.13's C++ code for this gather under a
     document-and-window mask fails to compile once dynamo has made the length dynamic (an undeclared
     `cur_kvSplitSize` in inductor's flex template; the formula kernel is not affected), so on a CPU
-    each length gets a kernel of its own."""
+    each length gets a kernel of its own. `with_lse`: as _make_flex_kernel's."""
 
     def kernel(q, k, v, block_mask, bias_table, factor_table):
         def score_mod(score, b, h, q_idx, kv_idx):
             return tabled_scores(score, b, h, q_idx, kv_idx, bias_table if use_prior else None,
                                  factor_table if use_ssmax else None)
 
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                              enable_gqa=k.shape[1] != q.shape[1])
+        return flex_call(q, k, v, score_mod, block_mask, with_lse)
 
     return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
+
+
+def flex_call(q, k, v, score_mod, block_mask, with_lse):
+    """flex_attention's output, and with `with_lse` its log-sum-exp per query, (B, H, T) fp32."""
+    gqa = k.shape[1] != q.shape[1]
+    if not with_lse:
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+    out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
+                              return_aux=AuxRequest(lse=True))
+    return out, aux.lse
