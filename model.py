@@ -389,13 +389,17 @@ class Transformer(nn.Module):
     # -- conveniences ------------------------------------------------------------------------------
 
     def prior_parameters(self):
-        """BAM's prior and SSMax's scales: an optimizer group of their own (docs/paper.md §4)."""
+        """BAM's prior, SSMax's scales and the sinks' logits: an optimizer group of their own
+        (docs/paper.md §4), kept in fp32 and logged per head. The sinks join SSMax's scales as the
+        other per-head number that shapes how softmax spends its mass; the gate's projection is a
+        matrix like q's (a part of q's in the paper's code) and is decayed with it."""
         params = [p for prior in self.priors for p in prior.parameters()]
         params += [b.attn.ssmax_scale for b in self.blocks if b.attn.ssmax_scale is not None]
+        params += [b.attn.sink_logit for b in self.blocks if b.attn.sink_logit is not None]
         return params
 
     def optim_groups(self, weight_decay, decay_embeddings=True):
-        """Weight decay on matrices only (docs/paper.md §4); none on norms, prior or SSMax."""
+        """Weight decay on matrices only (docs/paper.md §4): none on norms, prior, SSMax, sinks."""
         prior_ids = {id(p) for p in self.prior_parameters()}
         embeddings = {id(self.tok_emb.weight)}
         decay, no_decay, prior = [], [], []
@@ -419,9 +423,11 @@ class Transformer(nn.Module):
         for prior in self.priors:
             for name, values in prior.head_parameters().items():
                 summary.setdefault(f"{prior.METRICS_PREFIX}_{name}", []).append(values)
-        ssmax = [b.attn.ssmax_scale.tolist() for b in self.blocks if b.attn.ssmax_scale is not None]
-        if ssmax:
-            summary["ssmax_scale"] = ssmax
+        for name in ("ssmax_scale", "sink_logit"):
+            values = [getattr(b.attn, name).tolist() for b in self.blocks
+                      if getattr(b.attn, name) is not None]
+            if values:
+                summary[name] = values
         return summary
 
     def num_params(self, non_embedding=False):
@@ -1353,8 +1359,11 @@ def sink_scores(sink, ssmax_scale, log_n):
     and `log_n` (B or 1, Tq): one more score in the denominator, with no value. It is a score like
     the others, so SSMax's s_h log n_i multiplies it as it multiplies q.k and the prior: the sink
     then keeps its meaning at every length (a key outweighs it iff its score exceeds it, whatever
-    n_i); unscaled, the threshold it sets would drift towards 0 as n_i grows. A positional prior
-    adds nothing to it: the prior is a function of a key's position, and the sink has none."""
+    n_i); unscaled, the threshold it sets would drift towards 0 as n_i grows, and past a few
+    thousand keys the sink could no longer take a head's mass. The price: where a query sees one
+    key (a document's first token), log n_i = 0 makes every score 0, the sink's too, which then
+    takes half the mass whatever its logit. A positional prior adds nothing to the sink: the
+    prior is a function of a key's position, and the sink has none."""
     logit = sink.float()[None, :, None]
     if ssmax_scale is None:
         return logit
