@@ -430,13 +430,20 @@ def check_graphs(s, report):
 # correctness: flex (and the compiled model) against the eager reference
 
 
-def correctness_model(s, pe, ssmax, seed=0):
-    """A small model with the real head width (48) and every prior/SSMax parameter moved off its init,
-    so that no case passes because of a special value (ALiBi's shape exactly 1, SSMax's scale exactly 1)."""
+# ModelConfig's switches that change every layer's attention whatever the encoding (learned sinks, which change
+# the flex kernel, and gated attention): the correctness grid runs each encoding once more with all of them on.
+ATTENTION_SWITCHES = ("attn_sink", "attn_gate")
+
+
+def correctness_model(s, pe, ssmax, seed=0, switches=()):
+    """A small model with the real head width (48) and every prior/SSMax/sink parameter moved off its init,
+    so that no case passes because of a special value (ALiBi's shape exactly 1, SSMax's scale exactly 1, a
+    sink at 0). `switches`: the ATTENTION_SWITCHES turned on."""
     dims = dict(vocab_size=512, n_layer=2, n_head=4, n_embd=192) if s.cuda else \
         dict(vocab_size=97, n_layer=2, n_head=2, n_embd=32)
     torch.manual_seed(seed)
-    model = Transformer(model_module.ModelConfig(pe=pe, ssmax=ssmax, bam_train_loc=True, block_size=384, **dims))
+    model = Transformer(model_module.ModelConfig(pe=pe, ssmax=ssmax, bam_train_loc=True, block_size=384, **dims,
+                                                 **dict.fromkeys(switches, True)))
     with torch.no_grad():
         for p in model.prior_parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -524,18 +531,21 @@ def check_correctness(s, report):
                        compiled_case, expected_s=10 if s.quick else 40)
 
         # Document masking first (the training configuration): under a tight budget it is the last skipped.
-        # --quick: document masking on only; tests/test_model.py covers the rest.
-        grid = sorted(((pe, ssmax, docs, dtype) for pe in model_module.ENCODINGS for ssmax in (True, False)
-                       for docs in ((True,) if s.quick else (True, False)) for dtype in dtypes),
-                      key=lambda c: (not c[2], correctness_order(c[0]), not c[1]))
-        for pe, ssmax, docs, dtype in grid:
+        # --quick: document masking on only; tests/test_model.py covers the rest. Every encoding also runs with
+        # the ATTENTION_SWITCHES on (with SSMax and documents, the richest case), after its plain cases.
+        grid = [(pe, ssmax, docs, dtype, ()) for pe in model_module.ENCODINGS for ssmax in (True, False)
+                for docs in ((True,) if s.quick else (True, False)) for dtype in dtypes]
+        grid += [(pe, True, True, dtype, ATTENTION_SWITCHES) for pe in model_module.ENCODINGS for dtype in dtypes]
+        grid.sort(key=lambda c: (not c[2], correctness_order(c[0]), not c[1], bool(c[4])))
+        for pe, ssmax, docs, dtype, switches in grid:
             impls = [("flex", True)] if s.cuda else [("sdpa", True)]
-            if not s.cuda and (pe, ssmax, docs, dtype) == ("bam", True, True, torch.float32):
+            if not s.cuda and (pe, ssmax, docs, dtype, switches) == ("bam", True, True, torch.float32, ()):
                 # CPU flex compiles C++ for ~30 s a variant and has no backward: one case, the richest one
                 impls.append(("flex", False))
             for impl, backward in impls:
-                def case(pe=pe, ssmax=ssmax, docs=docs, dtype=dtype, impl=impl, backward=backward):
-                    model = correctness_model(s, pe, ssmax)
+                def case(pe=pe, ssmax=ssmax, docs=docs, dtype=dtype, impl=impl, backward=backward,
+                         switches=switches):
+                    model = correctness_model(s, pe, ssmax, switches=switches)
                     batch = correctness_batch(s, docs)
                     ref = forward_backward(model, "eager", batch, nullcontext(), backward)
                     got = forward_backward(model, impl, batch, s.autocast(dtype), backward)
@@ -544,7 +554,8 @@ def check_correctness(s, report):
                         low = forward_backward(model, "eager", batch, s.autocast(dtype), backward)
                     return {"pass": "fwd+bwd" if backward else "fwd only (no flex backward on CPU)",
                             **compare(got, ref, low)}
-                name = f"{impl} {variant_name(pe, ssmax)}{' docs' if docs else ''} {str(dtype)[6:]}"
+                name = f"{impl} {variant_name(pe, ssmax)}{' docs' if docs else ''} {str(dtype)[6:]}" + \
+                    "".join(f" {switch}" for switch in switches)
                 # a flex kernel per variant: ~10 s of Triton with its backward, ~30 s of C++ for a CPU's forward
                 report.run(name, case, expected_s=1 if impl != "flex" else 10 if s.cuda else 30)
     finally:
