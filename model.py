@@ -1428,9 +1428,19 @@ def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
         scores = scores.masked_fill(~ctx.mask, float("-inf"))
         if sink is None:
             return (scores.softmax(dim=-1) @ v.float()).type_as(q)
-        column = sink_scores(sink, ssmax_scale, ctx.log_n)[..., None]
-        scores = torch.cat((scores, column.expand(*scores.shape[:-1], 1)), dim=-1)
-        return (scores.softmax(dim=-1)[..., :-1] @ v.float()).type_as(q)
+        log_p = sink_log_softmax(scores, sink, ssmax_scale, ctx.log_n)[0]
+        return (log_p.exp() @ v.float()).type_as(q)
+
+
+def sink_log_softmax(scores, sink, ssmax_scale, log_n):
+    """(log weights of the keys, of the sink (B, H, Tq)) for masked scores (B, H, Tq, Tk): the
+    log-softmax with the sink's logit (sink_scores) as one more column, so that the keys' weights
+    sum to less than 1; without a sink (None) the plain one, and -inf (eval.attention reads it)."""
+    if sink is None:
+        return scores.log_softmax(dim=-1), torch.full((), -math.inf, device=scores.device)
+    column = sink_scores(sink, ssmax_scale, log_n)[..., None]
+    log_p = torch.cat((scores, column.expand(*scores.shape[:-1], 1)), dim=-1).log_softmax(dim=-1)
+    return log_p[..., :-1], log_p[..., -1]
 
 
 def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
