@@ -281,11 +281,12 @@ class Transformer(nn.Module):
         """Every flex kernel a forward of this model can ask for (flex_kernel), on a CPU or a GPU,
         with either flex_prior: made before any trace, so that a compiled forward only reads them.
         Making one costs nothing (it compiles at its first call)."""
-        use_ssmax, sink = self.config.ssmax, self.config.attn_sink
+        use_ssmax = self.config.ssmax
         for prior in self.priors or [None]:
             bias_fn = None if prior is None else prior.bias_fn
             has_features = prior is not None and not prior.DISTANCE_ONLY
             for cpu in (False, True):
+                sink = sink_form(cpu) if self.config.attn_sink else None
                 if not has_features:  # read from its table (table_bias), or SSMax's table alone
                     tabled = None if prior is None else table_bias
                     flex_kernel(flex_variant(tabled, use_ssmax, False, True, cpu, sink))
@@ -310,10 +311,6 @@ class Transformer(nn.Module):
             raise ValueError("attn_impl='flex' has no backward pass on CPU (torch 2.13): train on "
                              "CPU with 'sdpa', 'eager' or 'auto', or run inference under "
                              "torch.no_grad()")
-        if impl == "flex" and cfg.attn_sink and not on_cuda:
-            raise ValueError("attn_sink on attn_impl='flex' needs a GPU: torch 2.13's compiled CPU "
-                             "FlexAttention gives no log-sum-exp (with_sink); on CPU use 'sdpa', "
-                             "'eager' or 'auto'")
         if impl != "auto":
             return impl
         if self._plain_causal(T_q, T_k, has_docs):
@@ -322,8 +319,8 @@ class Transformer(nn.Module):
             return "flex"
         # FlexAttention has no backward on CPU (torch 2.13), and below a few thousand
         # tokens the dense bias costs less than flex's compile; past that the dense bias
-        # grows as T^2 and flex wins, but for a sink, which the CPU's flex cannot add.
-        return "sdpa" if training or T_q <= 2048 or cfg.attn_sink else "flex"
+        # grows as T^2 and flex wins.
+        return "sdpa" if training or T_q <= 2048 else "flex"
 
     def _mask(self, impl, q_pos, k_pos, doc_ids):
         """`visible` in the form `impl` takes (AttnContext.mask)."""
@@ -1546,8 +1543,9 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None, sink=N
     the token features at the queries are those at the keys (layer_prior). With prior tables
     (ctx.flex_tables) a tabulated prior, (table_bias, (table,)), and SSMax are gathered from
     tables; any other prior (one with token features included), and everything with
-    flex_prior = "formula", is evaluated by its formula per score. A sink needs no score_mod
-    (with_sink)."""
+    flex_prior = "formula", is evaluated by its formula per score. A sink needs no score_mod on a
+    GPU (with_sink); the CPU's kernel has no log-sum-exp, so there the sink is one more key
+    (sink_block_mask)."""
     log_n = None
     if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
         log_n = (ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1
@@ -1555,9 +1553,10 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None, sink=N
     bias_fn, tensors = (None, ()) if prior is None else prior
     tabulated = ctx.flex_tables and bias_fn in (None, table_bias)
     cpu = q.device.type == "cpu"
+    form = None if sink is None else sink_form(cpu)
     kernel = flex_kernel(flex_variant(bias_fn, ssmax_scale is not None, features is not None,
-                                      tabulated, cpu, sink is not None))
-    T, padded = q.shape[2], ctx.mask.seq_lengths[0]
+                                      tabulated, cpu, form))
+    T, padded, mask = q.shape[2], ctx.mask.seq_lengths[0], ctx.mask
     if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
         features = tuple(flex_captured(t.expand(q.shape[0], q.shape[1], T)) for t in features[0])
     # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
@@ -1565,6 +1564,12 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None, sink=N
         q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
         log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
         features = None if features is None else tuple(F.pad(t, (0, padded - T)) for t in features)
+    sink_table = None
+    if form == "key":  # the sink as the first key of one more key block
+        logits = sink_scores(sink, ssmax_scale, ctx.log_n).expand(q.shape[0], q.shape[1], T)
+        sink_table = flex_captured(F.pad(logits, (0, padded - T)))
+        k, v = (F.pad(x, (0, 0, 0, mask.BLOCK_SIZE[1])) for x in (k, v))
+        mask = sink_block_mask(mask)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one kernel
     if tabulated:
         bias_table = tensors[0] if tensors else None
@@ -1572,12 +1577,53 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None, sink=N
             raise ValueError(f"a prior table covers distances 0..{bias_table.shape[-1] - 1}, the "
                              f"kernel runs {padded} tokens: build it at ctx.mask.seq_lengths[0]")
         factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, q.shape[0])
-        out = kernel(q, k, v, ctx.mask, bias_table, factor_table)
+        out = kernel(q, k, v, mask, bias_table, factor_table, sink_table)
     else:
-        out = kernel(q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)
-    if sink is None:
+        out = kernel(q, k, v, mask, log_n, tensors, ssmax_scale, features, sink_table)
+    if form != "lse":
         return out[:, :, :T]
     return with_sink(out[0][:, :, :T], out[1][:, :, :T], sink_scores(sink, ssmax_scale, ctx.log_n))
+
+
+def sink_form(cpu):
+    """How flex adds a sink: "lse" (with_sink) where the kernel returns its log-sum-exp, a GPU's;
+    "key" (sink_block_mask) on a CPU, whose compiled kernel returns none in torch 2.13 (and has no
+    backward, which only the "lse" form needs). Tests trace the GPU's form on the CPU."""
+    return "key" if cpu else "lse"
+
+
+def sink_block_mask(block_mask):
+    """`block_mask` over T keys extended by one key block whose first key, position T, is the sink:
+    every query visits that block, and sees its first key only. The CPU's flex form of a sink
+    (its kernel returns no log-sum-exp): k and v are 0 there, and score_mod gives that key the
+    sink's logit (sink_score_mod), which the softmax then counts as with_sink's e^s."""
+    T, block = block_mask.seq_lengths[1], block_mask.BLOCK_SIZE[1]
+    count, index = block_mask.kv_num_blocks, block_mask.kv_indices
+    index = torch.cat((index, torch.zeros_like(index[..., :1])), dim=-1)  # the sink block after
+    sink_block = torch.full_like(index[..., :1], -(-T // block))
+    index = index.scatter(-1, count[..., None].long(), sink_block)
+    full_index = block_mask.full_kv_indices
+    if full_index is not None:
+        full_index = torch.cat((full_index, torch.zeros_like(full_index[..., :1])), dim=-1)
+    seen = block_mask.mask_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return torch.where(kv_idx >= T, kv_idx == T, seen(b, h, q_idx, kv_idx.clamp(max=T - 1)))
+
+    return BlockMask.from_kv_blocks(count + 1, index, block_mask.full_kv_num_blocks, full_index,
+                                    BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=mask_mod,
+                                    seq_lengths=(block_mask.seq_lengths[0], T + block))
+
+
+def sink_score_mod(score_mod, sink_table):
+    """`score_mod` with key T (sink_block_mask) scoring the sink's logit, sink_table[b, h, q], and
+    every other key as before (read at a key index kept inside the tensors it gathers from)."""
+    def with_sink_key(score, b, h, q_idx, kv_idx):
+        T = sink_table.shape[-1]
+        inner = score_mod(score, b, h, q_idx, kv_idx.clamp(max=T - 1))
+        return torch.where(kv_idx == T, sink_table[b, h, q_idx], inner)
+
+    return with_sink_key
 
 
 def with_sink(out, lse, sink_logit):
@@ -1818,26 +1864,28 @@ def flex_kernel(variant):
     return kernel
 
 
-def flex_variant(bias_fn, use_ssmax, has_features, tabulated, cpu, sink=False):
-    """The key of the compiled kernel that serves a layer: ("table", prior?, SSMax?, CPU?, sink?)
+def flex_variant(bias_fn, use_ssmax, has_features, tabulated, cpu, sink=None):
+    """The key of the compiled kernel that serves a layer: ("table", prior?, SSMax?, CPU?, sink)
     for a prior read from its table (bias_fn table_bias or None), else (bias_fn, SSMax?, static
-    shapes?, sink?), static shapes being the CPU's workaround for a score_mod that gathers
-    per-query tensors (_make_flex_kernel); with a sink the kernel also returns its log-sum-exp."""
+    shapes?, sink), static shapes being the CPU's workaround for a score_mod that gathers
+    per-query tensors (_make_flex_kernel). `sink`: None or sink_form's "lse" (the kernel also
+    returns its log-sum-exp) or "key" (the sink is a key)."""
     if tabulated:
         return ("table", bias_fn is not None, use_ssmax, cpu, sink)
-    return (bias_fn, use_ssmax, cpu and (use_ssmax or has_features), sink)
+    return (bias_fn, use_ssmax, cpu and (use_ssmax or has_features or sink is not None), sink)
 
 
-def _make_flex_kernel(bias_fn, use_ssmax, static_shapes, with_lse=False):
+def _make_flex_kernel(bias_fn, use_ssmax, static_shapes, sink=None):
     """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
     captured from a module, so every layer (and every model of that variant) reuses one compiled
     kernel instead of recompiling per layer; each variant also gets its own recompile budget.
     `static_shapes` (the CPU, for a score_mod that gathers per-query tensors): torch 2.13's C++ flex
     template fails to compile FoX + SSMax's (the gates and log n by query) once dynamo has made the
     batch and length dynamic (an undeclared `cur_qSplitSize2`, as the table kernel's
-    `cur_kvSplitSize`), so each shape gets its own. `with_lse`: it returns (output, log-sum-exp)."""
+    `cur_kvSplitSize`), so each shape gets its own (a sink's gather of its logits by query too).
+    `sink` (flex_variant): "lse" returns (output, log-sum-exp), "key" scores the sink's key."""
 
-    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features):
+    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features, sink_table=None):
         prior = None if bias_fn is None else (bias_fn, prior_tensors)
 
         def score_mod(score, b, h, q_idx, kv_idx):
@@ -1850,25 +1898,29 @@ def _make_flex_kernel(bias_fn, use_ssmax, static_shapes, with_lse=False):
             return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale, query,
                                      key)
 
-        return flex_call(q, k, v, score_mod, block_mask, with_lse)
+        if sink == "key":
+            score_mod = sink_score_mod(score_mod, sink_table)
+        return flex_call(q, k, v, score_mod, block_mask, sink == "lse")
 
     return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
 
 
-def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes, with_lse=False):
+def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes, sink=None):
     """One compiled FlexAttention for every distance-only prior (with or without SSMax): its
     score_mod only gathers from the tables, which are arguments, so gradients flow to them as to q,
     k and v. `static_shapes` (the CPU): torch 2.13's C++ code for this gather under a
     document-and-window mask fails to compile once dynamo has made the length dynamic (an undeclared
     `cur_kvSplitSize` in inductor's flex template; the formula kernel is not affected), so on a CPU
-    each length gets a kernel of its own. `with_lse`: as _make_flex_kernel's."""
+    each length gets a kernel of its own. `sink`: as _make_flex_kernel's."""
 
-    def kernel(q, k, v, block_mask, bias_table, factor_table):
+    def kernel(q, k, v, block_mask, bias_table, factor_table, sink_table=None):
         def score_mod(score, b, h, q_idx, kv_idx):
             return tabled_scores(score, b, h, q_idx, kv_idx, bias_table if use_prior else None,
                                  factor_table if use_ssmax else None)
 
-        return flex_call(q, k, v, score_mod, block_mask, with_lse)
+        if sink == "key":
+            score_mod = sink_score_mod(score_mod, sink_table)
+        return flex_call(q, k, v, score_mod, block_mask, sink == "lse")
 
     return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
 

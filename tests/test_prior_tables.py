@@ -218,11 +218,11 @@ def test_a_prior_that_is_not_distance_only_is_not_routed_to_a_table(recorded_ker
     called, tables = recorded_kernels
     flex_forward(make_model("not_distance_only", ssmax))
     # True: its token features are gathered by query, so on a CPU its kernel has static shapes too
-    # (..., True, False): static shapes on a CPU, no sink
-    assert called == [("formula", (NotDistanceOnlyPrior.bias_fn, ssmax, True, False))] and tables == []
+    # (..., True, None): static shapes on a CPU, no sink
+    assert called == [("formula", (NotDistanceOnlyPrior.bias_fn, ssmax, True, None))] and tables == []
     called.clear()
     flex_forward(make_model("alibi", ssmax))  # the control: the same formula, distance-only, is tabulated
-    assert called == [("table", (True, ssmax, True, False))] and len(tables) == 1
+    assert called == [("table", (True, ssmax, True, None))] and len(tables) == 1
 
 
 @pytest.mark.slow

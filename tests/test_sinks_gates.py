@@ -22,7 +22,7 @@ import torch
 import model as model_module
 from model import (PE_CHOICES, AttnContext, BAMPrior, ModelConfig, Transformer, dense_mask, ggd_bias,
                    positions_in_documents, ssmax_log_n)
-from tiny_models import VOCAB, batch, logits_with, make_model, tiny
+from tiny_models import batch, logits_with, make_model, tiny
 
 REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference", "default_models.pt")
 
@@ -194,15 +194,21 @@ def test_kv_cache_generation_with_sinks_and_gates_equals_the_full_forward(pe, ss
         torch.testing.assert_close(torch.cat([first, rest], dim=1), model(seq)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_on_the_cpu_a_sink_keeps_auto_off_flex_and_refuses_flex_in_one_line():
-    """torch 2.13's compiled CPU FlexAttention returns no log-sum-exp, which the sink's flex form needs."""
-    model = make_model(pe="bam", ssmax=True, attn_sink=True)
-    with torch.no_grad():
-        assert model.attention_impl(4096, 4096, False) == "sdpa"
-        assert make_model(pe="bam", ssmax=True).attention_impl(4096, 4096, False) == "flex"  # the control
-        model.config.attn_impl = "flex"
-        with pytest.raises(ValueError, match="attn_sink on attn_impl='flex' needs a GPU"):
-            model(torch.zeros(1, 8, dtype=torch.long))
+@pytest.mark.slow
+@pytest.mark.parametrize("pe,ssmax,kw", [("bam", True, dict(flex_prior="table")), ("fox", True, {}),
+                                         ("rope", False, dict(attn_window=6, n_kv_head=2)),
+                                         ("alibi", False, dict(flex_prior="formula", attn_gate=False))])
+def test_on_the_cpu_flex_adds_the_sink_as_one_more_key_and_equals_eager(pe, ssmax, kw):
+    """torch 2.13's compiled CPU FlexAttention returns no log-sum-exp: there the sink is the first key of one more
+    key block (model.sink_block_mask), seen by every query and scoring the sink's logit. The model's own CPU
+    kernels (inductor's C++), with documents and without, 40 tokens and 130 (padded to 256)."""
+    model = sink_gate_model(pe, ssmax, **kw)
+    for T, docs in ((40, True), (130, False)):
+        idx, doc_ids = batch(T=T)
+        with torch.no_grad():
+            expected = logits_with(model, "eager", idx, doc_ids if docs else None)
+            got = logits_with(model, "flex", idx, doc_ids if docs else None)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 # -- the gate ---------------------------------------------------------------------------------------------------
@@ -257,7 +263,8 @@ def test_flex_with_sinks_and_gates_equals_eager_forward_and_backward(pe, ssmax, 
     """out * sigmoid(lse - sink) from flex's log-sum-exp equals the materialised softmax with the sink's column:
     logits and the gradient of every parameter, the sinks' own included. The flex kernels are compiled as
     tests/test_flex_backward.py compiles them (AOT autograd, inductor's check of the joint graph, flex's backward
-    run by torch's dense reference of it), since the CPU's inductor kernel has no log-sum-exp and no backward."""
+    run by torch's dense reference of it), since the CPU's inductor kernel has no log-sum-exp and no backward:
+    model.sink_form is made the GPU's, "lse", here."""
     from test_flex_backward import private_apis, validating_backend
     aot_autograd, make_boxed_func, validate_joint_graph, flex_module, backward_op = private_apis()
     checked = []
@@ -267,6 +274,7 @@ def test_flex_with_sinks_and_gates_equals_eager_forward_and_backward(pe, ssmax, 
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
     monkeypatch.setattr(model_module, "_FLEX_KERNELS", {})
     monkeypatch.setattr(Transformer, "attention_impl", lambda self, T_q, T_k, has_docs: self.config.attn_impl)
+    monkeypatch.setattr(model_module, "sink_form", lambda cpu: "lse")
     torch._dynamo.reset()
     model = sink_gate_model(pe, ssmax, flex_prior=flex_prior)
     idx, doc_ids = batch(T=128)
@@ -291,12 +299,14 @@ def test_flex_with_sinks_and_gates_equals_eager_forward_and_backward(pe, ssmax, 
 @pytest.mark.slow
 def test_a_model_with_sinks_and_gates_compiles_to_one_graph_and_trains_as_eager(monkeypatch):
     """torch.compile(fullgraph) of the whole model on flex (a GPU's path, traced on the CPU with the aot_eager
-    backend as tests/test_compile.py does): one graph, and the logits and gradients of eager. SSMax by formula: as
+    backend as tests/test_compile.py does), in the GPU's form of the sink: one graph, and the logits and gradients of
+    eager. SSMax by formula: as
     test_compile notes, aot_eager's flex backward in plain torch fails on the gradient of SSMax's table."""
     import copy
     import torch.nn.attention.flex_attention as flex_module
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
     monkeypatch.setattr(model_module, "_FLEX_KERNELS", {})
+    monkeypatch.setattr(model_module, "sink_form", lambda cpu: "lse")  # the GPU's form (with_sink)
     torch._dynamo.reset()
     model = sink_gate_model("bam", True, flex_prior="formula")
     reference = copy.deepcopy(model)
