@@ -29,7 +29,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import (AuxRequest, BlockMask, create_block_mask,
+                                               flex_attention)
 
 ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")
 FLEX_PRIORS = ("table", "formula")
@@ -105,6 +106,12 @@ class ModelConfig:
     # attention in the fourth). A part a word leaves out is the model-wide pe, ssmax or
     # attn_window above; "" gives every layer those (LayerKind, parse_layer_pattern).
     layer_pattern: str = ""
+    # A learned sink logit per head and layer: one more term in each softmax's denominator, with no
+    # value (gpt-oss), so a head may attend to nothing (docs/paper.md, "Sinks and gates")
+    attn_sink: bool = False
+    # A sigmoid gate from the layer's input on each head's output, elementwise, before the output
+    # projection (Qiu et al. 2025, arXiv 2505.06708; Qwen3-Next)
+    attn_gate: bool = False
     attn_impl: str = "auto"  # auto | flex | sdpa | eager
     # How the flex kernel reads a distance-only prior and SSMax's factor: "table" gathers them from
     # per-head tables built once per forward in plain torch (distance_table), "formula" evaluates
@@ -376,16 +383,18 @@ class Transformer(nn.Module):
                        block.attn.ssmax_scale is not None))
         for bias_fn, has_features, use_ssmax in kinds:
             for cpu in (False, True):
+                sink = sink_form(cpu) if self.config.attn_sink else None
                 if not has_features:  # read from its table (table_bias), or SSMax's table alone
                     tabled = None if bias_fn is None else table_bias
-                    flex_kernel(flex_variant(tabled, use_ssmax, False, True, cpu))
-                flex_kernel(flex_variant(bias_fn, use_ssmax, has_features, False, cpu))
+                    flex_kernel(flex_variant(tabled, use_ssmax, False, True, cpu, sink))
+                flex_kernel(flex_variant(bias_fn, use_ssmax, has_features, False, cpu, sink))
 
     def _plain_causal(self, T_q, T_k, has_docs):
-        """Nothing positional in attention but causality, which sdpa's flash kernel does alone."""
+        """Nothing positional in attention but causality (and no sink), which sdpa's flash kernel
+        does alone."""
         positional = (len(self.priors) > 0 or self.has_ssmax or has_docs
                       or any(self.layer_windows()))
-        return T_q == T_k and not positional
+        return T_q == T_k and not positional and not self.config.attn_sink
 
     def attention_impl(self, T_q, T_k, has_docs):
         """Which attention implementation a forward over T_q queries and T_k keys will use."""
@@ -473,13 +482,17 @@ class Transformer(nn.Module):
     # -- conveniences ------------------------------------------------------------------------------
 
     def prior_parameters(self):
-        """BAM's prior and SSMax's scales: an optimizer group of their own (docs/paper.md §4)."""
+        """BAM's prior, SSMax's scales and the sinks' logits: an optimizer group of their own
+        (docs/paper.md §4), kept in fp32 and logged per head. The sinks join SSMax's scales as the
+        other per-head number that shapes how softmax spends its mass; the gate's projection is a
+        matrix like q's (a part of q's in the paper's code) and is decayed with it."""
         params = [p for prior in self.priors for p in prior.parameters()]
         params += [b.attn.ssmax_scale for b in self.blocks if b.attn.ssmax_scale is not None]
+        params += [b.attn.sink_logit for b in self.blocks if b.attn.sink_logit is not None]
         return params
 
     def optim_groups(self, weight_decay, decay_embeddings=True):
-        """Weight decay on matrices only (docs/paper.md §4); none on norms, prior or SSMax."""
+        """Weight decay on matrices only (docs/paper.md §4): none on norms, prior, SSMax, sinks."""
         prior_ids = {id(p) for p in self.prior_parameters()}
         embeddings = {id(self.tok_emb.weight)}
         decay, no_decay, prior = [], [], []
@@ -503,9 +516,11 @@ class Transformer(nn.Module):
         for prior in self.priors:
             for name, values in prior.head_parameters().items():
                 summary.setdefault(f"{prior.METRICS_PREFIX}_{name}", []).append(values)
-        ssmax = [b.attn.ssmax_scale.tolist() for b in self.blocks if b.attn.ssmax_scale is not None]
-        if ssmax:
-            summary["ssmax_scale"] = ssmax
+        for name in ("ssmax_scale", "sink_logit"):
+            values = [getattr(b.attn, name).tolist() for b in self.blocks
+                      if getattr(b.attn, name) is not None]
+            if values:
+                summary[name] = values
         return summary
 
     def num_params(self, non_embedding=False):
@@ -589,6 +604,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
         # SSMax's s_h, per head and per layer, init 1 (docs/paper.md §3)
         self.ssmax_scale = nn.Parameter(torch.ones(cfg.n_head)) if kind.ssmax else None
+        # The sink logit, per head and per layer, shape (n_head,) (FSDP2 shards no 0-d tensor). It
+        # starts at 0, where transformers starts gpt-oss's, N(0, 0.02), up to a few hundredths: one
+        # more key scoring 0, which takes 1 / (n + 1) of a row of n equal scores. Zeros draw
+        # nothing from the random generator: every other weight starts as without sinks.
+        self.sink_logit = nn.Parameter(torch.zeros(cfg.n_head)) if cfg.attn_sink else None
+        # The gate's projection, as the paper's code makes it (more output columns of q's
+        # projection, so initialised as q's: N(0, init_std)); every gate starts near 1/2
+        self.wg = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False) if cfg.attn_gate else None
 
     def project(self, x, ctx: AttnContext):
         """q, k, v of x, (B, heads, T, head_dim), as every attention implementation receives
@@ -613,8 +636,18 @@ class Attention(nn.Module):
             prior, features = (table_bias, (prior_table,)), None
         else:
             prior, features = layer_prior(prior_module, x, ctx, layer, kv_cache)
-        y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale, features)
+        y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale, features, self.sink_logit)
+        if self.wg is not None:
+            y = y * self.output_gate(x)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def output_gate(self, x):
+        """Gated attention's sigmoid(x W_g), (B, heads, T, head_dim): one gate per head and output
+        element, from the layer's normalised input at the query (Qiu et al. 2025's best variant,
+        G1 elementwise, which Qwen3-Next ships; a head-wide scalar gate trails it there)."""
+        B, T, _ = x.shape
+        gate = self.wg(x).view(B, T, self.cfg.n_head, self.cfg.head_dim).transpose(1, 2)
+        return torch.sigmoid(gate)
 
 
 def layer_prior(prior_module, x, ctx, layer, kv_cache=None):
@@ -1453,6 +1486,23 @@ def ssmax_factor(ssmax_scale, head, log_n):
     return ssmax_scale[head] * log_n
 
 
+def sink_scores(sink, ssmax_scale, log_n):
+    """The learned sink's logit in query i's softmax, (B or 1, H, Tq or 1) fp32, for `sink` (H,)
+    and `log_n` (B or 1, Tq): one more score in the denominator, with no value. It is a score like
+    the others, so SSMax's s_h log n_i multiplies it as it multiplies q.k and the prior: the sink
+    then keeps its meaning at every length (a key outweighs it iff its score exceeds it, whatever
+    n_i); unscaled, the threshold it sets would drift towards 0 as n_i grows, and past a few
+    thousand keys the sink could no longer take a head's mass. The price: where a query sees one
+    key (a document's first token), log n_i = 0 makes every score 0, the sink's too, which then
+    takes half the mass whatever its logit. A positional prior adds nothing to the sink: the
+    prior is a function of a key's position, and the sink has none."""
+    logit = sink.float()[None, :, None]
+    if ssmax_scale is None:
+        return logit
+    head = torch.arange(len(sink), device=sink.device)[:, None]
+    return logit * ssmax_factor(ssmax_scale, head, log_n[:, None, :])
+
+
 def visible(q_pos, k_pos, window=0, q_doc=None, k_doc=None):
     """The one place where positions decide which keys a query sees: key j is visible to query i iff
     j <= i, i - j < window (0: no window) and, given documents, both are in the same one."""
@@ -1494,10 +1544,11 @@ def _head_index(n_head, device):
     return torch.arange(n_head, device=device).view(n_head, 1, 1)
 
 
-def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
+def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
     """Materialised fp32 scores: the reference implementation, O(Tq x Tk) memory.
-    `features`: see layer_prior. fp32 also under bf16 autocast, which would round q.k (and the
-    weights' product with v) to 8 bits."""
+    `features`: see layer_prior. `sink` (H,) or None: the sink's logit (sink_scores) is one more
+    column of the softmax, dropped after it, so a row's weights sum to less than 1. fp32 also under
+    bf16 autocast, which would round q.k (and the weights' product with v) to 8 bits."""
     H, hd = q.shape[1], q.shape[-1]
     k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
     with torch.autocast(q.device.type, enabled=False):
@@ -1507,10 +1558,24 @@ def eager_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
         scores = positional_scores(scores, head, ctx.q_pos[:, None], ctx.k_pos[None, :], log_n,
                                    prior, ssmax_scale, *grid_features(features))
         scores = scores.masked_fill(~ctx.mask, float("-inf"))
-        return (scores.softmax(dim=-1) @ v.float()).type_as(q)
+        if sink is None:
+            return (scores.softmax(dim=-1) @ v.float()).type_as(q)
+        log_p = sink_log_softmax(scores, sink, ssmax_scale, ctx.log_n)[0]
+        return (log_p.exp() @ v.float()).type_as(q)
 
 
-def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
+def sink_log_softmax(scores, sink, ssmax_scale, log_n):
+    """(log weights of the keys, of the sink (B, H, Tq)) for masked scores (B, H, Tq, Tk): the
+    log-softmax with the sink's logit (sink_scores) as one more column, so that the keys' weights
+    sum to less than 1; without a sink (None) the plain one, and -inf (eval.attention reads it)."""
+    if sink is None:
+        return scores.log_softmax(dim=-1), torch.full((), -math.inf, device=scores.device)
+    column = sink_scores(sink, ssmax_scale, log_n)[..., None]
+    log_p = torch.cat((scores, column.expand(*scores.shape[:-1], 1)), dim=-1).log_softmax(dim=-1)
+    return log_p[..., :-1], log_p[..., -1]
+
+
+def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
     """torch's scaled_dot_product_attention. With nothing positional in the logits it is the flash
     kernel (O(T) memory). Otherwise the prior and the mask become one dense fp32 bias, and SSMax's
     factor, which multiplies the whole logit, is folded into q:
@@ -1519,7 +1584,8 @@ def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
 
     This is the CPU training path (flex has no CPU backward), so a prior of the distance
     alone is built cheaply (dense_prior); one with token features (FIRE, FoX) is
-    evaluated on the whole grid."""
+    evaluated on the whole grid. A sink is one more key whose k and v are 0 and whose bias is the
+    sink's logit: its score is that logit, its value adds nothing."""
     gqa = k.shape[1] != q.shape[1]
     if ctx.mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -1534,6 +1600,11 @@ def sdpa_attention(q, k, v, ctx, prior, ssmax_scale, features=None):
         factor = ssmax_factor(ssmax_scale, head, ctx.log_n[:, None, :, None])  # (B or 1, H, Tq, 1)
         bias, q = bias * factor, q.float() * factor
     bias = torch.where(ctx.mask, bias, float("-inf"))
+    if sink is not None:
+        column = sink_scores(sink, ssmax_scale, ctx.log_n)[..., None]
+        lead = torch.broadcast_shapes(bias.shape[:-1], column.shape[:-1])
+        bias = torch.cat((bias.expand(*lead, bias.shape[-1]), column.expand(*lead, 1)), dim=-1)
+        k, v = (torch.cat((x, torch.zeros_like(x[:, :, :1])), dim=2) for x in (k, v))
     # fp32 also under bf16 autocast, which would otherwise round the bias (and FIRE's or SSMax's
     # gradient through it) to 8 bits: eager, the reference, keeps its scores in fp32 too
     with torch.autocast(q.device.type, enabled=False):
@@ -1601,13 +1672,15 @@ def tabled_scores(scores, b, head, q_pos, k_pos, bias_table, factor_table):
     return scores
 
 
-def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
+def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
     """FlexAttention: the prior as score_mod, the mask as a sparse BlockMask; never
     materialises Tq x Tk. Queries and keys are the same positions 0..T-1 (no KV cache), so
     the token features at the queries are those at the keys (layer_prior). With prior tables
     (ctx.flex_tables) a tabulated prior, (table_bias, (table,)), and SSMax are gathered from
     tables; any other prior (one with token features included), and everything with
-    flex_prior = "formula", is evaluated by its formula per score."""
+    flex_prior = "formula", is evaluated by its formula per score. A sink needs no score_mod on a
+    GPU (with_sink); the CPU's kernel has no log-sum-exp, so there the sink is one more key
+    (sink_block_mask)."""
     log_n = None
     if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
         log_n = (ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1
@@ -1615,9 +1688,10 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
     bias_fn, tensors = (None, ()) if prior is None else prior
     tabulated = ctx.flex_tables and bias_fn in (None, table_bias)
     cpu = q.device.type == "cpu"
+    form = None if sink is None else sink_form(cpu)
     kernel = flex_kernel(flex_variant(bias_fn, ssmax_scale is not None, features is not None,
-                                      tabulated, cpu))
-    T, padded = q.shape[2], ctx.mask.seq_lengths[0]
+                                      tabulated, cpu, form))
+    T, padded, mask = q.shape[2], ctx.mask.seq_lengths[0], ctx.mask
     if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
         features = tuple(flex_captured(t.expand(q.shape[0], q.shape[1], T)) for t in features[0])
     # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
@@ -1625,6 +1699,12 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
         q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
         log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
         features = None if features is None else tuple(F.pad(t, (0, padded - T)) for t in features)
+    sink_table = None
+    if form == "key":  # the sink as the first key of one more key block
+        logits = sink_scores(sink, ssmax_scale, ctx.log_n).expand(q.shape[0], q.shape[1], T)
+        sink_table = flex_captured(F.pad(logits, (0, padded - T)))
+        k, v = (F.pad(x, (0, 0, 0, mask.BLOCK_SIZE[1])) for x in (k, v))
+        mask = sink_block_mask(mask)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one kernel
     if tabulated:
         bias_table = tensors[0] if tensors else None
@@ -1632,8 +1712,62 @@ def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None):
             raise ValueError(f"a prior table covers distances 0..{bias_table.shape[-1] - 1}, the "
                              f"kernel runs {padded} tokens: build it at ctx.mask.seq_lengths[0]")
         factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, q.shape[0])
-        return kernel(q, k, v, ctx.mask, bias_table, factor_table)[:, :, :T]
-    return kernel(q, k, v, ctx.mask, log_n, tensors, ssmax_scale, features)[:, :, :T]
+        out = kernel(q, k, v, mask, bias_table, factor_table, sink_table)
+    else:
+        out = kernel(q, k, v, mask, log_n, tensors, ssmax_scale, features, sink_table)
+    if form != "lse":
+        return out[:, :, :T]
+    return with_sink(out[0][:, :, :T], out[1][:, :, :T], sink_scores(sink, ssmax_scale, ctx.log_n))
+
+
+def sink_form(cpu):
+    """How flex adds a sink: "lse" (with_sink) where the kernel returns its log-sum-exp, a GPU's;
+    "key" (sink_block_mask) on a CPU, whose compiled kernel returns none in torch 2.13 (and has no
+    backward, which only the "lse" form needs). Tests trace the GPU's form on the CPU."""
+    return "key" if cpu else "lse"
+
+
+def sink_block_mask(block_mask):
+    """`block_mask` over T keys extended by one key block whose first key, position T, is the sink:
+    every query visits that block, and sees its first key only. The CPU's flex form of a sink
+    (its kernel returns no log-sum-exp): k and v are 0 there, and score_mod gives that key the
+    sink's logit (sink_score_mod), which the softmax then counts as with_sink's e^s."""
+    T, block = block_mask.seq_lengths[1], block_mask.BLOCK_SIZE[1]
+    count, index = block_mask.kv_num_blocks, block_mask.kv_indices
+    index = torch.cat((index, torch.zeros_like(index[..., :1])), dim=-1)  # the sink block after
+    sink_block = torch.full_like(index[..., :1], -(-T // block))
+    index = index.scatter(-1, count[..., None].long(), sink_block)
+    full_index = block_mask.full_kv_indices
+    if full_index is not None:
+        full_index = torch.cat((full_index, torch.zeros_like(full_index[..., :1])), dim=-1)
+    seen = block_mask.mask_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return torch.where(kv_idx >= T, kv_idx == T, seen(b, h, q_idx, kv_idx.clamp(max=T - 1)))
+
+    return BlockMask.from_kv_blocks(count + 1, index, block_mask.full_kv_num_blocks, full_index,
+                                    BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=mask_mod,
+                                    seq_lengths=(block_mask.seq_lengths[0], T + block))
+
+
+def sink_score_mod(score_mod, sink_table):
+    """`score_mod` with key T (sink_block_mask) scoring the sink's logit, sink_table[b, h, q], and
+    every other key as before (read at a key index kept inside the tensors it gathers from)."""
+    def with_sink_key(score, b, h, q_idx, kv_idx):
+        T = sink_table.shape[-1]
+        inner = score_mod(score, b, h, q_idx, kv_idx.clamp(max=T - 1))
+        return torch.where(kv_idx == T, sink_table[b, h, q_idx], inner)
+
+    return with_sink_key
+
+
+def with_sink(out, lse, sink_logit):
+    """Flex's output without a sink, (B, H, T, hd), as the output with one: the sink adds e^s to the
+    denominator Z = e^lse of every weight, so each output is scaled by Z / (Z + e^s) =
+    sigmoid(lse - s). `lse` (B, H, T) is the kernel's log-sum-exp of the scores it saw, and
+    `sink_logit` the sink's score (sink_scores). Autograd takes the gradient to the sink through
+    the sigmoid, and to the scores through lse, which flex's backward differentiates."""
+    return (out.float() * torch.sigmoid(lse.float() - sink_logit)[..., None]).type_as(out)
 
 
 # The attention paths by name (ModelConfig.attn_impl after `auto`):
@@ -1908,26 +2042,28 @@ def flex_kernel(variant):
     return kernel
 
 
-def flex_variant(bias_fn, use_ssmax, has_features, tabulated, cpu):
-    """The key of the compiled kernel that serves a layer: ("table", prior?, SSMax?, CPU?) for a
-    prior read from its table (bias_fn table_bias or None), else (bias_fn, SSMax?, static shapes?),
-    static shapes being the CPU's workaround for a score_mod that gathers per-query tensors
-    (_make_flex_kernel)."""
+def flex_variant(bias_fn, use_ssmax, has_features, tabulated, cpu, sink=None):
+    """The key of the compiled kernel that serves a layer: ("table", prior?, SSMax?, CPU?, sink)
+    for a prior read from its table (bias_fn table_bias or None), else (bias_fn, SSMax?, static
+    shapes?, sink), static shapes being the CPU's workaround for a score_mod that gathers
+    per-query tensors (_make_flex_kernel). `sink`: None or sink_form's "lse" (the kernel also
+    returns its log-sum-exp) or "key" (the sink is a key)."""
     if tabulated:
-        return ("table", bias_fn is not None, use_ssmax, cpu)
-    return (bias_fn, use_ssmax, cpu and (use_ssmax or has_features))
+        return ("table", bias_fn is not None, use_ssmax, cpu, sink)
+    return (bias_fn, use_ssmax, cpu and (use_ssmax or has_features or sink is not None), sink)
 
 
-def _make_flex_kernel(bias_fn, use_ssmax, static_shapes):
+def _make_flex_kernel(bias_fn, use_ssmax, static_shapes, sink=None):
     """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
     captured from a module, so every layer (and every model of that variant) reuses one compiled
     kernel instead of recompiling per layer; each variant also gets its own recompile budget.
     `static_shapes` (the CPU, for a score_mod that gathers per-query tensors): torch 2.13's C++ flex
     template fails to compile FoX + SSMax's (the gates and log n by query) once dynamo has made the
     batch and length dynamic (an undeclared `cur_qSplitSize2`, as the table kernel's
-    `cur_kvSplitSize`), so each shape gets its own."""
+    `cur_kvSplitSize`), so each shape gets its own (a sink's gather of its logits by query too).
+    `sink` (flex_variant): "lse" returns (output, log-sum-exp), "key" scores the sink's key."""
 
-    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features):
+    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features, sink_table=None):
         prior = None if bias_fn is None else (bias_fn, prior_tensors)
 
         def score_mod(score, b, h, q_idx, kv_idx):
@@ -1940,26 +2076,38 @@ def _make_flex_kernel(bias_fn, use_ssmax, static_shapes):
             return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale, query,
                                      key)
 
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                              enable_gqa=k.shape[1] != q.shape[1])
+        if sink == "key":
+            score_mod = sink_score_mod(score_mod, sink_table)
+        return flex_call(q, k, v, score_mod, block_mask, sink == "lse")
 
     return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
 
 
-def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes):
+def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes, sink=None):
     """One compiled FlexAttention for every distance-only prior (with or without SSMax): its
     score_mod only gathers from the tables, which are arguments, so gradients flow to them as to q,
     k and v. `static_shapes` (the CPU): torch 2.13's C++ code for this gather under a
     document-and-window mask fails to compile once dynamo has made the length dynamic (an undeclared
     `cur_kvSplitSize` in inductor's flex template; the formula kernel is not affected), so on a CPU
-    each length gets a kernel of its own."""
+    each length gets a kernel of its own. `sink`: as _make_flex_kernel's."""
 
-    def kernel(q, k, v, block_mask, bias_table, factor_table):
+    def kernel(q, k, v, block_mask, bias_table, factor_table, sink_table=None):
         def score_mod(score, b, h, q_idx, kv_idx):
             return tabled_scores(score, b, h, q_idx, kv_idx, bias_table if use_prior else None,
                                  factor_table if use_ssmax else None)
 
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                              enable_gqa=k.shape[1] != q.shape[1])
+        if sink == "key":
+            score_mod = sink_score_mod(score_mod, sink_table)
+        return flex_call(q, k, v, score_mod, block_mask, sink == "lse")
 
     return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
+
+
+def flex_call(q, k, v, score_mod, block_mask, with_lse):
+    """flex_attention's output, and with `with_lse` its log-sum-exp per query, (B, H, T) fp32."""
+    gqa = k.shape[1] != q.shape[1]
+    if not with_lse:
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+    out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
+                              return_aux=AuxRequest(lse=True))
+    return out, aux.lse

@@ -114,10 +114,11 @@ class BAMForCausalLM(PreTrainedModel, GenerationMixin):
     # read only with tie_word_embeddings (ModelConfig.tie_embeddings): model.safetensors then holds the one
     # matrix once, and loading ties the head to it again, as model.py's Transformer does
     _tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}
-    # Loaded with torch_dtype=torch.bfloat16 (the usual way), the positional priors and SSMax's scales stay fp32,
-    # as training keeps them under autocast: in bf16 BAM's shape b = -0.3 alone moves a logit at distance 0 by
-    # up to 3.6. transformers 5 reads the strict list for bf16 and fp16, older versions the other one.
-    _keep_in_fp32_modules = _keep_in_fp32_modules_strict = ["model.priors.", "ssmax_scale"]
+    # Loaded with torch_dtype=torch.bfloat16 (the usual way), the positional priors, SSMax's scales and the sinks'
+    # logits (model.Transformer.prior_parameters) stay fp32, as training keeps them under autocast: in bf16 BAM's
+    # shape b = -0.3 alone moves a logit at distance 0 by up to 3.6. transformers 5 reads the strict list for bf16
+    # and fp16, older versions the other one.
+    _keep_in_fp32_modules = _keep_in_fp32_modules_strict = ["model.priors.", "ssmax_scale", "sink_logit"]
 
     def __init__(self, config):
         super().__init__(config)

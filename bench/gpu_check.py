@@ -433,15 +433,21 @@ def check_graphs(s, report):
 # correctness: flex (and the compiled model) against the eager reference
 
 
-def correctness_model(s, pe, ssmax, seed=0, settings=None, **kw):
-    """A small model with the real head width (48) and every prior/SSMax parameter moved off its init,
-    so that no case passes because of a special value (ALiBi's shape exactly 1, SSMax's scale exactly 1).
-    `settings`: more ModelConfig fields (one of the encoding's checked_settings)."""
+# ModelConfig's switches that change every layer's attention whatever the encoding (learned sinks, which change
+# the flex kernel, and gated attention): the correctness grid runs each encoding once more with all of them on.
+ATTENTION_SWITCHES = ("attn_sink", "attn_gate")
+
+
+def correctness_model(s, pe, ssmax, seed=0, settings=None, switches=(), **kw):
+    """A small model with the real head width (48) and every prior/SSMax/sink parameter moved off its init,
+    so that no case passes because of a special value (ALiBi's shape exactly 1, SSMax's scale exactly 1, a
+    sink at 0). `settings`: more ModelConfig fields (one of the encoding's checked_settings); `switches`: the
+    ATTENTION_SWITCHES turned on."""
     dims = dict(vocab_size=512, n_layer=2, n_head=4, n_embd=192) if s.cuda else \
         dict(vocab_size=97, n_layer=2, n_head=2, n_embd=32)
     torch.manual_seed(seed)
     model = Transformer(model_module.ModelConfig(pe=pe, ssmax=ssmax, bam_train_loc=True, block_size=384, **dims,
-                                                 **(settings or {}), **kw))
+                                                 **(settings or {}), **dict.fromkeys(switches, True), **kw))
     with torch.no_grad():
         for p in model.prior_parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -545,22 +551,25 @@ def check_correctness(s, report):
 
         # Document masking first (the training configuration): under a tight budget it is the last skipped.
         # --quick: document masking on only; tests/test_model.py covers the rest. Every encoding, and each of
-        # its checked_settings (partial RoPE), from the registry.
-        grid = sorted(((pe, ssmax, docs, dtype, settings) for pe, settings in model_module.CHECKED_SETTINGS
-                       for ssmax in (True, False) for docs in ((True,) if s.quick else (True, False))
-                       for dtype in dtypes),
-                      key=lambda c: (not c[2], correctness_order(c[0]), not c[1]))
-        for pe, ssmax, docs, dtype, settings in grid:
+        # its checked_settings (partial RoPE), from the registry; every encoding also runs with the
+        # ATTENTION_SWITCHES on (with SSMax and documents, the richest case), after its plain cases.
+        grid = [(pe, ssmax, docs, dtype, settings, ()) for pe, settings in model_module.CHECKED_SETTINGS
+                for ssmax in (True, False) for docs in ((True,) if s.quick else (True, False)) for dtype in dtypes]
+        grid += [(pe, True, True, dtype, {}, ATTENTION_SWITCHES) for pe in model_module.ENCODINGS for dtype in dtypes]
+        grid.sort(key=lambda c: (not c[2], correctness_order(c[0]), not c[1], bool(c[5])))
+        for pe, ssmax, docs, dtype, settings, switches in grid:
             impls = [("flex", True)] if s.cuda else [("sdpa", True)]
-            if not s.cuda and (pe, ssmax, docs, dtype, settings) == ("bam", True, True, torch.float32, {}):
+            if not s.cuda and (pe, ssmax, docs, dtype, settings, switches) == ("bam", True, True, torch.float32,
+                                                                              {}, ()):
                 # CPU flex compiles C++ for ~30 s a variant and has no backward: one case, the richest one
                 impls.append(("flex", False))
             for impl, backward in impls:
                 def case(pe=pe, ssmax=ssmax, docs=docs, dtype=dtype, impl=impl, backward=backward,
-                         settings=settings):
-                    return path_against_eager(s, correctness_model(s, pe, ssmax, settings=settings), impl,
-                                              docs, dtype, backward)
-                name = f"{impl} {variant_name(pe, ssmax, settings)}{' docs' if docs else ''} {str(dtype)[6:]}"
+                         settings=settings, switches=switches):
+                    model = correctness_model(s, pe, ssmax, settings=settings, switches=switches)
+                    return path_against_eager(s, model, impl, docs, dtype, backward)
+                name = f"{impl} {variant_name(pe, ssmax, settings)}{' docs' if docs else ''} {str(dtype)[6:]}" + \
+                    "".join(f" {switch}" for switch in switches)
                 # a flex kernel per variant: ~10 s of Triton with its backward, ~30 s of C++ for a CPU's forward
                 report.run(name, case, expected_s=1 if impl != "flex" else 10 if s.cuda else 30)
         # then the per-layer patterns, with document masking: the device's path (sdpa on a CPU) against eager

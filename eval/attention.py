@@ -19,7 +19,7 @@ separators, as eval.perplexity's concat source, a shorter length reading each wi
 over the last half of every prompt (the final position among them) and the metrics averaged over them
 and the --samples prompts:
 
-    entropy        -sum_j p_ij log p_ij in nats; attention spread evenly over n keys has log n
+    entropy        -sum_j p_ij log p_ij in nats, a learned sink one more outcome; n keys evenly attended: log n
     mean distance  sum_j p_ij (i - j), in tokens
     far mass       sum of p_ij over the keys with i - j >= the training context: distances never trained on
 
@@ -55,7 +55,7 @@ from eval.tables import DASH, length_label, table
 from eval.results import Output, evaluated_name, new_results, stopped_note
 from eval.sweep import (add_length_arguments, check_length_fits, check_lengths, format_factor, format_length,
                         length_arguments, sweep, sweep_lengths)
-from model import dense_mask, grid_features, layer_prior, positional_scores
+from model import dense_mask, grid_features, layer_prior, positional_scores, sink_log_softmax
 
 PROMPTS = ("text", "passkey")
 METRICS = {"entropy": "entropy (nats)", "mean_distance": "mean distance attended (tokens)",
@@ -69,10 +69,9 @@ def query_positions(length, queries):
 
 
 def attention_stats(attn, x, ctx, prior_module, positions, context):
-    """(entropy, mean distance, far mass), a (3, B, heads, len(positions)) tensor, of the attention that
-    `attn` (one layer's model.Attention, called with x, ctx and its prior module) gives the queries at
-    `positions`: the logits the model's own attention computes, for those rows only. `context`: the
-    training context, from which on a distance counts as far."""
+    """(entropy, mean distance, far mass), a (3, B, heads, len(positions)) tensor, of the attention `attn` (one
+    layer's model.Attention, called with x, ctx and its prior module) gives the queries at `positions`: the model's
+    own logits (its sink's too), for those rows only; from `context` (the training context) on a distance is far."""
     q, k, _ = attn.project(x, ctx)
     B, H, T, head_dim = q.shape
     k = k.float().repeat_interleave(H // k.shape[1], dim=1)  # the key head each query head reads
@@ -91,10 +90,11 @@ def attention_stats(attn, x, ctx, prior_module, positions, context):
             scores = positional_scores(scores, head, q_pos[:, None], ctx.k_pos[None, :], log_n, prior,
                                        attn.ssmax_scale, query, key)
         visible = dense_mask(q_pos, ctx.k_pos, ctx.window)  # (1, 1, rows, T), as the model masks this layer
-        log_p = scores.masked_fill(~visible, float("-inf")).log_softmax(dim=-1)
-        p = log_p.exp()
+        log_p, log_sink = sink_log_softmax(scores.masked_fill(~visible, float("-inf")), attn.sink_logit,
+                                           attn.ssmax_scale, None if log_n is None else log_n[:, 0, :, 0])
+        p, p_sink = log_p.exp(), log_sink.exp()  # a learned sink's share (model.attn_sink), at no key
         distance = (q_pos[:, None] - ctx.k_pos[None, :]).float()
-        entropy = -(p * log_p.masked_fill(~visible, 0.0)).sum(dim=-1)
+        entropy = -(p * log_p.masked_fill(~visible, 0.0)).sum(dim=-1) - torch.special.xlogy(p_sink, p_sink)
         stats.append(torch.stack([entropy, (p * distance).sum(dim=-1), (p * (distance >= context)).sum(dim=-1)]))
     return torch.cat(stats, dim=-1)
 

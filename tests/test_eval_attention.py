@@ -37,11 +37,13 @@ def model_of(pe, ssmax=False, window=0, seed=0, **kw):
     return Transformer(ModelConfig(**{**cfg, **kw})).eval()
 
 
-def dense_probabilities(attn, x, ctx, prior_module, window=None):
+def dense_probabilities(attn, x, ctx, prior_module, window=None, sink_share=None):
     """(B, H, T, T) attention probabilities in float64, written out from the formula (docs/paper.md §3):
     softmax over the keys j <= i inside the window of ((q_i.k_j / sqrt(d) + g_h(i - j)) * s_h * log n_i),
     n_i the number of keys query i sees; and the (B, T, n_embd) output of the layer they give. `window`: the
-    layer's (ModelConfig.layer_kinds), attn_window if None."""
+    layer's (ModelConfig.layer_kinds), attn_window if None. With a learned sink (attn_sink) its logit
+    sink_h (* s_h log n_i) is one more term of the softmax, whose share goes in `sink_share` (a dict) under
+    "p"; with gated attention each head's output is multiplied by sigmoid(x W_g)."""
     q, k, v = (t.double() for t in attn.project(x, ctx))
     H, T, d = q.shape[1], q.shape[2], q.shape[3]
     k, v = k.repeat_interleave(H // k.shape[1], dim=1), v.repeat_interleave(H // v.shape[1], dim=1)
@@ -61,18 +63,34 @@ def dense_probabilities(attn, x, ctx, prior_module, window=None):
     if attn.ssmax_scale is not None:
         n = (i + 1).clamp(max=window) if window else i + 1
         scores = scores * attn.ssmax_scale.double().view(H, 1, 1) * torch.log(n.double())
-    p = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    y = (p @ v).transpose(1, 2).reshape(x.shape[0], T, -1)
-    return p, attn.wo(y.float())
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if attn.sink_logit is None:
+        p = scores.softmax(dim=-1)
+    else:
+        sink = attn.sink_logit.double().view(H, 1, 1).expand(H, T, 1)
+        if attn.ssmax_scale is not None:
+            sink = sink * attn.ssmax_scale.double().view(H, 1, 1) * torch.log(n.double())
+        p = torch.cat((scores, sink.expand(scores.shape[0], H, T, 1)), dim=-1).softmax(dim=-1)
+        sink_share["p"], p = p[..., -1], p[..., :-1]
+    y = p @ v
+    if attn.wg is not None:
+        y = y * torch.sigmoid(x.double() @ attn.wg.weight.double().T).view(x.shape[0], T, H, d).transpose(1, 2)
+    return p, attn.wo(y.transpose(1, 2).reshape(x.shape[0], T, -1).float())
 
 
-def metrics_of(p, positions, context):
-    """Entropy, mean distance and far mass of the rows `positions` of dense probabilities (B, H, T, T)."""
+def metrics_of(p, positions, context, sink_p=None):
+    """Entropy, mean distance and far mass of the rows `positions` of dense probabilities (B, H, T, T); the
+    sink's share `sink_p` (B, H, T), where there is one, counts in the entropy as one more outcome."""
     rows = p[:, :, positions]
     distance = (torch.as_tensor(positions)[:, None] - torch.arange(p.shape[-1])[None, :]).double()
     log_p = torch.where(rows > 0, rows.log(), torch.zeros_like(rows))
-    return torch.stack([-(rows * log_p).sum(-1), (rows * distance).sum(-1),
-                        (rows * (distance >= context)).sum(-1)])
+    entropy = -(rows * log_p).sum(-1)
+    if sink_p is not None:
+        entropy = entropy - sink_p[:, :, positions] * sink_p[:, :, positions].log()
+    return torch.stack([entropy, (rows * distance).sum(-1), (rows * (distance >= context)).sum(-1)])
+
+
+SINKS_AND_GATES = [("bam", True, 0), ("nope", False, 24)]  # learned sinks and gated attention
 
 
 @pytest.mark.parametrize("window", [0, 24], ids=["full", "window"])
@@ -86,6 +104,16 @@ def test_the_sampled_queries_match_the_dense_attention(pe, ssmax, window, monkey
 def test_the_sampled_queries_match_the_dense_attention_of_each_layer_of_a_pattern(pattern, monkeypatch):
     """A layer_pattern: each layer scored with its own encoding, window and SSMax."""
     check_sampled_queries(model_of("rope", layer_pattern=pattern), monkeypatch)
+
+
+@pytest.mark.parametrize("pe,ssmax,window", SINKS_AND_GATES)
+def test_with_sinks_and_gates_the_sampled_queries_match_the_dense_attention(pe, ssmax, window, monkeypatch):
+    """A sink takes part of each row (no key); the entropy counts it as one more outcome."""
+    model = model_of(pe, ssmax, window, attn_sink=True, attn_gate=True)
+    with torch.no_grad():  # sinks off their 0, each head its own
+        for block in model.blocks:
+            block.attn.sink_logit.copy_(torch.linspace(-2.0, 3.0, 4))
+    check_sampled_queries(model, monkeypatch)
 
 
 def check_sampled_queries(model, monkeypatch):
@@ -106,10 +134,12 @@ def check_sampled_queries(model, monkeypatch):
     monkeypatch.setattr(attention, "SCORE_BYTES", 4 * 2 * 4 * 40 * 7)  # chunks of 7 queries: the chunking is used
     got = attention.score_prompts(model, tokens.numpy(), positions, CONTEXT, nullcontext())  # (3, L, B, H, Q)
     for layer, block in enumerate(model.blocks):
-        p, out = dense_probabilities(block.attn, *captured[layer], window=model.config.layer_kinds[layer].window)
+        sink_share = {}
+        p, out = dense_probabilities(block.attn, *captured[layer], window=model.config.layer_kinds[layer].window,
+                                     sink_share=sink_share)
         # the dense probabilities are the model's own attention: they give the layer's output
         torch.testing.assert_close(out, captured[("out", layer)], rtol=1e-4, atol=1e-5)
-        want = metrics_of(p, positions, CONTEXT)
+        want = metrics_of(p, positions, CONTEXT, sink_share.get("p"))
         torch.testing.assert_close(got[:, layer].double(), want, rtol=1e-4, atol=2e-4)
     assert (got[2] > 0.01).any(), "some mass past the context: the far share was exercised"
 

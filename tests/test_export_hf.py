@@ -26,6 +26,8 @@ TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16)
 CONFIG_FIELDS = {f.name for f in fields(ModelConfig)}
 CASES = {f"{pe}{'_ssmax' if ssmax else ''}": dict(pe=pe, ssmax=ssmax) for pe in PE_CHOICES for ssmax in (False, True)}
 CASES["bam_ssmax_gqa"] = dict(pe="bam", ssmax=True, n_kv_head=2, bam_per_layer=False)
+# learned sinks (their logits moved off 0 by tiny_model, as prior parameters) and gated attention (issue 47)
+CASES["bam_ssmax_sink_gate"] = dict(pe="bam", ssmax=True, attn_sink=True, attn_gate=True)
 # Config fields that model.py is gaining; the cases run as soon as it has them (until then: a visible skip).
 WINDOW_AND_SCALING = {"bam_ssmax_window": dict(pe="bam", ssmax=True, attn_window=8),
                       "rope_yarn": dict(pe="rope", rope_scaling="yarn", rope_factor=4.0),

@@ -456,6 +456,26 @@ def test_fire_is_sharded_and_computes_what_it_computes_unsharded(ssmax, one_rank
     assert max(relative_difference(grads_sharded[k], grads[k]) for k in grads) < 1e-5
 
 
+def test_sinks_and_gates_are_sharded_and_compute_what_they_compute_unsharded(one_rank):
+    """The sinks' logits (shape (n_head,): fully_shard refuses 0-d) and the gates' projections are sharded with
+    their Block; the sharded model's loss, gradients and logged sink values are the unsharded model's."""
+    torch.manual_seed(0)
+    whole = Transformer(tiny_model(attn_sink=True, attn_gate=True))
+    with torch.no_grad():
+        for block in whole.blocks:
+            block.attn.sink_logit.copy_(torch.linspace(-1.0, 2.0, 4))
+    sharded = Transformer(tiny_model(attn_sink=True, attn_gate=True))
+    sharded.load_state_dict(whole.state_dict())
+    parallel.prepare(sharded, TrainConfig(parallel="fsdp", compile=False), one_rank, bf16=False)
+    assert isinstance(sharded.blocks[0].attn.sink_logit, dist.tensor.DTensor)
+    (loss, grads), (loss_sharded, grads_sharded) = loss_and_gradients(whole), loss_and_gradients(sharded)
+    assert torch.equal(loss, loss_sharded)
+    assert grads.keys() == grads_sharded.keys() and grads["blocks.0.attn.sink_logit"].shape == (4,)
+    assert {"blocks.0.attn.wg.weight", "blocks.2.attn.sink_logit"} <= set(grads)
+    assert max(relative_difference(grads_sharded[k], grads[k]) for k in grads) < 1e-5
+    assert parallel.prior_summary(sharded)["sink_logit"] == whole.prior_summary()["sink_logit"]
+
+
 def test_per_block_compile_under_fsdp_matches_eager(one_rank):
     """AC, then torch.compile of each Block, then fully_shard, as torchtitan orders them (aot_eager: dynamo and
     AOT autograd trace forward and backward as on a GPU, without inductor's minutes of C++ on a CPU)."""

@@ -44,6 +44,7 @@ def test_quick_mode_runs_every_section_and_every_case_passes(quick_run):
     # the correctness grid follows model.PE_CHOICES: a new encoding is checked without editing the script
     for pe in PE_CHOICES:
         assert f"sdpa {pe} docs float32" in names and f"sdpa {pe}+ssmax docs bfloat16" in names
+        assert f"sdpa {pe}+ssmax docs float32 attn_sink attn_gate" in names  # learned sinks and gates, issue 47
     flex = [c for c in result["cases"] if c["name"].startswith("flex ")]
     assert flex and all(c["pass"].startswith("fwd only") for c in flex)
     compiled = next(c for c in result["cases"] if c["name"].startswith("torch.compile(model)"))

@@ -218,10 +218,11 @@ def test_a_prior_that_is_not_distance_only_is_not_routed_to_a_table(recorded_ker
     called, tables = recorded_kernels
     flex_forward(make_model("not_distance_only", ssmax))
     # True: its token features are gathered by query, so on a CPU its kernel has static shapes too
-    assert called == [("formula", (NotDistanceOnlyPrior.bias_fn, ssmax, True))] and tables == []
+    # (..., True, None): static shapes on a CPU, no sink
+    assert called == [("formula", (NotDistanceOnlyPrior.bias_fn, ssmax, True, None))] and tables == []
     called.clear()
     flex_forward(make_model("alibi", ssmax))  # the control: the same formula, distance-only, is tabulated
-    assert called == [("table", (True, ssmax, True))] and len(tables) == 1  # True: static shapes on a CPU
+    assert called == [("table", (True, ssmax, True, None))] and len(tables) == 1
 
 
 @pytest.mark.slow
@@ -236,9 +237,9 @@ def test_a_table_is_built_once_per_forward_and_prior_module(recorded_kernels, mo
     seen = []
     real_flex = model_module.ATTENTION["flex"]
 
-    def recording_flex(q, k, v, ctx, prior, ssmax_scale, features=None):
+    def recording_flex(q, k, v, ctx, prior, *rest):
         seen.append(prior[1][0])
-        return real_flex(q, k, v, ctx, prior, ssmax_scale, features)
+        return real_flex(q, k, v, ctx, prior, *rest)
 
     monkeypatch.setitem(model_module.ATTENTION, "flex", recording_flex)
     model = make_model(pe, True, n_layer=3, **kw)
