@@ -21,12 +21,15 @@ def settings_id(settings):
 # per-layer patterns (ModelConfig.layer_pattern) on the tiny models' two layers: RNoPE-SWA's RoPE window and
 # NoPE full attention, BAM + SSMax global with a RoPE window, a per-layer prior with token features beside a
 # shared one (one kernel, table or formula, per layer kind on flex)
+# and issue 47's designs together: a pattern, partial RoPE in its RoPE layers, learned sinks, gated attention
+ALL_AT_ONCE = dict(layer_pattern="rope@5 bam+ssmax@full", rope_fraction=0.5, attn_sink=True, attn_gate=True)
 PATTERNS = [("rope", False, "rope@5 nope@full"), ("bam", True, "rope-ssmax@5 bam+ssmax@full"),
             ("fox", False, "fox@5 alibi+ssmax")]
 GRID = [pytest.param(pe, settings, ssmax, docs, id=f"{pe}-{settings_id(settings)}-{ssmax}-{docs}")
         for pe, settings in CHECKED_SETTINGS for ssmax in (False, True) for docs in (False, True)] + \
     [pytest.param(pe, {"layer_pattern": pattern}, ssmax, docs, id=f"{pe}-{pattern}-{ssmax}-{docs}")
-     for pe, ssmax, pattern in PATTERNS for docs in (False, True)]
+     for pe, ssmax, pattern in PATTERNS for docs in (False, True)] + \
+    [pytest.param("bam", ALL_AT_ONCE, False, docs, id=f"bam-all-at-once-{docs}") for docs in (False, True)]
 
 
 @pytest.mark.slow
@@ -388,7 +391,8 @@ def test_sinusoidal_table_is_vaswanis_formula_at_the_position_in_each_document()
 @pytest.mark.parametrize("pe,ssmax,kv,settings", [
     ("bam", True, 0, {}), ("rope", False, 2, {}), ("sinusoidal", False, 0, {}), ("alibi", True, 0, {}),
     ("nope", False, 0, {}), ("fox", True, 2, {}), ("fire", False, 2, {}), ("rope", True, 0, {"rope_fraction": 0.5}),
-    ("rope", False, 2, {"rope_fraction": 0.25, "rope_scaling": "yarn", "rope_factor": 4.0})])
+    ("rope", False, 2, {"rope_fraction": 0.25, "rope_scaling": "yarn", "rope_factor": 4.0}),
+    ("bam", False, 2, ALL_AT_ONCE)])
 def test_kv_cache_generation_equals_full_recompute(pe, ssmax, kv, settings):
     model = make_model(pe=pe, ssmax=ssmax, n_kv_head=kv, **settings)
     model.eval()
