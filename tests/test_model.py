@@ -10,7 +10,7 @@ import model as model_module
 from bam.checkpoint import load_model, save_model
 from model import (CHECKED_SETTINGS, ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, apply_rope,
                    ggd_bias)
-from tiny_models import VOCAB, batch, logits_with, make_model, tiny
+from tiny_models import VOCAB, batch, generated_equals_recomputed, logits_with, make_model, tiny
 
 
 def settings_id(settings):
@@ -394,16 +394,7 @@ def test_sinusoidal_table_is_vaswanis_formula_at_the_position_in_each_document()
     ("rope", False, 2, {"rope_fraction": 0.25, "rope_scaling": "yarn", "rope_factor": 4.0}),
     ("bam", False, 2, ALL_AT_ONCE)])
 def test_kv_cache_generation_equals_full_recompute(pe, ssmax, kv, settings):
-    model = make_model(pe=pe, ssmax=ssmax, n_kv_head=kv, **settings)
-    model.eval()
-    prompt, _ = batch(B=2, T=10)
-    out = model.generate(prompt, max_new_tokens=12, temperature=0)
-    seq = prompt
-    with torch.no_grad():
-        for _ in range(12):
-            nxt = model(seq)[0][:, -1].argmax(-1, keepdim=True)
-            seq = torch.cat([seq, nxt], dim=1)
-    assert torch.equal(out, seq)
+    generated_equals_recomputed(make_model(pe=pe, ssmax=ssmax, n_kv_head=kv, **settings))
 
 
 def test_sampling_with_top_k_stays_in_top_k():

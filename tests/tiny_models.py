@@ -42,3 +42,17 @@ def batch(B=2, T=40, seed=1):
 def logits_with(model, impl, idx, doc_ids=None, **kw):
     model.config.attn_impl = impl
     return model(idx, doc_ids=doc_ids, **kw)[0]
+
+
+def generated_equals_recomputed(model, new_tokens=12):
+    """Greedy generation with the KV cache from a (2, 10) prompt, asserted equal to recomputing the whole
+    sequence at every step; returns that sequence."""
+    model.eval()
+    prompt, _ = batch(B=2, T=10)
+    out = model.generate(prompt, max_new_tokens=new_tokens, temperature=0)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+    return seq
