@@ -12,44 +12,11 @@ torch that moved them skips the test with the reason instead of passing it."""
 import pytest
 import torch
 
-import model as model_module
 from model import ENCODINGS, FLEX_PRIORS, AdditivePrior, ModelConfig, Transformer
+from flex_on_cpu import trace_flex_as_a_gpu
 from tiny_models import VOCAB, batch
 
 pytestmark = pytest.mark.slow
-
-
-def private_apis():
-    """inductor's check, AOT autograd's backend factory and flex's device check, or a skip naming what moved."""
-    try:
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._inductor.kernel.flex.flex_attention import validate_joint_graph
-        from torch.nn.attention import flex_attention as flex_module
-
-        flex_module._validate_device  # noqa: B018 (only its presence is asked)
-        backward_op = torch.ops.higher_order.flex_attention_backward
-    except (ImportError, AttributeError) as e:
-        pytest.skip(f"torch {torch.__version__} moved a private API this check reads: {e}")
-    return aot_autograd, make_boxed_func, validate_joint_graph, flex_module, backward_op
-
-
-def validating_backend(aot_autograd, make_boxed_func, validate_joint_graph, backward_op, checked):
-    """AOT autograd with the graphs run as traced; each flex backward's score_mod graphs go through inductor's
-    validation as inductor's lowering puts them (dead code removed first), counted in `checked`."""
-
-    def backward(gm, example_inputs):
-        for node in gm.graph.nodes:
-            if node.target is backward_op:
-                for arg in node.args:  # the score_mod's forward and joint graphs are the HOP's get_attr arguments
-                    if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
-                        graph = getattr(gm, arg.target).graph
-                        graph.eliminate_dead_code()
-                        validate_joint_graph(graph)
-                checked.append(node)
-        return make_boxed_func(gm)
-
-    return aot_autograd(fw_compiler=lambda gm, example_inputs: make_boxed_func(gm), bw_compiler=backward)
 
 
 def variants():
@@ -73,18 +40,9 @@ def loss_and_grads(model, idx, doc_ids):
 
 @pytest.mark.parametrize("pe,ssmax,flex_prior", list(variants()))
 def test_every_encodings_flex_backward_passes_inductors_check_and_equals_sdpa(pe, ssmax, flex_prior, monkeypatch):
-    aot_autograd, make_boxed_func, validate_joint_graph, flex_module, backward_op = private_apis()
-    checked = []
-    backend = validating_backend(aot_autograd, make_boxed_func, validate_joint_graph, backward_op, checked)
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: compile_(fn, **{**options, "backend": backend}))
-    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
-    if not hasattr(model_module, "_FLEX_KERNELS"):
-        pytest.fail("model._FLEX_KERNELS is gone: give this test the new home of the compiled flex kernels")
-    monkeypatch.setattr(model_module, "_FLEX_KERNELS", {})  # kernels compiled here, by the backend above
+    checked = trace_flex_as_a_gpu(monkeypatch)
     # the GPU's choice: flex also for training (on the CPU, attention_impl refuses it for lack of a backward)
     monkeypatch.setattr(Transformer, "attention_impl", lambda self, T_q, T_k, has_docs: "flex")
-    torch._dynamo.reset()
     # 128 tokens, a whole flex block: on the CPU a shorter sequence is padded, a copy that would hide a view
     idx, doc_ids = batch(T=128)
     torch.manual_seed(0)

@@ -22,6 +22,7 @@ import torch
 import model as model_module
 from model import (PE_CHOICES, AttnContext, BAMPrior, ModelConfig, Transformer, dense_mask, ggd_bias,
                    positions_in_documents, ssmax_log_n)
+from flex_on_cpu import trace_flex_as_a_gpu
 from tiny_models import batch, generated_equals_recomputed, logits_with, make_model, tiny
 
 REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference", "default_models.pt")
@@ -260,17 +261,9 @@ def test_flex_with_sinks_and_gates_equals_eager_forward_and_backward(pe, ssmax, 
     tests/test_flex_backward.py compiles them (AOT autograd, inductor's check of the joint graph, flex's backward
     run by torch's dense reference of it), since the CPU's inductor kernel has no log-sum-exp and no backward:
     model.sink_form is made the GPU's, "lse", here."""
-    from test_flex_backward import private_apis, validating_backend
-    aot_autograd, make_boxed_func, validate_joint_graph, flex_module, backward_op = private_apis()
-    checked = []
-    backend = validating_backend(aot_autograd, make_boxed_func, validate_joint_graph, backward_op, checked)
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: compile_(fn, **{**options, "backend": backend}))
-    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
-    monkeypatch.setattr(model_module, "_FLEX_KERNELS", {})
+    checked = trace_flex_as_a_gpu(monkeypatch)
     monkeypatch.setattr(Transformer, "attention_impl", lambda self, T_q, T_k, has_docs: self.config.attn_impl)
     monkeypatch.setattr(model_module, "sink_form", lambda cpu: "lse")
-    torch._dynamo.reset()
     model = sink_gate_model(pe, ssmax, flex_prior=flex_prior)
     idx, doc_ids = batch(T=128)
     results = {}
