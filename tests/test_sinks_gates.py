@@ -158,19 +158,22 @@ def test_sdpa_gradients_equal_eager_for_the_sink_ssmax_and_the_prior(ssmax):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
+def logits_and_grads(model, impl, idx, doc_ids):
+    """The logits and every parameter's gradient of one training forward and backward on `impl`."""
+    model.zero_grad(set_to_none=True)
+    model.config.attn_impl = impl
+    logits, loss = model(idx, targets=idx, doc_ids=doc_ids)
+    loss.backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("pe", PE_CHOICES)
 def test_sinks_and_gates_on_sdpa_equal_eager_for_every_encoding(pe):
     """The whole model with SSMax, documents, sinks and gates: logits and every parameter's gradient (the sinks'
     and the gates' included) of the CPU training path equal the reference's."""
     model = sink_gate_model(pe)
     idx, doc_ids = batch()
-    results = {}
-    for impl in ("eager", "sdpa"):
-        model.zero_grad(set_to_none=True)
-        model.config.attn_impl = impl
-        logits, loss = model(idx, targets=idx, doc_ids=doc_ids)
-        loss.backward()
-        results[impl] = logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    results = {impl: logits_and_grads(model, impl, idx, doc_ids) for impl in ("eager", "sdpa")}
     torch.testing.assert_close(results["sdpa"][0], results["eager"][0], rtol=1e-5, atol=1e-5)
     grads, expected = results["sdpa"][1], results["eager"][1]
     assert grads.keys() == expected.keys() and {"blocks.0.attn.sink_logit", "blocks.1.attn.wg.weight"} <= set(grads)
@@ -266,14 +269,8 @@ def test_flex_with_sinks_and_gates_equals_eager_forward_and_backward(pe, ssmax, 
     monkeypatch.setattr(model_module, "sink_form", lambda cpu: "lse")
     model = sink_gate_model(pe, ssmax, flex_prior=flex_prior)
     idx, doc_ids = batch(T=128)
-    results = {}
     try:
-        for impl in ("flex", "eager"):
-            model.zero_grad(set_to_none=True)
-            model.config.attn_impl = impl
-            logits, loss = model(idx, targets=idx, doc_ids=doc_ids)
-            loss.backward()
-            results[impl] = logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results = {impl: logits_and_grads(model, impl, idx, doc_ids) for impl in ("flex", "eager")}
     finally:
         torch._dynamo.reset()
     assert checked  # flex's backward was traced, through its log-sum-exp
