@@ -249,6 +249,27 @@ def test_a_setting_model_py_cannot_honour_is_one_line_naming_it(name, tmp_path, 
     assert words in err, err
 
 
+LAYER_SETTINGS = [  # (family, config, attn_window, layer_pattern): what transformers' config makes of each layer
+    ("qwen2", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=0), 8, ""),
+    ("qwen2", dict(num_hidden_layers=4, sliding_window=8, max_window_layers=2), 0, ""),  # use_sliding_window off
+    ("qwen2", dict(num_hidden_layers=6, use_sliding_window=True, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"] * 3), 0, "rope@8 rope@full"),
+    # SmolLM3's use_sliding_window windows its NoPE layers
+    ("smollm3", dict(num_hidden_layers=8, use_sliding_window=True, sliding_window=8), 0, "rope@full*3 nope@8"),
+    ("smollm3", dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 1]), 0, ""),
+    ("smollm3", dict(num_hidden_layers=4, no_rope_layers=[0, 0, 0, 0]), 0, "nope"),
+    ("smollm3", dict(num_hidden_layers=6, no_rope_layer_interval=3), 0, "rope*2 nope"),
+]
+
+
+@pytest.mark.parametrize("family,config,window,pattern", LAYER_SETTINGS)
+def test_per_layer_settings_become_the_shortest_pattern(family, config, window, pattern, tmp_path):
+    src = config_folder(tmp_path / "src", family, **config)
+    arch, hf, _ = import_hf.read_hf_config(str(src))
+    cfg = import_hf.model_config(arch, hf, "config.json")
+    assert (cfg.attn_window, cfg.layer_pattern) == (window, pattern)
+
+
 def test_another_architecture_remote_code_and_a_foreign_weight_are_one_line(tmp_path, capsys, tokenizer):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
