@@ -432,7 +432,8 @@ def main(argv=None):
     print(f"imported {args.source} to {path}: {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}"
           + (f", rope_scaling {cfg.rope_scaling} x{cfg.rope_factor:g}" if cfg.rope_scaling != "none" else "")
           + (f", rope_fraction {cfg.rope_fraction:g}" if cfg.rope_fraction != 1.0 else "")
-          + (f", window {cfg.attn_window}" if cfg.attn_window else ""))
+          + (f", window {cfg.attn_window}" if cfg.attn_window else "")
+          + (f", layer_pattern {cfg.layer_pattern!r}" if cfg.layer_pattern else ""))
     print(f"fine-tune: python train.py {config_path(args.out_dir)} --train.init_from={args.out_dir} "
           f"--data.data_dir=DATA (shards of its tokenizer: prepare_fineweb.py --source ... --tokenizer "
           f"{os.path.join(args.out_dir, 'tokenizer')} --out_dir DATA)")
