@@ -7,12 +7,14 @@ Import a Hugging Face model of the Llama family as a run directory, the mirror o
         --data.data_dir=data/smollm2 --model.ssmax=true                 # continued pretraining with SSMax
 
 Supported: LlamaForCausalLM (Llama 2, Llama 3.x with its "llama3" RoPE scaling, SmolLM/SmolLM2),
-MistralForCausalLM (its sliding window becomes model.attn_window) and Qwen2ForCausalLM (biases on q, k and v).
+MistralForCausalLM (its sliding window becomes model.attn_window), Qwen2ForCausalLM (biases on q, k and v; its
+windows by layer, layer_types or max_window_layers, become model.layer_pattern) and SmolLM3ForCausalLM (Llama
+with NoPE in the layers no_rope_layers marks 0, and windows by layer_types: a layer_pattern such as "rope*3 nope").
 What model.py lacks for them are ordinary ModelConfig fields (tie_embeddings, qkv_bias, attn_head_dim, the
 llama3 rope_scaling, rope_fraction for transformers' "proportional" rope type: p-RoPE, the fastest pairs turning
 at RoPE's frequencies, docs/training.md "Partial RoPE"); a setting it cannot honour (another architecture,
-remote code, another activation or RoPE scaling, a bias on o_proj or the MLP, per-layer windows, quantised
-weights, ...) is refused in one line naming it.
+remote code, another activation or RoPE scaling, a bias on o_proj or the MLP, a layer type other than
+full or sliding attention, quantised weights, ...) is refused in one line naming it.
 
 OUT gets what train.py writes: config.toml (the model, the tokenizer, and a fine-tuning template of the other
 sections; log.out_dir names OUT_tuned beside it), checkpoints/step_00000000.pt (bam.checkpoint's layout: fp32
@@ -44,7 +46,10 @@ from bam.tokenizer import TOKENIZER_FILES, TokenizerError, check_vocab, load_tok
 from model import ModelConfig, Transformer
 
 # The architectures (config.json's "architectures") and the model_type transformers builds each from
-FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+            "SmolLM3ForCausalLM": "smollm3"}
+# transformers' layer_types (Qwen2, SmolLM3) whose mask model.py draws: full causal, or the sliding window
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' rope_type -> model.py's rope_scaling; "proportional" (Gemma 4's partial RoPE) divides its turning
 # frequencies by `factor` (1 when left out), linear scaling of the turning pairs
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "proportional": "linear"}
@@ -133,9 +138,6 @@ def model_config(arch, hf, path):
         refuse(path, "mlp_bias", True, "model.py's MLP has no biases")
     if getattr(hf, "attention_dropout", 0.0):
         refuse(path, "attention_dropout", hf.attention_dropout, "model.py has no dropout")
-    if arch == "Qwen2ForCausalLM" and any(t != "full_attention" for t in (hf.layer_types or ())):
-        refuse(path, "use_sliding_window", getattr(hf, "use_sliding_window", True),
-               "Qwen2's windows by layer (layer_types, max_window_layers) are not imported")
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
@@ -166,7 +168,7 @@ def model_config(arch, hf, path):
         scaling["rope_fraction"] = turning / (head_dim // 2)
     if rope_type == "default" or (rope_type == "proportional" and scaling["rope_factor"] == 1.0):
         scaling = {k: v for k, v in scaling.items() if k == "rope_fraction"}
-    window = getattr(hf, "sliding_window", None) if arch == "MistralForCausalLM" else None
+    layers = layer_settings(arch, hf, path)
     init_std = getattr(hf, "initializer_range", 0.0)
     try:
         return ModelConfig(
@@ -175,10 +177,72 @@ def model_config(arch, hf, path):
             attn_head_dim=0 if head_dim * n_head == width else head_dim,
             qkv_bias=arch == "Qwen2ForCausalLM", tie_embeddings=bool(hf.tie_word_embeddings),
             mlp_hidden=hf.intermediate_size, block_size=context, norm_eps=float(hf.rms_norm_eps),
-            pe="rope", rope_theta=float(rope.get("rope_theta", 10_000.0)), attn_window=window or 0,
+            pe="rope", rope_theta=float(rope.get("rope_theta", 10_000.0)), **layers,
             **({"init_std": float(init_std)} if init_std and init_std <= 10 else {}), **scaling)
     except (TypeError, ValueError) as e:
         raise ImportHFError(f"{path}: {str(e).removeprefix('model config: ')}") from None
+
+
+def layer_settings(arch, hf, path):
+    """attn_window and layer_pattern of ModelConfig for transformers' per-layer attention: Mistral's one window,
+    Qwen2's and SmolLM3's layer_types (a "sliding_attention" layer sees sliding_window keys: transformers' mask
+    is j > i - sliding_window, attn_window's 0 <= i - j < W) and SmolLM3's no_rope_layers (0: NoPE)."""
+    n = hf.num_hidden_layers
+    if arch == "MistralForCausalLM":
+        return dict(attn_window=getattr(hf, "sliding_window", None) or 0)
+    rope = [True] * n
+    if arch == "SmolLM3ForCausalLM":
+        rope = list(hf.no_rope_layers or ())
+        if len(rope) < n:
+            refuse(path, "no_rope_layers", hf.no_rope_layers, f"it names {len(rope)} layers of {n}")
+        rope = [bool(flag) for flag in rope[:n]]
+    windows = [0] * n
+    if arch in ("Qwen2ForCausalLM", "SmolLM3ForCausalLM"):
+        windows = layer_windows(arch, hf, path)
+    return pattern_fields(rope, windows)
+
+
+def layer_windows(arch, hf, path):
+    """Each layer's window (0: full attention) from layer_types, one line refusing what transformers' paths would
+    not compute alike."""
+    types = list(hf.layer_types or ())
+    n = hf.num_hidden_layers
+    if len(types) < n:
+        refuse(path, "layer_types", hf.layer_types, f"it names {len(types)} layers of {n}")
+    other = sorted(set(types[:n]) - set(LAYER_TYPES))
+    if other:
+        refuse(path, "layer_types", other[0], f"model.py imports {', '.join(LAYER_TYPES)}")
+    sliding = [t == "sliding_attention" for t in types[:n]]
+    if not any(sliding):
+        return [0] * n
+    window = hf.sliding_window
+    if not isinstance(window, int) or window < 1:  # Qwen2 sets it to None without use_sliding_window
+        refuse(path, "sliding_window", window, "layer_types has sliding_attention layers, which need a window "
+                                               "of at least 1 token (and use_sliding_window = true)")
+    if not getattr(hf, "use_sliding_window", True):  # SmolLM3: the mask windows them, flash attention does not
+        refuse(path, "use_sliding_window", False, "layer_types has sliding_attention layers, which transformers' "
+                                                  "mask windows and its flash attention does not")
+    return [window if s else 0 for s in sliding]
+
+
+def pattern_fields(rope, windows):
+    """attn_window and layer_pattern for layers with RoPE or not and these windows (0: full): no pattern where
+    every layer is RoPE with one window, the window model-wide where every layer has it, the pattern's shortest
+    cycle written with counts ("rope*3 nope", "rope@full*2 rope@8*2")."""
+    one_window = len(set(windows)) == 1
+    words = [("rope" if r else "nope") + ("" if one_window else f"@{w or 'full'}") for r, w in zip(rope, windows)]
+    fields = dict(attn_window=windows[0] if one_window else 0)
+    if set(words) == {"rope"}:
+        return fields
+    n = len(words)
+    period = next(p for p in range(1, n + 1) if n % p == 0 and words == words[:p] * (n // p))
+    runs = []
+    for word in words[:period]:
+        if runs and runs[-1][0] == word:
+            runs[-1][1] += 1
+        else:
+            runs.append([word, 1])
+    return dict(fields, layer_pattern=" ".join(w + (f"*{c}" if c > 1 else "") for w, c in runs))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -368,7 +432,8 @@ def main(argv=None):
     print(f"imported {args.source} to {path}: {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}"
           + (f", rope_scaling {cfg.rope_scaling} x{cfg.rope_factor:g}" if cfg.rope_scaling != "none" else "")
           + (f", rope_fraction {cfg.rope_fraction:g}" if cfg.rope_fraction != 1.0 else "")
-          + (f", window {cfg.attn_window}" if cfg.attn_window else ""))
+          + (f", window {cfg.attn_window}" if cfg.attn_window else "")
+          + (f", layer_pattern {cfg.layer_pattern!r}" if cfg.layer_pattern else ""))
     print(f"fine-tune: python train.py {config_path(args.out_dir)} --train.init_from={args.out_dir} "
           f"--data.data_dir=DATA (shards of its tokenizer: prepare_fineweb.py --source ... --tokenizer "
           f"{os.path.join(args.out_dir, 'tokenizer')} --out_dir DATA)")

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+                          Qwen2Config, Qwen2ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 import export_hf
 import import_hf
@@ -31,7 +31,7 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
             num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-5,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-            "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+            "qwen2": (Qwen2Config, Qwen2ForCausalLM), "smollm3": (SmolLM3Config, SmolLM3ForCausalLM)}
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64, rope_theta=500_000.0)
 CASES = {  # name: (family, config, what the import must make of it)
@@ -53,6 +53,18 @@ CASES = {  # name: (family, config, what the import must make of it)
     "llama_p_rope": ("llama", dict(rope_parameters=dict(rope_type="proportional", partial_rotary_factor=0.25,
                                                         factor=2.0, rope_theta=10_000.0)),
                      dict(rope_fraction=0.25, rope_scaling="linear", rope_factor=2.0)),
+    # SmolLM3 as published: NoPE every 4th layer (no_rope_layers), full attention, tied embeddings
+    "smollm3_nope": ("smollm3", dict(num_hidden_layers=8), dict(layer_pattern="rope*3 nope", attn_window=0,
+                                                                 tie_embeddings=True)),
+    # SmolLM3's windows by layer_types, here on a RoPE and the NoPE layer; the window of 8 < the tests' lengths
+    "smollm3_windows": ("smollm3", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention", "full_attention",
+                                                     "sliding_attention"]),
+                        dict(layer_pattern="rope@8 rope@full*2 nope@8", attn_window=0)),
+    # Qwen2's use_sliding_window: the layers from max_window_layers on have the window
+    "qwen2_max_window_layers": ("qwen2", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8,
+                                              max_window_layers=2),
+                                dict(layer_pattern="rope@full*2 rope@8*2", attn_window=0, qkv_bias=True)),
 }
 PATHS = ("eager", "sdpa", "flex")
 # flex compiles one kernel per shape on a CPU (10-20 s each): every case shares the first one's (GQA, head width
@@ -148,12 +160,18 @@ def test_greedy_tokens_and_a_kv_cache_decode_equal_transformers(name, imported):
 
 
 def test_the_scalings_and_the_window_change_the_logits_here(imported):
-    """The cases reach what they test: without its llama3 or linear scaling or its window, the model differs."""
+    """The cases reach what they test: without its llama3 or linear scaling, its window or its pattern, or with a
+    window of one key more or less (the tests' 24 tokens are past the window of 8), the model differs."""
     x = tokens()
     for name, setting in (("llama3_mha_head_dim", dict(rope_scaling="none", rope_factor=1.0)),
                           ("llama_linear", dict(rope_scaling="none", rope_factor=1.0)),
                           ("llama_p_rope", dict(rope_fraction=1.0)),
-                          ("mistral_window", dict(attn_window=0))):
+                          ("mistral_window", dict(attn_window=0)),
+                          ("smollm3_nope", dict(layer_pattern="")),
+                          ("smollm3_windows", dict(layer_pattern="rope@9 rope@full*2 nope@9")),  # W + 1 keys
+                          ("smollm3_windows", dict(layer_pattern="rope@8 rope@full*2 rope@8")),
+                          ("qwen2_max_window_layers", dict(layer_pattern="rope@full*2 rope@7*2")),  # W - 1 keys
+                          ("qwen2_max_window_layers", dict(layer_pattern="rope@full*2 rope@9*2"))):
         hf_model, _, out = imported[name]
         with torch.no_grad():
             assert relative(load_model(out, **setting).eval()(x)[0], hf_model(x).logits) > 1e-3, name
@@ -211,8 +229,16 @@ REFUSED = {  # name: (family, config, the words of the one line)
     # transformers' Llama ignores the factor under the default rope type (and fails under linear): not imported
     "partial_default": ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=10_000.0,
                                                            partial_rotary_factor=0.5)), "partial_rotary_factor = 0.5"),
-    "qwen2_layer_windows": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
-                            "use_sliding_window = True"),
+    # layer_types names sliding layers, but without use_sliding_window Qwen2 has no window for them
+    "qwen2_types_no_window": ("qwen2", dict(layer_types=["sliding_attention", "full_attention"]),
+                              "sliding_window = None"),
+    # SmolLM3 keeps the window then: its mask would slide, its flash attention not
+    "smollm3_types_no_sliding": ("smollm3", dict(num_hidden_layers=2, sliding_window=8,
+                                                 layer_types=["sliding_attention", "full_attention"]),
+                                 "use_sliding_window = False"),
+    "chunked_layer": ("qwen2", dict(use_sliding_window=True, sliding_window=8,
+                                    layer_types=["chunked_attention", "full_attention"]),
+                      "layer_types = 'chunked_attention'"),
 }
 
 
@@ -221,6 +247,27 @@ def test_a_setting_model_py_cannot_honour_is_one_line_naming_it(name, tmp_path, 
     family, config, words = REFUSED[name]
     err = refusal(tmp_path, capsys, config_folder(tmp_path / "src", family, **config))
     assert words in err, err
+
+
+LAYER_SETTINGS = [  # (family, config, attn_window, layer_pattern): what transformers' config makes of each layer
+    ("qwen2", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=0), 8, ""),
+    ("qwen2", dict(num_hidden_layers=4, sliding_window=8, max_window_layers=2), 0, ""),  # use_sliding_window off
+    ("qwen2", dict(num_hidden_layers=6, use_sliding_window=True, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"] * 3), 0, "rope@8 rope@full"),
+    # SmolLM3's use_sliding_window windows its NoPE layers
+    ("smollm3", dict(num_hidden_layers=8, use_sliding_window=True, sliding_window=8), 0, "rope@full*3 nope@8"),
+    ("smollm3", dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 1]), 0, ""),
+    ("smollm3", dict(num_hidden_layers=4, no_rope_layers=[0, 0, 0, 0]), 0, "nope"),
+    ("smollm3", dict(num_hidden_layers=6, no_rope_layer_interval=3), 0, "rope*2 nope"),
+]
+
+
+@pytest.mark.parametrize("family,config,window,pattern", LAYER_SETTINGS)
+def test_per_layer_settings_become_the_shortest_pattern(family, config, window, pattern, tmp_path):
+    src = config_folder(tmp_path / "src", family, **config)
+    arch, hf, _ = import_hf.read_hf_config(str(src))
+    cfg = import_hf.model_config(arch, hf, "config.json")
+    assert (cfg.attn_window, cfg.layer_pattern) == (window, pattern)
 
 
 def test_another_architecture_remote_code_and_a_foreign_weight_are_one_line(tmp_path, capsys, tokenizer):
