@@ -29,12 +29,12 @@ functions), never with .tolist() or .item() on a parameter.
 """
 
 import dataclasses
+import sys
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bam.checkpoint import CheckpointError, dcp_quiet, save_sharded
@@ -49,6 +49,13 @@ def init_distributed(procs, parallel):
         dist.init_process_group(backend=backend, device_id=device_id)
     elif parallel == "fsdp":
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+
+
+def is_dtensor(x):
+    """Whether x is a DTensor, without importing torch.distributed.tensor: that import (sympy with it) is about
+    half of train.py's start-up, and no DTensor exists before FSDP (fully_shard) has imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -128,7 +135,7 @@ def clip_grad_norm(parameters, max_norm):
     result (a DTensor) and full_tensor() sums the squares over the ranks."""
     parameters = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    if isinstance(norm, DTensor):
+    if is_dtensor(norm):
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
@@ -141,7 +148,7 @@ def prior_summary(model):
     place while the summary reads it, then the shard goes back."""
     priors = {id(p) for p in model.prior_parameters()}
     sharded = [(module, name, p) for module in model.modules() for name, p in module._parameters.items()
-               if isinstance(p, DTensor) and id(p) in priors]
+               if is_dtensor(p) and id(p) in priors]
     try:
         for module, name, p in sharded:
             module._parameters[name] = torch.nn.Parameter(p.full_tensor(), requires_grad=False)

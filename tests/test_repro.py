@@ -17,7 +17,9 @@ def test_repro_pipeline_smoke(tmp_path):
     # JOBS=2: the two runs train side by side, each logging to <run>.log
     env = dict(os.environ, OUT=str(tmp_path / "runs"), DATA=str(tmp_path / "data"), STEPS="2",
                LENGTHS="128,256", SAMPLES="2", RUNS="rope bam_ssmax@2", JOBS="2", TOKENS="200000",
-               TRAIN_ARGS="--train.spike_threshold=0 --train.spike_window=50")  # passed to every train.py
+               # passed to every train.py; validation on 4,096 tokens, not base.toml's 32,768: the test checks the
+               # pipeline, not the losses
+               TRAIN_ARGS="--train.spike_threshold=0 --train.spike_window=50 --train.val_tokens=4096")
     proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "run.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -34,7 +36,8 @@ def test_repro_pipeline_smoke(tmp_path):
     assert "rope_seed1" in report and "bam_ssmax_seed2" in report
 
     # The same command again carries the grid on: finished training resumes to its end, complete passkey
-    # results are kept (not recomputed), and a result for other settings is redone.
+    # results and the priors drawn after the last checkpoint are kept (not recomputed), and a passkey result
+    # for other settings is redone.
     kept = (runs / "rope_seed1" / "eval" / "passkey.json").read_bytes()
     (runs / "bam_ssmax_seed2" / "eval" / "passkey.json").write_text(
         (runs / "bam_ssmax_seed2" / "eval" / "passkey.json").read_text().replace('"samples": 2', '"samples": 3'))
@@ -44,6 +47,7 @@ def test_repro_pipeline_smoke(tmp_path):
     assert "passkey.json complete, kept" in (runs / "rope_seed1.log").read_text()
     assert (runs / "rope_seed1" / "eval" / "passkey.json").read_bytes() == kept
     assert "passkey.json complete, kept" not in (runs / "bam_ssmax_seed2.log").read_text()
+    assert "priors.json newer than the newest checkpoint, kept" in (runs / "bam_ssmax_seed2.log").read_text()
     assert json.loads((runs / "bam_ssmax_seed2" / "eval" / "passkey.json").read_text())["settings"]["samples"] == 2
 
     # configs/repro/rope_extensions.sh on the same grid: RoPE's scaling methods at evaluation time, and a

@@ -8,9 +8,10 @@
 #   RUNS="nope bam_ssmax_prior_lr" DIGITS=5 STEPS=2000 TOKENS=8388608 DATA=data/repro5 OUT=runs/repro5 \
 #       bash configs/repro/run.sh            # 5-digit keys: an induction copy, not only a lookup
 #
-# Every step resumes: a run with checkpoints continues from the newest one (train.py --resume), and a
-# passkey result that is complete for the same lengths, samples and digits is kept, so the same
-# command carries a grid across interruptions and sessions.
+# Every step resumes: a run with checkpoints continues from the newest one (train.py --resume), a
+# passkey result that is complete for the same lengths, samples and digits is kept, and so are the
+# priors' figures drawn after the newest checkpoint, so the same command carries a grid across
+# interruptions and sessions.
 #
 # JOBS runs train at a time, each on (cores / JOBS) threads: two single-threaded runs get more done
 # on 2 cores than one run on both. With JOBS > 1 each run's progress bar goes to $OUT/<run>.log
@@ -54,7 +55,17 @@ one_run() {  # name seed dir: train, then passkey and the learned priors; stops 
   echo "== train $name (seed $seed) -> $dir"
   python train.py "configs/repro/$name.toml" "${extra[@]}" --resume || return 1
   grid_passkey "$dir" passkey || return 1
-  python -m eval.priors "$dir" || return 1  # NoPE/RoPE/sinusoidal have no prior: it says so, exits 0
+  if priors_done "$dir"; then
+    echo "== priors: $dir/eval/priors.json newer than the newest checkpoint, kept"
+  else
+    python -m eval.priors "$dir" || return 1  # NoPE/RoPE/sinusoidal have no prior: it says so, exits 0
+  fi
+}
+
+priors_done() {  # DIR: eval.priors' results were drawn from the run's newest checkpoint (a rerun keeps them)
+  local newest
+  newest=$(ls -td "$1"/checkpoints/step_* 2>/dev/null | head -n 1)
+  [[ -n $newest && -f $1/eval/priors.json && $1/eval/priors.json -nt $newest ]]
 }
 
 logged_run() {  # one_run with its output in <dir>.log; on failure, the log's end on stderr
