@@ -35,11 +35,14 @@ export LENGTHS=128,256,512,1024,2048,4096,8192 SAMPLES=20
 CORE="nope rope alibi bam_ssmax bam_ssmax_prior_lr"   # four seeds each
 OTHERS="sinusoidal alibi_ssmax bam bam_uniform bam_ssmax_uniform"   # two seeds each
 RIVALS=""                                              # the learnable-bias rivals, two seeds each
+# Issue 47's designs, two seeds each (docs/repro.md, "Per-layer designs"): a global layer after two RoPE layers
+# with a 64-token window (NoPE, NoPE + SSMax, BAM + SSMax), partial RoPE, learned sinks, gated attention
+NEWER="rnope_swa bam_ssmax_global nope_ssmax_global rope_partial25 rope_partial50 nope_sinks bam_ssmax_gated"
 for name in fox fox_ssmax fire fire_ssmax t5 t5_ssmax; do
   [[ -f configs/repro/$name.toml ]] && RIVALS+=" $name"
 done
 if [[ -n $SUFFIX ]]; then  # another budget: BAM + SSMax at the paper's init and lr, and NoPE and RoPE beside it
-  CORE="bam_ssmax" OTHERS="nope rope" RIVALS=""
+  CORE="bam_ssmax" OTHERS="nope rope" RIVALS="" NEWER=""
   # The spike guard's loss rule off (a non-finite step still stops a run): past ~3,000 steps the loss, on ~96
   # answer tokens a batch, is low and heavy-tailed, and one batch of a few missed keys (0.83 against a median
   # of 0.17) is 6 robust deviations up. It stopped both BAM + SSMax seeds there (docs/repro.md). The guard
@@ -50,7 +53,7 @@ if [[ -z ${RUNS:-} ]]; then  # seed by seed, so that a grid stopped early is bal
   RUNS=""
   for seed in 1 2 3 4; do
     for name in $CORE; do RUNS+=" $name@$seed"; done
-    (( seed <= 2 )) && for name in $OTHERS $RIVALS; do RUNS+=" $name@$seed"; done
+    (( seed <= 2 )) && for name in $OTHERS $RIVALS $NEWER; do RUNS+=" $name@$seed"; done
   done
 fi
 # A run already kept in $RESULTS is done: leave it out (its checkpoints may be on another machine)
@@ -117,6 +120,26 @@ for name in $RIVALS; do  # each rival with a passkey result against the BAM + SS
   has "$RESULTS/${name}"_seed*/eval/passkey.json || continue
   label=${name/_ssmax/ + ssmax}  # the report's variant name: fox_ssmax -> "fox + ssmax"
   compare+=(--compare "$label" "bam + ssmax, prior lr x10" --compare "$label" "rope + YaRN auto")
+done
+# issue 47's designs (docs/repro.md, "Per-layer designs"): the global layer's encoding against each other and
+# against the same encoding in every layer; partial RoPE, sinks and gates each against what it changes
+global="layer pattern rope@64*2"
+newer=("bam, $global bam+ssmax@full" "nope, $global nope@full"
+       "bam, $global bam+ssmax@full" "nope, $global nope+ssmax@full"
+       "nope, $global nope+ssmax@full" "nope, $global nope@full"
+       "bam, $global bam+ssmax@full" "bam + ssmax"
+       "nope, $global nope@full" "rope"
+       "rope, fraction 0.25" "rope" "rope, fraction 0.5" "rope" "rope, fraction 0.25" "rope, fraction 0.5"
+       "nope, attn sink true" "nope" "bam + ssmax, attn gate true" "bam + ssmax")
+declare -A config_of=(["bam, $global bam+ssmax@full"]=bam_ssmax_global ["nope, $global nope@full"]=rnope_swa
+                      ["nope, $global nope+ssmax@full"]=nope_ssmax_global ["rope, fraction 0.25"]=rope_partial25
+                      ["rope, fraction 0.5"]=rope_partial50 ["nope, attn sink true"]=nope_sinks
+                      ["bam + ssmax, attn gate true"]=bam_ssmax_gated ["bam + ssmax"]=bam_ssmax ["rope"]=rope
+                      ["nope"]=nope)
+for (( i = 0; i < ${#newer[@]}; i += 2 )); do  # a pair whose variants both have a result
+  a=${newer[i]} b=${newer[i + 1]}
+  has "$RESULTS/${config_of[$a]}"_seed*/eval/passkey.json && has "$RESULTS/${config_of[$b]}"_seed*/eval/passkey.json \
+    && compare+=(--compare "$a" "$b")
 done
 # the prior's learning rate as a dose (x3 and x30, beside the core's x1 and x10): each against its neighbours
 if has "$RESULTS"/bam_ssmax_prior_lr3_seed*/eval/passkey.json; then
