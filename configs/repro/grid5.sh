@@ -36,8 +36,10 @@ CORE="nope rope alibi bam_ssmax bam_ssmax_prior_lr"   # four seeds each
 OTHERS="sinusoidal alibi_ssmax bam bam_uniform bam_ssmax_uniform"   # two seeds each
 RIVALS=""                                              # the learnable-bias rivals, two seeds each
 # Issue 47's designs, two seeds each (docs/repro.md, "Per-layer designs"): a global layer after two RoPE layers
-# with a 64-token window (NoPE, NoPE + SSMax, BAM + SSMax), partial RoPE, learned sinks, gated attention
-NEWER="rnope_swa bam_ssmax_global nope_ssmax_global rope_partial25 rope_partial50 nope_sinks bam_ssmax_gated"
+# with a 64-token window and with a 32-token one (NoPE, NoPE + SSMax, BAM + SSMax), partial RoPE, learned
+# sinks, gated attention
+NEWER="rnope_swa bam_ssmax_global nope_ssmax_global rnope_swa_w32 bam_ssmax_global_w32 nope_ssmax_global_w32
+       rope_partial25 rope_partial50 nope_sinks bam_ssmax_gated"
 for name in fox fox_ssmax fire fire_ssmax t5 t5_ssmax; do
   [[ -f configs/repro/$name.toml ]] && RIVALS+=" $name"
 done
@@ -123,15 +125,22 @@ for name in $RIVALS; do  # each rival with a passkey result against the BAM + SS
 done
 # issue 47's designs (docs/repro.md, "Per-layer designs"): the global layer's encoding against each other and
 # against the same encoding in every layer; partial RoPE, sinks and gates each against what it changes
-global="layer pattern rope@64*2"
-newer=("bam, $global bam+ssmax@full" "nope, $global nope@full"
+global="layer pattern rope@64*2" global32="layer pattern rope@32*2"
+newer=("bam, $global32 bam+ssmax@full" "nope, $global32 nope@full"
+       "bam, $global32 bam+ssmax@full" "nope, $global32 nope+ssmax@full"
+       "nope, $global32 nope+ssmax@full" "nope, $global32 nope@full"
+       "bam, $global32 bam+ssmax@full" "bam + ssmax"
+       "nope, $global32 nope@full" "nope, $global nope@full"
+       "bam, $global bam+ssmax@full" "nope, $global nope@full"
        "bam, $global bam+ssmax@full" "nope, $global nope+ssmax@full"
        "nope, $global nope+ssmax@full" "nope, $global nope@full"
        "bam, $global bam+ssmax@full" "bam + ssmax"
        "nope, $global nope@full" "rope"
        "rope, fraction 0.25" "rope" "rope, fraction 0.5" "rope" "rope, fraction 0.25" "rope, fraction 0.5"
        "nope, attn sink true" "nope" "bam + ssmax, attn gate true" "bam + ssmax")
-declare -A config_of=(["bam, $global bam+ssmax@full"]=bam_ssmax_global ["nope, $global nope@full"]=rnope_swa
+declare -A config_of=(["bam, $global32 bam+ssmax@full"]=bam_ssmax_global_w32 ["nope, $global32 nope@full"]=rnope_swa_w32
+                      ["nope, $global32 nope+ssmax@full"]=nope_ssmax_global_w32
+                      ["bam, $global bam+ssmax@full"]=bam_ssmax_global ["nope, $global nope@full"]=rnope_swa
                       ["nope, $global nope+ssmax@full"]=nope_ssmax_global ["rope, fraction 0.25"]=rope_partial25
                       ["rope, fraction 0.5"]=rope_partial50 ["nope, attn sink true"]=nope_sinks
                       ["bam + ssmax, attn gate true"]=bam_ssmax_gated ["bam + ssmax"]=bam_ssmax ["rope"]=rope
