@@ -13,6 +13,8 @@
 # a run already kept in $RESULTS is not trained again, even on a machine that never had its checkpoints.
 # Each finished run's small files (config.toml, metrics.jsonl, eval/*.json) are copied to $RESULTS, which
 # is committed: the report is regenerated from them without the checkpoints, on any machine.
+# Bash reads this file as it runs: to change it while a grid runs, write the new version beside it and mv it
+# over this one (a new file), never edit it in place.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -39,7 +41,7 @@ RIVALS=""                                              # the learnable-bias riva
 # with a 64-token window and with a 32-token one (NoPE, NoPE + SSMax, BAM + SSMax), partial RoPE, learned
 # sinks, gated attention
 NEWER="rnope_swa bam_ssmax_global nope_ssmax_global rnope_swa_w32 bam_ssmax_global_w32 nope_ssmax_global_w32
-       rope_partial25 rope_partial50 nope_sinks bam_ssmax_gated"
+       bam_ssmax_global_w32_prior_lr rope_partial25 rope_partial50 nope_sinks bam_ssmax_gated"
 for name in fox fox_ssmax fire fire_ssmax t5 t5_ssmax; do
   [[ -f configs/repro/$name.toml ]] && RIVALS+=" $name"
 done
@@ -109,27 +111,32 @@ if (( ${#trained[@]} )); then  # RoPE runs trained here: PI and YaRN on each, th
       bash configs/repro/rope_extensions.sh
 fi
 collect
-compare=(--compare "bam + ssmax, prior lr x10" "rope" --compare "bam + ssmax, prior lr x10" "alibi"
-         --compare "bam + ssmax, prior lr x10" "bam + ssmax" --compare "bam + ssmax" "alibi"
-         --compare "bam + ssmax, prior lr x10" "rope + YaRN auto" --compare "bam + ssmax, prior lr x10" "nope"
-         --compare "alibi" "nope"
-         # the other variants, each against the variant it changes by one setting (2 seeds each)
-         --compare "bam + ssmax, init uniform" "bam + ssmax" --compare "bam, init uniform" "bam"
-         --compare "bam" "bam + ssmax" --compare "bam + ssmax, init uniform" "bam, init uniform"
-         --compare "alibi + ssmax" "alibi" --compare "sinusoidal" "nope")
-has() { local found=("$@"); (( ${#found[@]} )); }  # GLOB...: some file matches (a variant with a result)
-for name in $RIVALS; do  # each rival with a passkey result against the BAM + SSMax that extrapolates, and YaRN
-  has "$RESULTS/${name}"_seed*/eval/passkey.json || continue
-  label=${name/_ssmax/ + ssmax}  # the report's variant name: fox_ssmax -> "fox + ssmax"
-  compare+=(--compare "$label" "bam + ssmax, prior lr x10" --compare "$label" "rope + YaRN auto")
-done
-# issue 47's designs (docs/repro.md, "Per-layer designs"): the global layer's encoding against each other and
-# against the same encoding in every layer; partial RoPE, sinks and gates each against what it changes
+# The comparisons the report makes, each a pair of the report's variant names (the README and docs/repro.md
+# cite them). A pair is compared when both its variants have a result in $RESULTS, so a grid stopped early, or
+# one of RUNS only, still reports what it has.
 global="layer pattern rope@64*2" global32="layer pattern rope@32*2"
-newer=("bam, $global32 bam+ssmax@full" "nope, $global32 nope@full"
+pairs=(# the core (four seeds each)
+       "bam + ssmax, prior lr x10" "rope" "bam + ssmax, prior lr x10" "alibi"
+       "bam + ssmax, prior lr x10" "bam + ssmax" "bam + ssmax" "alibi"
+       "bam + ssmax, prior lr x10" "rope + YaRN auto" "bam + ssmax, prior lr x10" "nope"
+       "alibi" "nope"
+       # the other variants, each against the variant it changes by one setting (2 seeds each)
+       "bam + ssmax, init uniform" "bam + ssmax" "bam, init uniform" "bam"
+       "bam" "bam + ssmax" "bam + ssmax, init uniform" "bam, init uniform"
+       "alibi + ssmax" "alibi" "sinusoidal" "nope"
+       # the prior's learning rate as a dose (x3 and x30, beside x1 and x10): each against its neighbours
+       "bam + ssmax, prior lr x3" "bam + ssmax" "bam + ssmax, prior lr x10" "bam + ssmax, prior lr x3"
+       "bam + ssmax, prior lr x30" "bam + ssmax, prior lr x10"
+       # issue 47's designs (docs/repro.md, "Per-layer designs"): the global layer's encoding against each
+       # other and against the same encoding in every layer; partial RoPE, sinks and gates each against what
+       # it changes
+       "bam, $global32 bam+ssmax@full" "nope, $global32 nope@full"
        "bam, $global32 bam+ssmax@full" "nope, $global32 nope+ssmax@full"
        "nope, $global32 nope+ssmax@full" "nope, $global32 nope@full"
        "bam, $global32 bam+ssmax@full" "bam + ssmax"
+       "bam, $global32 bam+ssmax@full, prior lr x10" "bam, $global32 bam+ssmax@full"
+       "bam, $global32 bam+ssmax@full, prior lr x10" "nope, $global32 nope@full"
+       "bam, $global32 bam+ssmax@full, prior lr x10" "bam + ssmax, prior lr x10"
        "nope, $global32 nope@full" "nope, $global nope@full"
        "bam, $global bam+ssmax@full" "nope, $global nope@full"
        "bam, $global bam+ssmax@full" "nope, $global nope+ssmax@full"
@@ -138,25 +145,35 @@ newer=("bam, $global32 bam+ssmax@full" "nope, $global32 nope@full"
        "nope, $global nope@full" "rope"
        "rope, fraction 0.25" "rope" "rope, fraction 0.5" "rope" "rope, fraction 0.25" "rope, fraction 0.5"
        "nope, attn sink true" "nope" "bam + ssmax, attn gate true" "bam + ssmax")
-declare -A config_of=(["bam, $global32 bam+ssmax@full"]=bam_ssmax_global_w32 ["nope, $global32 nope@full"]=rnope_swa_w32
-                      ["nope, $global32 nope+ssmax@full"]=nope_ssmax_global_w32
-                      ["bam, $global bam+ssmax@full"]=bam_ssmax_global ["nope, $global nope@full"]=rnope_swa
-                      ["nope, $global nope+ssmax@full"]=nope_ssmax_global ["rope, fraction 0.25"]=rope_partial25
-                      ["rope, fraction 0.5"]=rope_partial50 ["nope, attn sink true"]=nope_sinks
-                      ["bam + ssmax, attn gate true"]=bam_ssmax_gated ["bam + ssmax"]=bam_ssmax ["rope"]=rope
-                      ["nope"]=nope)
-for (( i = 0; i < ${#newer[@]}; i += 2 )); do  # a pair whose variants both have a result
-  a=${newer[i]} b=${newer[i + 1]}
-  has "$RESULTS/${config_of[$a]}"_seed*/eval/passkey.json && has "$RESULTS/${config_of[$b]}"_seed*/eval/passkey.json \
-    && compare+=(--compare "$a" "$b")
+declare -A config_of=(  # each variant name above -> its configs/repro/<name>.toml
+  ["nope"]=nope ["rope"]=rope ["rope + YaRN auto"]=rope ["alibi"]=alibi ["alibi + ssmax"]=alibi_ssmax
+  ["sinusoidal"]=sinusoidal ["bam"]=bam ["bam, init uniform"]=bam_uniform ["bam + ssmax"]=bam_ssmax
+  ["bam + ssmax, init uniform"]=bam_ssmax_uniform ["bam + ssmax, prior lr x3"]=bam_ssmax_prior_lr3
+  ["bam + ssmax, prior lr x10"]=bam_ssmax_prior_lr ["bam + ssmax, prior lr x30"]=bam_ssmax_prior_lr30
+  ["bam, $global32 bam+ssmax@full"]=bam_ssmax_global_w32 ["nope, $global32 nope@full"]=rnope_swa_w32
+  ["bam, $global32 bam+ssmax@full, prior lr x10"]=bam_ssmax_global_w32_prior_lr
+  ["nope, $global32 nope+ssmax@full"]=nope_ssmax_global_w32
+  ["bam, $global bam+ssmax@full"]=bam_ssmax_global ["nope, $global nope@full"]=rnope_swa
+  ["nope, $global nope+ssmax@full"]=nope_ssmax_global ["rope, fraction 0.25"]=rope_partial25
+  ["rope, fraction 0.5"]=rope_partial50 ["nope, attn sink true"]=nope_sinks
+  ["bam + ssmax, attn gate true"]=bam_ssmax_gated)
+has() { local found=("$@"); (( ${#found[@]} )); }  # GLOB...: some file matches (a variant with a result)
+has_result() {  # VARIANT: some run of it has a passkey result in $RESULTS (RoPE's YaRN: its own file)
+  local file=passkey.json
+  [[ $1 == "rope + YaRN auto" ]] && file=passkey_yarn_auto.json
+  has "$RESULTS/${config_of[$1]}"_seed*/eval/$file
+}
+compare=()
+for (( i = 0; i < ${#pairs[@]}; i += 2 )); do
+  has_result "${pairs[i]}" && has_result "${pairs[i + 1]}" && compare+=(--compare "${pairs[i]}" "${pairs[i + 1]}")
 done
-# the prior's learning rate as a dose (x3 and x30, beside the core's x1 and x10): each against its neighbours
-if has "$RESULTS"/bam_ssmax_prior_lr3_seed*/eval/passkey.json; then
-  compare+=(--compare "bam + ssmax, prior lr x3" "bam + ssmax" --compare "bam + ssmax, prior lr x10" "bam + ssmax, prior lr x3")
-fi
-if has "$RESULTS"/bam_ssmax_prior_lr30_seed*/eval/passkey.json; then
-  compare+=(--compare "bam + ssmax, prior lr x30" "bam + ssmax, prior lr x10")
-fi
+for name in $RIVALS; do  # each rival with a passkey result against the BAM + SSMax that extrapolates, and YaRN
+  has "$RESULTS/${name}"_seed*/eval/passkey.json || continue
+  label=${name/_ssmax/ + ssmax}  # the report's variant name: fox_ssmax -> "fox + ssmax"
+  for other in "bam + ssmax, prior lr x10" "rope + YaRN auto"; do
+    has_result "$other" && compare+=(--compare "$label" "$other")
+  done
+done
 if [[ -n $SUFFIX ]]; then  # the budget beside the grid's 2,000 steps of the same variants
   budget=$(python -c "print(f'{int($STEPS):,} steps')")
   compare=()
@@ -175,7 +192,7 @@ if [[ -n $SUFFIX ]]; then  # the budget beside the grid's 2,000 steps of the sam
       --no_run_plots ${compare[@]+"${compare[@]}"} \
       --title "Passkey retrieval at 5-digit keys: $budget against the grid's 2,000 (CPU), seeds aggregated"
 else
-  python -m eval.report "$RESULTS"/*/ --out "$REPORT" --no_run_plots "${compare[@]}" \
+  python -m eval.report "$RESULTS"/*/ --out "$REPORT" --no_run_plots ${compare[@]+"${compare[@]}"} \
       --title "Passkey retrieval at 5-digit keys past a 128-token training context (CPU), seeds aggregated"
 fi
 echo "report: $REPORT (from $RESULTS)"
