@@ -35,8 +35,9 @@ Sections, in the order they run (the first four are the acceptance run, the defa
                 eager for every encoding of model.ENCODINGS x SSMax x document masking, forward and backward,
                 the gradient of every parameter (prior and SSMax included), fp32 and bf16 autocast; the priors
                 that read token features (FIRE, FoX) first; then two per-layer patterns (model.layer_pattern:
-                RNoPE-SWA, BAM + SSMax global with a RoPE window) with document masking. On CPU flex has no backward (torch 2.13), so
-                --quick compares flex forward against eager and sdpa forward+backward against eager.
+                RNoPE-SWA, BAM + SSMax global with a RoPE window) with document masking. On CPU flex has no
+                backward (torch 2.11 to 2.15), so --quick compares flex forward against eager and sdpa
+                forward+backward against eager.
   graphs        torch._dynamo.explain of the training forward (document masking, the device's attention
                 path) for every encoding x SSMax: one graph, no graph break.
   attention     forward+backward of one attention call, 12-layer head shapes, bf16: RoPE, ALiBi, BAM+SSMax
@@ -1197,9 +1198,9 @@ def run_sections(args, sections, counting_recompiles=True):
            "compile_backend": s.compile_backend, "budget_s": budget, "argv": sys.argv[1:] if args.argv is None else args.argv,
            "notes": []}
     if not s.cuda:
-        env["notes"] += ["CPU: FlexAttention has no backward pass (torch 2.13), so correctness compares flex forward "
-                         "with eager (one case: flex compiles C++ for half a minute per variant on a CPU) and sdpa "
-                         "forward+backward with eager; the targets are the GPU's (n/a here).",
+        env["notes"] += ["CPU: FlexAttention has no backward pass (torch 2.11 to 2.15), so correctness compares "
+                         "flex forward with eager (one case: flex compiles C++ for half a minute per variant on a "
+                         "CPU) and sdpa forward+backward with eager; the targets are the GPU's (n/a here).",
                          "CPU: no device-sync check (torch.cuda.set_sync_debug_mode is CUDA's); the graphs section "
                          "shows the forward traced without a graph break, which a host read of a tensor would cause."]
     if s.cuda and s.peak_tflops is None:

@@ -5,9 +5,9 @@ put through inductor's own check of it (validate_joint_graph, which refuses a sc
 with a gradient more than once: FoX's gates at i and at j, FIRE's MLP once per hidden unit, issue 45 point 3),
 and the backward, run by torch's dense reference of flex's backward, gives sdpa's gradients.
 
-torch 2.13's flex refuses a CPU input with a gradient before it traces (_validate_device): the test lifts that
-refusal, which is all that stands between the CPU and the trace. Private torch APIs are looked up first, so a
-torch that moved them skips the test with the reason instead of passing it."""
+torch's flex (2.11 to 2.15) refuses a CPU input with a gradient before it traces (_validate_device): the test
+lifts that refusal, which is all that stands between the CPU and the trace. Private torch APIs are looked up
+first, so a torch that moved them skips the test with the reason instead of passing it."""
 
 import pytest
 import torch
@@ -64,8 +64,9 @@ def test_every_encodings_flex_backward_passes_inductors_check_and_equals_sdpa(pe
 
 @pytest.mark.parametrize("pe", [name for name, encoding in ENCODINGS.items() if issubclass(encoding, AdditivePrior)])
 def test_no_prior_gives_flex_a_0d_tensor_with_a_gradient(pe):
-    """flex's backward cannot take a captured 0-d tensor that needs a gradient (pytorch#145208, fixed after 2.13),
-    and FSDP2 cannot shard one: every tensor a prior passes to the kernel in training is at least 1-d."""
+    """flex's backward cannot take a captured 0-d tensor that needs a gradient (pytorch#145208: fails in torch
+    2.11 and 2.13, fixed in 2.15), and FSDP2 cannot shard one: every tensor a prior passes to the kernel in
+    training is at least 1-d."""
     model = Transformer(config(pe, True, "formula", "sdpa"))
     tensors = [t for prior in model.priors for t in prior.tensors()] + [b.attn.ssmax_scale for b in model.blocks]
     assert all(t.dim() >= 1 for t in tensors if t.requires_grad)

@@ -68,7 +68,7 @@ def test_sdpa_gradients_match_eager(pe, settings, ssmax, docs):
 
 
 @pytest.mark.slow
-@pytest.mark.cuda  # flex has no backward on the CPU in torch 2.13
+@pytest.mark.cuda  # flex has no backward on the CPU (torch 2.11 to 2.15)
 @pytest.mark.parametrize("pe,ssmax", [("bam", True), ("alibi", False), ("rope", True), ("t5", True), ("fire", False),
                                      ("fox", True)])  # FoX, FIRE: flex differentiates through their token features
 def test_flex_gradients_match_eager_on_gpu(pe, ssmax):

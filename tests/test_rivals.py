@@ -383,15 +383,16 @@ def test_every_encoding_names_the_family_the_report_groups_it_by():
 
 @pytest.mark.slow
 def test_fox_ssmax_on_flex_compiles_for_a_sweep_of_batch_and_length_on_cpu():
-    """An evaluation sweep calls flex at shapes that change batch and length together (passkey: 4 prompts of
-    1,024 tokens, then 2 of 2,048). torch 2.13's C++ flex template failed to compile FoX + SSMax's second
-    shape once dynamo made it dynamic (an undeclared `cur_qSplitSize2`; the 5-digit grid's passkey at 8K
-    tokens): on a CPU that kernel is compiled per shape (model._make_flex_kernel). Flex must also agree
-    with sdpa at both."""
+    """An evaluation sweep calls flex at shapes that change batch and length together (passkey: a few prompts
+    at one length, then fewer at a longer one). Inductor's C++ flex template (torch 2.11 to 2.15) fails to
+    compile FoX + SSMax's second shape once dynamo has made it dynamic (an undeclared `cur_kvSplitSize3` or
+    `cur_qSplitSize2`; the 5-digit grid's passkey at 8K tokens): on a CPU that kernel is compiled per shape
+    (model._make_flex_kernel). These two shapes, batch 2 then 1, fail to compile without it; 4 x 1,024 then
+    2 x 2,048 compiled either way. Flex must also agree with sdpa at both."""
     model = make_model(pe="fox", ssmax=True, n_layer=1, n_head=6, n_embd=96, block_size=128).eval()
     torch.manual_seed(1)
     with torch.no_grad():
-        for B, T in [(4, 1024), (2, 2048)]:
+        for B, T in [(2, 128), (1, 256)]:
             idx = torch.randint(0, VOCAB, (B, T))
             flex, sdpa = (logits_with(model, impl, idx, last_k=4) for impl in ("flex", "sdpa"))
             torch.testing.assert_close(flex, sdpa, rtol=1e-4, atol=1e-4)

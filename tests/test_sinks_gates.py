@@ -198,9 +198,9 @@ def test_kv_cache_generation_with_sinks_and_gates_equals_the_full_forward(pe, ss
                                          ("rope", False, dict(attn_window=6, n_kv_head=2)),
                                          ("alibi", False, dict(flex_prior="formula", attn_gate=False))])
 def test_on_the_cpu_flex_adds_the_sink_as_one_more_key_and_equals_eager(pe, ssmax, kw):
-    """torch 2.13's compiled CPU FlexAttention returns no log-sum-exp: there the sink is the first key of one more
-    key block (model.sink_block_mask), seen by every query and scoring the sink's logit. The model's own CPU
-    kernels (inductor's C++), with documents and without, 40 tokens and 130 (padded to 256)."""
+    """torch's compiled CPU FlexAttention (2.11 to 2.15) returns no log-sum-exp: there the sink is the first key
+    of one more key block (model.sink_block_mask), seen by every query and scoring the sink's logit. The model's
+    own CPU kernels (inductor's C++), with documents and without, 40 tokens and 130 (padded to 256)."""
     model = sink_gate_model(pe, ssmax, **kw)
     for T, docs in ((40, True), (130, False)):
         idx, doc_ids = batch(T=T)
