@@ -11,6 +11,7 @@ from dataclasses import fields
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import export_hf
 from bam.checkpoint import save_model
@@ -19,6 +20,10 @@ from bam.tokenizer import gpt2_encoding, load_tokenizer
 from model import PE_CHOICES, ModelConfig, Transformer
 
 pytestmark = pytest.mark.slow  # exports loaded by transformers, in clean interpreters among them
+
+# transformers' name for the KV cache, as argument and in the output: 5.17's `past_key_values`, 5.24's `cache`
+# (modeling_bam.py reads it the same way)
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,7 +149,7 @@ def test_the_cache_and_right_padding_give_the_full_forward_logits(exported):
     with torch.no_grad():
         full = hf_model(x, use_cache=False).logits
         first = hf_model(x[:, :8], use_cache=True)
-        rest = hf_model(x[:, 8:], cache=first.cache, use_cache=True).logits
+        rest = hf_model(x[:, 8:], use_cache=True, **{CACHE: getattr(first, CACHE)}).logits
         torch.testing.assert_close(torch.cat([first.logits, rest], 1), full, rtol=1e-5, atol=1e-5)
         padded = torch.cat([x, torch.full((2, 3), EOT)], 1)
         mask = torch.cat([torch.ones(2, 12), torch.zeros(2, 3)], 1).long()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import export_hf
 import import_hf
@@ -25,6 +26,10 @@ from local_tokenizers import bpe_folder, training_text
 from model import KVCache
 
 pytestmark = pytest.mark.slow  # transformers models imported, evaluated, fine-tuned and exported again
+
+# transformers' name for the KV cache, as argument and in the output: 5.17's `past_key_values`, 5.24's `cache`
+# (modeling_bam.py reads it the same way)
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 VOCAB = 320  # the tokenizer's 300 tokens and its BOS and EOS (300, 301), padded as published models pad theirs
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -152,7 +157,7 @@ def test_greedy_tokens_and_a_kv_cache_decode_equal_transformers(name, imported):
     x = tokens(2, 21, seed=3)  # 20 cached positions (past Mistral's window of 8), then one decoded
     with torch.no_grad():
         first = hf_model(x[:, :20], use_cache=True)
-        want = hf_model(x[:, 20:], cache=first.cache, use_cache=True).logits
+        want = hf_model(x[:, 20:], use_cache=True, **{CACHE: getattr(first, CACHE)}).logits
         cache = KVCache(ours.config, 2, 21, "cpu", torch.float32)
         ours(x[:, :20], kv_cache=cache)
         got = ours(x[:, 20:], kv_cache=cache, start_pos=20)[0]
