@@ -1,6 +1,6 @@
 """
-Pretrain a language model with one positional encoding (NoPE, RoPE, ALiBi, sinusoidal, BAM;
-each optionally with SSMax) on token shards, on CPU, one GPU, or many through torchrun.
+Pretrain a language model with one positional encoding of model.ENCODINGS (model.pe; or one per layer,
+model.layer_pattern), each optionally with SSMax, on token shards, on CPU, one GPU, or many through torchrun.
 
     python train.py                                    # configs/tiny.toml: a few minutes on CPU
     python train.py configs/paper/bam_ssmax_512.toml --train.max_steps=100 --log.out_dir=runs/try

@@ -208,7 +208,7 @@ class Config:
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "log": LogConfig}
 
 # What every numeric setting of [data], [train] and [log] may be (bam/ranges.py's notation; finite as well; each
-# element of a list, and an optional one only when set). [model]'s are model.MODEL_RANGES, checked by
+# element of a list, and an optional one only when set). [model]'s are model.model_ranges(), checked by
 # ModelConfig itself. A new numeric setting needs its line: tests/test_ranges.py fails for one without.
 RANGES = {
     "data": {"batch_size": ">= 1"},

@@ -418,7 +418,7 @@ def check_graphs(s, report):
         def case(pe=pe, ssmax=ssmax):
             model = Transformer(dataclasses.replace(m, pe=pe, ssmax=ssmax, **cfg)).to(s.device)
             x, y, doc_ids = documents_batch(2, cfg["block_size"], cfg["vocab_size"], s.device, 0)
-            impl = model.attention_impl(x.shape[1], x.shape[1], True)
+            impl = model_module.attention_path(model, x.shape[1], x.shape[1], True)
             torch._dynamo.reset()  # explain counts graphs of this trace only
             explained = torch._dynamo.explain(model)(x, y, doc_ids=doc_ids)
             reasons = "; ".join(str(r.reason)[:150] for r in explained.break_reasons)
@@ -632,7 +632,7 @@ def check_training(s, report):
             model = Transformer(dataclasses.replace(model_cfg, pe=pe, ssmax=ssmax, attn_impl="auto")).to(s.device)
             optimizer = build_optimizer(model, train_cfg, s.device)
             compiled = torch.compile(model, backend=s.compile_backend)
-            impl = model.attention_impl(T, T, True)
+            impl = model_module.attention_path(model, T, T, True)
 
             def step(batch):
                 x, y, doc_ids = batch
@@ -910,7 +910,7 @@ def check_long_context(s, report):
                 s.sync()
                 seconds = now() - t0
             results[length] = seconds
-            return {"impl": model.attention_impl(length, length, False), "tokens": length,
+            return {"impl": model_module.attention_path(model, length, length, False), "tokens": length,
                     "seconds": seconds, "peak_mem_GiB": mem.bytes / 2**30}
         # the first two lengths compile (~15 s on a GPU); 256,000 tokens are ~1.3 PFLOP of attention
         expected = 1 if s.quick else (15 if i < 2 else max(1, 10 * (length / lengths[-1]) ** 2))
@@ -1097,7 +1097,7 @@ def _fsdp_cases(s, report, parallel, load_checkpoint, step_path):
         # Adam moves every weight by ~lr a step whatever its gradient's size, so a weight whose bf16 gradient
         # differs in sign between the two paths ends lr-sized apart: the weights are shown, the losses judged.
         return {"ok": diff < 0.05 and seen[0] == (torch.bfloat16 if bf16 else torch.float32),
-                "impl": reference.attention_impl(T, T, True), "compiled": f"per Block, {s.compile_backend}",
+                "impl": model_module.attention_path(reference, T, T, True), "compiled": f"per Block, {s.compile_backend}",
                 "weights_in_forward": str(seen[0]).removeprefix("torch."), "max_loss_diff": diff,
                 "weights_rel_diff": drift, "losses": [round(v, 4) for v in losses]}
     report.run("fsdp (world 1) bam+ssmax docs, bf16 policy, compiled Blocks vs bf16 autocast", policy_case,
