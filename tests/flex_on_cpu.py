@@ -41,6 +41,15 @@ def validating_backend(aot_autograd, make_boxed_func, validate_joint_graph, back
     return aot_autograd(fw_compiler=lambda gm, example_inputs: make_boxed_func(gm), bw_compiler=backward)
 
 
+def take_flex(monkeypatch, model):
+    """`model` (returned) takes flex for every forward, training included, as a GPU does; on the CPU
+    model.attention_path refuses flex training for lack of a backward. Other models keep the policy."""
+    policy = model_module.attention_path
+    monkeypatch.setattr(model_module, "attention_path",
+                        lambda m, *args: "flex" if m is model else policy(m, *args))
+    return model
+
+
 def trace_flex_as_a_gpu(monkeypatch):
     """From here on, torch.compile (and so every flex kernel the model makes) traces with the validating
     backend, and flex accepts CPU inputs with gradients. Returns the list each traced flex backward is added

@@ -11,6 +11,7 @@ import model as model_module
 import train
 from bam import parallel
 from bam.config import TrainConfig
+from flex_on_cpu import take_flex
 from model import ModelConfig, Transformer, check_doc_ids
 
 pytestmark = pytest.mark.slow  # every test compiles (dynamo's explain, torch.compile, flex kernels)
@@ -46,7 +47,7 @@ def test_compiled_forward_with_doc_ids_is_one_graph(pe, ssmax):
 
 
 def test_flex_with_prior_tables_is_one_graph():
-    """The GPU trains on flex, where the prior tables are built inside the forward (Transformer._flex_prior_tables):
+    """The GPU trains on flex, where the prior tables are built inside the forward (model.flex_prior_tables):
     they must trace into the same one graph. On the CPU flex has no backward, so this traces an inference forward;
     bench/gpu_check.py's graphs section traces the training forward on a GPU."""
     torch.manual_seed(0)
@@ -99,29 +100,29 @@ def test_one_block_mask_per_forward_shared_by_all_layers(monkeypatch, docs):
 
 def test_causal_block_mask_cached_per_length_device_and_mode():
     model_module._kept_causal_block_mask.cache_clear()
-    first = model_module.cached_causal_block_mask(300, "cpu")
-    assert model_module.cached_causal_block_mask(300, torch.device("cpu")) is first
-    other = model_module.cached_causal_block_mask(200, "cpu")
+    first = model_module.causal_block_mask(300, "cpu")
+    assert model_module.causal_block_mask(300, torch.device("cpu")) is first
+    other = model_module.causal_block_mask(200, "cpu")
     assert other is not first and other.seq_lengths == (200, 200)
     # the cached mask is the causal mask of its length
-    fresh = model_module.causal_block_mask(300, "cpu")
+    fresh = model_module.write_causal_block_mask(300, "cpu")
     assert torch.equal(first.to_dense(), fresh.to_dense()) and first.seq_lengths == (300, 300)
     with torch.inference_mode():  # inference tensors cannot be saved for a later backward: kept apart
-        assert model_module.cached_causal_block_mask(300, "cpu") is not first
+        assert model_module.causal_block_mask(300, "cpu") is not first
     # bounded: a sweep over many lengths keeps only the most recent few
     for T in range(400, 400 + 128 * model_module.CAUSAL_MASKS_KEPT, 128):
-        model_module.cached_causal_block_mask(T, "cpu")
+        model_module.causal_block_mask(T, "cpu")
     assert model_module._kept_causal_block_mask.cache_info().currsize == model_module.CAUSAL_MASKS_KEPT
-    assert model_module.cached_causal_block_mask(300, "cpu") is not first
+    assert model_module.causal_block_mask(300, "cpu") is not first
 
     # make_block_mask serves the cached mask at flex's CPU length (whole 128-token blocks, model.flex_mask_length)
-    assert model_module.make_block_mask(None, 300, "cpu") is model_module.cached_causal_block_mask(384, "cpu")
+    assert model_module.make_block_mask(None, 300, "cpu") is model_module.causal_block_mask(384, "cpu")
 
 # ---------------------------------------------------------------------------------------------------
 # The GPU's training path traced on the CPU (issue 45, points 1, 2 and 9): flex under activation checkpointing
 # and per-Block compile (FSDP), the Block graphs per depth, the whole model's graphs over validation and
 # training steps (DDP), and the order DDP and compile are applied in. A GPU trains on flex; here the model is
-# told to take flex for training too (flex_everywhere), and the aot_eager / eager backends trace and run it:
+# told to take flex for training too (flex_on_cpu.take_flex), and the aot_eager / eager backends trace and run it:
 # dynamo's guards, recompiles and side-effect rules are the same as a GPU's, inductor's CPU kernel (which has
 # no flex backward) is never built.
 
@@ -148,12 +149,6 @@ def one_rank():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield train.Processes(distributed=True, rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     dist.destroy_process_group()
-
-
-def flex_everywhere(model):
-    """What a GPU picks for every forward: flex, training included."""
-    model.attention_impl = lambda T_q, T_k, has_docs: "flex"
-    return model
 
 
 @pytest.fixture
@@ -227,13 +222,13 @@ def test_checkpointed_per_block_compiled_flex_runs_the_validation_forward(fresh_
                                                       (False, "formula", "rope-ssmax@24 bam+ssmax@full"),
                                                       (False, "table", "alibi@24 bam@full")])
 def test_checkpointed_per_block_compiled_flex_trains_as_eager_does(fresh_dynamo, flex_backward_on_cpu, ssmax,
-                                                                    flex_prior, pattern):
+                                                                    flex_prior, pattern, monkeypatch):
     """The training forward and backward of the same model, as a GPU runs them (flex with its backward); with a
     layer_pattern, each layer with its own window, prior and SSMax, one Block graph per layer kind."""
     model = bam_ssmax(ssmax=ssmax, flex_prior=flex_prior, layer_pattern=pattern)
     reference = eager_reference(model)
     counter = CompileCounterWithBackend("aot_eager")
-    checkpointed_and_compiled_per_block(flex_everywhere(model), counter)
+    checkpointed_and_compiled_per_block(take_flex(monkeypatch, model), counter)
     x, y, doc_ids = batch()
     (logits, grads), (expected, expected_grads) = loss_and_grads(model, x, y, doc_ids), \
         loss_and_grads(reference, x, y, doc_ids)
@@ -250,15 +245,16 @@ def test_checkpointed_per_block_compiled_flex_trains_as_eager_does(fresh_dynamo,
 @pytest.mark.parametrize("pe,ssmax,pattern", [("bam", True, ""), ("rope", False, ""), ("fox", True, ""),
                                               ("rope", False, "rope@8*3 bam+ssmax@full")])
 def test_per_block_compile_makes_at_most_two_block_graphs_whatever_the_depth(fresh_dynamo, flex_backward_on_cpu,
-                                                                             n_layer, pe, ssmax, pattern):
+                                                                             n_layer, pe, ssmax, pattern,
+                                                                             monkeypatch):
     """FSDP compiles each Block; every layer must reuse one graph per grad mode (validation and training). A
     guard on the layer's index compiles one per layer, and past dynamo's recompile budget (8 by default)
     fullgraph fails at a later validation (FailOnRecompileLimitHit). With a layer_pattern, one graph per grad
     mode and distinct layer kind (encoding, window, SSMax), not per layer; its flex kernels were all built with
     the model (else the trace raises "no flex kernel ... was built")."""
     torch.manual_seed(0)
-    model = flex_everywhere(Transformer(tiny(pe, ssmax, n_layer=n_layer, n_embd=16, n_head=2,
-                                             layer_pattern=pattern)))
+    model = take_flex(monkeypatch, Transformer(tiny(pe, ssmax, n_layer=n_layer, n_embd=16, n_head=2,
+                                                    layer_pattern=pattern)))
     layer_kinds = len(set(model.config.layer_kinds))
     counter = CompileCounterWithBackend("eager")
     for block in model.blocks:
@@ -280,7 +276,7 @@ def test_the_whole_model_compiles_once_per_grad_mode_over_validation_and_trainin
     next validation must reuse their two graphs. A kernel cache filled during the first trace changes what
     that trace's guards saw, so the training step and the next validation would compile the model again."""
     monkeypatch.setattr(model_module, "_FLEX_KERNELS", {})  # as in a fresh process: no kernel of earlier tests
-    model = flex_everywhere(bam_ssmax())
+    model = take_flex(monkeypatch, bam_ssmax())
     counter = CompileCounterWithBackend("eager")
     compiled = parallel.wrap(model, TrainConfig(compile=True), PROCESS, compile_backend=counter)
     x, y, doc_ids = batch()

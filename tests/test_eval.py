@@ -395,7 +395,7 @@ def test_priors_of_a_layer_pattern_skip_the_layers_without_one():
     res = priors.evaluate_priors(model, options=quiet(), max_distance=1000)
     assert {h["layer"] for h in res["heads"]} == {2} and sum(res["groups"].values()) == 4
     assert res["layer_pattern"] == "rope@16*2 bam+ssmax" and res["ssmax"] and not res["shared_across_layers"]
-    shape, log_scale, loc = model._prior_of_layer(2).tensors()
+    shape, log_scale, loc = model.prior_of_layer(2).tensors()
     for h in res["heads"]:
         expected = ggd_bias(torch.tensor(100.0), h["head"], shape, log_scale, loc).item()
         assert h["bias_at"]["100"] == pytest.approx(expected, rel=1e-5)

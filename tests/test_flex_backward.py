@@ -41,8 +41,8 @@ def loss_and_grads(model, idx, doc_ids):
 @pytest.mark.parametrize("pe,ssmax,flex_prior", list(variants()))
 def test_every_encodings_flex_backward_passes_inductors_check_and_equals_sdpa(pe, ssmax, flex_prior, monkeypatch):
     checked = trace_flex_as_a_gpu(monkeypatch)
-    # the GPU's choice: flex also for training (on the CPU, attention_impl refuses it for lack of a backward)
-    monkeypatch.setattr(Transformer, "attention_impl", lambda self, T_q, T_k, has_docs: "flex")
+    # the GPU's choice: flex also for training (on the CPU, attention_path refuses it for lack of a backward)
+    monkeypatch.setattr(model_module, "attention_path", lambda model, T_q, T_k, has_docs: "flex")
     # 128 tokens, a whole flex block: on the CPU a shorter sequence is padded, a copy that would hide a view
     idx, doc_ids = batch(T=128)
     torch.manual_seed(0)

@@ -180,7 +180,7 @@ def recorded_kernels(monkeypatch):
     """Which flex kernels a forward calls (each once in the list, in the order of their first call), and how many
     distance tables it builds; no kernel is compiled (a fake one returns zeros), so routing is checked without
     FlexAttention's half a minute of C++ compilation on a CPU. The model builds its kernels when it is made
-    (Transformer.build_flex_kernels), so what counts is which one each layer calls."""
+    (model.build_flex_kernels), so what counts is which one each layer calls."""
     called, tables = [], []
     real_table = model_module.distance_table
 
@@ -259,7 +259,7 @@ def test_a_table_too_short_for_the_kernel_is_one_clear_error():
     q = torch.randn(1, 4, 40, 8)
     mask = model_module.make_block_mask(None, 40, "cpu")
     short = distance_table((prior.bias_fn, prior.tensors()), 4, 40, "cpu")  # the kernel runs 128 on a CPU
-    ctx = AttnContext("flex", pos, pos, mask, None, None, flex_tables=True)
+    ctx = AttnContext("flex", pos, pos, mask, None, None, uses_prior_tables=True)
     with pytest.raises(ValueError, match="prior table covers distances 0..39, the kernel runs 128 tokens"):
         with torch.no_grad():
             ATTENTION["flex"](q, q, q, ctx, (table_bias, (short,)), None)

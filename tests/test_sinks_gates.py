@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import model as model_module
-from model import (PE_CHOICES, AttnContext, BAMPrior, ModelConfig, Transformer, dense_mask, ggd_bias,
+from model import (PE_CHOICES, AttnContext, BAMPrior, ModelConfig, Transformer, attention_context, dense_mask, ggd_bias,
                    positions_in_documents, ssmax_log_n)
-from flex_on_cpu import trace_flex_as_a_gpu
+from flex_on_cpu import take_flex, trace_flex_as_a_gpu
 from tiny_models import batch, generated_equals_recomputed, logits_with, make_model, tiny
 
 REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference", "default_models.pt")
@@ -220,9 +220,9 @@ def test_the_gate_is_the_papers_formula():
     attn = model.blocks[0].attn
     B, T, C, H, hd = 2, 9, 32, 4, 8
     x = torch.randn(B, T, C, generator=torch.Generator().manual_seed(5))
-    ctx = model._attention_context(0, T, torch.arange(T)[None], None, None)
+    ctx = attention_context(model, 0, T, torch.arange(T)[None])
     with torch.no_grad():
-        got = attn(x, ctx, None, 0)
+        got = attn(x, ctx, None)
         q, k, v = ((x @ w.weight.T).view(B, T, H, hd).transpose(1, 2) for w in (attn.wq, attn.wk, attn.wv))
         scores = (q @ k.transpose(-2, -1) / math.sqrt(hd)).masked_fill(torch.ones(T, T).triu(1).bool(), -math.inf)
         heads = (scores.softmax(-1) @ v).transpose(1, 2)  # (B, T, H, hd)
@@ -265,7 +265,7 @@ def test_flex_with_sinks_and_gates_equals_eager_forward_and_backward(pe, ssmax, 
     run by torch's dense reference of it), since the CPU's inductor kernel has no log-sum-exp and no backward:
     model.sink_form is made the GPU's, "lse", here."""
     checked = trace_flex_as_a_gpu(monkeypatch)
-    monkeypatch.setattr(Transformer, "attention_impl", lambda self, T_q, T_k, has_docs: self.config.attn_impl)
+    monkeypatch.setattr(model_module, "attention_path", lambda model, T_q, T_k, has_docs: model.config.attn_impl)
     monkeypatch.setattr(model_module, "sink_form", lambda cpu: "lse")
     model = sink_gate_model(pe, ssmax, flex_prior=flex_prior)
     idx, doc_ids = batch(T=128)
@@ -296,8 +296,8 @@ def test_a_model_with_sinks_and_gates_compiles_to_one_graph_and_trains_as_eager(
     model = sink_gate_model("bam", True, flex_prior="formula")
     reference = copy.deepcopy(model)
     reference.config.attn_impl = "eager"
-    model.attention_impl = lambda T_q, T_k, has_docs: "flex"
-    model.build_flex_kernels()
+    take_flex(monkeypatch, model)
+    model_module.build_flex_kernels(model)
     from torch._dynamo.testing import CompileCounterWithBackend
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
