@@ -24,7 +24,8 @@ rotates dimension i with i + head_dim / 2, as model.apply_rope does: the q and k
 they are (docs/export.md, "Importing a Hugging Face model").
 
 OUT is written in a temporary folder beside it and swapped in at the end (bam.outputs.swap_in), as export_hf.py
-writes its folders; an existing OUT is replaced only with --overwrite, and only if it is an earlier import. OUT
+writes its folders; an existing OUT is replaced only with --overwrite, and only if it is an earlier import that
+holds nothing else (imported.json, written last, lists every file; evaluation results in OUT/eval refuse it). OUT
 and SRC must lie apart, symlinks resolved (bam.outputs.check_apart): an OUT that is SRC, holds it or lies inside
 it is refused before anything is written.
 """
@@ -58,7 +59,8 @@ ROPE_KEYS = {"default": set(), "linear": {"factor"},
              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
              "proportional": {"factor", "partial_rotary_factor"}}
 ROPE_OPTIONAL = {"proportional": {"factor", "partial_rotary_factor"}}  # keys a type reads that may be left out
-MARKER = "imported.json"  # what OUT holds beside the run's files: the source, and the marker of an import
+# What OUT holds beside the run's files: the source, and every file the import wrote (what --overwrite may replace)
+MARKER = "imported.json"
 TUNED_SUFFIX = "_tuned"  # log.out_dir of the config template: a fine-tuning run never writes into OUT
 
 # Hugging Face's parameter names -> model.py's (model.Transformer's state dict)
@@ -368,14 +370,19 @@ def copy_tokenizer(src, folder):
 
 
 def check_target(out_dir, overwrite):
-    """An existing OUT is replaced only with --overwrite, and only if it is an earlier import."""
+    """An existing OUT is replaced only with --overwrite, and only if it is an earlier import holding nothing but
+    what that import wrote (MARKER lists every file: outputs.check_replaceable; an evaluation's results in
+    OUT/eval are the user's), or empty."""
     if not os.path.lexists(out_dir):
         return
     if not overwrite:
-        raise ImportHFError(f"{out_dir} already exists; pass --overwrite to replace it")
-    if not os.path.isdir(out_dir) or not os.path.isfile(os.path.join(out_dir, MARKER)):
-        raise ImportHFError(f"{out_dir} is not an imported model ({MARKER}); --overwrite replaces only those, "
-                            f"choose another OUT")
+        raise ImportHFError(f"{out_dir} already exists; pass --overwrite to replace it (an earlier import only)")
+    outputs.check_replaceable(out_dir, MARKER, "import_hf.py", ImportHFError, "OUT", older=older_import)
+
+
+def older_import(folder):
+    """Whether `folder` is an import of import_hf.py before MARKER listed the files: a MARKER without the list."""
+    return os.path.isfile(os.path.join(folder, MARKER))
 
 
 def import_model(src, out_dir, overwrite=False):
@@ -404,14 +411,14 @@ def import_model(src, out_dir, overwrite=False):
     tmp = outputs.new_folder(out_dir)
     try:
         copy_tokenizer(src, os.path.join(tmp, "tokenizer"))
-        source = {"source": src, "architecture": arch, "hf_config": raw}
-        outputs.write_text(os.path.join(tmp, MARKER), json.dumps(source, indent=2) + "\n")
         outputs.write_text(os.path.join(tmp, CONFIG), to_toml(config))
         os.makedirs(checkpoint_dir(tmp))
         # step 0: the weights as published; what train.py writes from them is a run of its own (step_*.pt from 1)
         ckpt = checkpoint_dict(model, step=0, tokens_seen=0, config=to_dict(config), tokenizer=identity.to_dict(),
                                imported_from={"source": src, "architecture": arch})
         save_atomic(ckpt, step_path(tmp, 0))
+        outputs.write_manifest(tmp, MARKER, {"written_by": "import_hf.py", "source": src, "architecture": arch,
+                                             "hf_config": raw})
         outputs.follow_umask(tmp)
         outputs.swap_in(tmp, out_dir)
     finally:
@@ -426,7 +433,8 @@ def main(argv=None):
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", metavar="SRC", help="a local Hugging Face model folder (config.json, weights, tokenizer)")
     ap.add_argument("out_dir", metavar="OUT", help="the run directory to write (created)")
-    ap.add_argument("--overwrite", action="store_true", help="replace OUT if it is an earlier import")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace OUT if it is an earlier import holding nothing else (imported.json lists it)")
     args = ap.parse_args(argv)
     cfg, path = import_model(args.source, args.out_dir, args.overwrite)
     print(f"imported {args.source} to {path}: {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}"
