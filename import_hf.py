@@ -41,7 +41,7 @@ import torch
 
 from bam import outputs
 from bam.checkpoint import CONFIG, checkpoint_dict, checkpoint_dir, config_path, save_atomic, step_path
-from bam.cli import Parser, UserError, run_cli
+from bam.cli import Parser, UserError, error_line, run_cli
 from bam.config import Config, ConfigError, DataConfig, LogConfig, TrainConfig, check, to_dict, to_toml
 from bam.tokenizer import TOKENIZER_FILES, TokenizerError, check_vocab, load_tokenizer
 from model import ModelConfig, Transformer
@@ -112,16 +112,34 @@ def read_hf_config(src):
     if raw.get("quantization_config"):
         raise ImportHFError(f"{path}: quantization_config is set: quantised weights cannot be imported; use the "
                             f"model's full-precision release")
+    check_layer_lists(raw, path)  # before transformers, which refuses some in its own words (and names no fix)
     try:  # only now: transformers takes seconds to import
         from transformers import AutoConfig
     except ImportError:
         raise ImportHFError("import_hf.py needs transformers: pip install -r requirements.txt") from None
     try:  # transformers' own reading: its defaults, and older config.json layouts (rope_scaling) made current
         hf = AutoConfig.from_pretrained(src, trust_remote_code=False)
-    except Exception as e:
-        raise ImportHFError(f"transformers cannot read {path}: {(str(e) or type(e).__name__).splitlines()[0]}") \
-            from None
+    except Exception as e:  # its reason is on the lines after the first (which validator, which field)
+        raise ImportHFError(f"transformers cannot read {path}: {error_line(e, limit=500)}") from None
     return arch, hf, raw
+
+
+def check_layer_lists(raw, path):
+    """config.json's layer_types checked as layer_windows checks the list transformers gives, but before
+    transformers reads it (it refuses a list of the wrong length or an unknown type in its own words, then stops):
+    one line in the words of every other refusal. What is not a list of the layers' count is left to transformers."""
+    n, types = raw.get("num_hidden_layers"), raw.get("layer_types")
+    if isinstance(n, int) and not isinstance(n, bool) and isinstance(types, list):
+        check_layer_types(types, n, path)
+
+
+def check_layer_types(types, n, path):
+    if len(types) != n:
+        refuse(path, "layer_types", types, f"it names {len(types)} layers of {n} (num_hidden_layers); it needs one "
+                                           f"per layer")
+    other = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
+    if other:
+        refuse(path, "layer_types", other[0], f"model.py imports {', '.join(LAYER_TYPES)}")
 
 
 def refuse(path, field, value, why):
@@ -209,12 +227,8 @@ def layer_windows(arch, hf, path):
     not compute alike."""
     types = list(hf.layer_types or ())
     n = hf.num_hidden_layers
-    if len(types) < n:
-        refuse(path, "layer_types", hf.layer_types, f"it names {len(types)} layers of {n}")
-    other = sorted(set(types[:n]) - set(LAYER_TYPES))
-    if other:
-        refuse(path, "layer_types", other[0], f"model.py imports {', '.join(LAYER_TYPES)}")
-    sliding = [t == "sliding_attention" for t in types[:n]]
+    check_layer_types(types, n, path)
+    sliding = [t == "sliding_attention" for t in types]
     if not any(sliding):
         return [0] * n
     window = hf.sliding_window
@@ -277,7 +291,7 @@ def read_tensors(path):
             return load_file(path)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a torn download, a file that is no checkpoint
-        raise ImportHFError(f"cannot read {path}: {(str(e) or type(e).__name__).splitlines()[0][:200]}") from None
+        raise ImportHFError(f"cannot read {path}: {error_line(e, limit=300)}") from None
 
 
 def our_name(name):

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from bam.checkpoint import CheckpointError, checkpoint_tokenizer, is_sharded, load_checkpoint, model_from_checkpoint
+from bam.cli import error_line
 from bam.tokenizer import GPT2, GPT2_IDENTITY, load_run_tokenizer
 from eval import EvalError
 from eval.options import EvalOptions
@@ -92,8 +93,7 @@ def read_model(source, device):
     try:
         model = model_from_checkpoint(ckpt, device)
     except Exception as e:  # weights that do not fit their config, a config this model.py refuses: say which
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise EvalError(f"cannot load the checkpoint {path}: {reason}") from None
+        raise EvalError(f"cannot load the checkpoint {path}: {error_line(e, limit=300)}") from None
     return model.eval(), path, ckpt
 
 

@@ -250,6 +250,29 @@ def test_a_setting_model_py_cannot_honour_is_one_line_naming_it(name, tmp_path, 
     assert words in err, err
 
 
+def test_an_error_of_transformers_keeps_its_reason_in_one_line(tmp_path, capsys):
+    """layer_types shorter than the layers or naming an unknown type: the import's own check runs before
+    transformers (whose first line names only its validator, the reason on the next) and says it as every other
+    refusal does. What only transformers refuses keeps its reason, its lines joined into one."""
+    src = config_folder(tmp_path / "src", "qwen2", num_hidden_layers=2)
+    raw = json.loads((src / "config.json").read_text())
+
+    def refused_with(**changes):
+        (src / "config.json").write_text(json.dumps({**raw, **changes}))
+        return refusal(tmp_path, capsys, src)
+
+    err = refused_with(num_hidden_layers=4, layer_types=["full_attention"] * 2)
+    assert "layer_types = ['full_attention', 'full_attention']: it names 2 layers of 4 (num_hidden_layers)" in err, err
+    assert "layer_types = 'sliding_window'" in refused_with(layer_types=["full_attention", "sliding_window"])
+    err = refused_with(layer_types="full_attention")  # not a list: transformers' two lines, the reason kept
+    assert "transformers cannot read" in err and "Validation error for field 'layer_types': TypeError: Field " \
+        "'layer_types' with value 'full_attention' doesn't match any type" in err, err
+    err = refused_with(num_hidden_layers="2")
+    assert "Field 'num_hidden_layers' expected int, got str" in err, err
+    err = refused_with(rope_parameters=dict(rope_type="linear", rope_theta=10_000.0))  # a KeyError: no quotes
+    assert "transformers cannot read" in err and ": Missing required keys in `rope_parameters`" in err, err
+
+
 LAYER_SETTINGS = [  # (family, config, attn_window, layer_pattern): what transformers' config makes of each layer
     ("qwen2", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=0), 8, ""),
     ("qwen2", dict(num_hidden_layers=4, sliding_window=8, max_window_layers=2), 0, ""),  # use_sliding_window off
