@@ -285,7 +285,8 @@ def test_hub_errors_are_one_line_and_out_dir_is_checked_first(tmp_path, monkeypa
         ["--source", "fineweb", "--out_dir", str(tmp_path / "fw")])
     out = tmp_path / "other"
     out.mkdir()
-    (out / "manifest.json").write_text(json.dumps({"tokenizer": "llama3"}))
+    (out / "manifest.json").write_text(json.dumps({"tokenizer": "llama3", "shards": [], "tokens": 0, "finished": False,
+                                                   "exhausted": False}))
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("network before checks"))
     assert "'llama3' tokenizer" in run_error(["--source", "fineweb", "--out_dir", str(out)])
 
