@@ -224,9 +224,9 @@ def check_replaceable(path, name, command, refused, option, older=None):
         else None
     if not isinstance(listed, list) or not all(isinstance(entry, str) for entry in listed):
         if older is not None and older(path):
-            refuse(f"looks like the output of an earlier {command}, which did not list the files it wrote (no "
-                   f"{name}), so nothing tells what was added to it since; --overwrite replaces only a folder "
-                   f"that lists them: check it and remove it yourself, or choose another {option}")
+            refuse(f"looks like the output of an earlier {command}, which did not list the files it wrote in "
+                   f"{name}, so nothing tells what was added to it since; --overwrite replaces only a folder that "
+                   f"lists them: check it and remove it yourself, or choose another {option}")
         refuse(f"is not a folder {command} wrote (no {name} of it); --overwrite replaces only those, so nothing "
                f"was removed: choose another {option}")
     try:
