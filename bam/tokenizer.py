@@ -32,7 +32,7 @@ import threading
 import urllib.parse
 from dataclasses import asdict, dataclass
 
-from bam.cli import UserError
+from bam.cli import UserError, error_line
 from bam.outputs import write_bytes
 
 GPT2 = "gpt2"
@@ -274,8 +274,8 @@ class HFTokenizer(Tokenizer):
         try:
             hf = AutoTokenizer.from_pretrained(folder, use_fast=True)
         except Exception as e:  # a folder without tokenizer files, a torn tokenizer.json, ...
-            reason = (str(e) or type(e).__name__).splitlines()[0][:200]
-            raise TokenizerError(f"cannot load the tokenizer {name!r} from {folder}: {reason}") from None
+            raise TokenizerError(f"cannot load the tokenizer {name!r} from {folder}: {error_line(e, limit=300)}") \
+                from None
         if not isinstance(hf, PreTrainedTokenizerFast):
             raise TokenizerError(f"the tokenizer {name!r} is a slow ({type(hf).__name__}) tokenizer; only fast "
                                  f"tokenizers (a tokenizer.json) are supported")

@@ -80,11 +80,11 @@ import torch
 
 import model as model_module
 from bam import parallel
-from bam.checkpoint import checkpoint_dir, load_checkpoint, metrics_path, step_path
+from bam.checkpoint import best_path, checkpoint_dir, load_checkpoint, metrics_path, step_checkpoints, step_path
 from bam.cli import Parser
 from bam.config import load_config
 from bam.data import EOT, document_ids
-from bam.outputs import write_text
+from bam.outputs import remove_empty_folders, write_text
 from bam.ranges import number
 from bench.attention import attention_call
 from bench.attention import measure as measure_attention
@@ -805,8 +805,8 @@ def check_train_run(s, report):
     root = os.path.join(report.out_dir, "train_run")
     data_dir = s.data_dir or os.path.join(root, "demo_data")
     env = child_env(s)
-    for name, *_ in TRAIN_RUNS:  # runs of an earlier call: train.py would refuse to start over them
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for name, *_ in TRAIN_RUNS:  # checkpoints of an earlier call: train.py would refuse to start over them
+        remove_checkpoints(os.path.join(root, name))
     os.makedirs(root, exist_ok=True)
     done = {}
 
@@ -873,7 +873,19 @@ def check_train_run(s, report):
             partial(train_case, name, extra, steps, val_every)
         report.run(title, case, expected_s=20 if s.quick else (30 if resumed else 60))
     for name, *_ in TRAIN_RUNS:  # a GPU run's checkpoints are GBs; its log and metrics.jsonl stay
-        shutil.rmtree(checkpoint_dir(os.path.join(root, name)), ignore_errors=True)
+        remove_checkpoints(os.path.join(root, name))
+
+
+def remove_checkpoints(run_dir):
+    """The checkpoints train.py wrote into RUN/checkpoints (step_* and best, files or sharded folders), then that
+    folder if nothing else is left in it. Only these: RUN may be a folder of the user's that --out happened to
+    name, and whatever else it holds is not gpu_check's to remove."""
+    for path in step_checkpoints(run_dir) + [best_path(run_dir, sharded) for sharded in (False, True)]:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+    remove_empty_folders(checkpoint_dir(run_dir), up_to=checkpoint_dir(run_dir))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1116,7 +1128,8 @@ def _fsdp_cases(s, report, parallel, load_checkpoint, step_path):
         joined = all(torch.equal(whole[k], v.full_tensor().cpu()) for k, v in model.state_dict().items())
         next_loss = [steps(m, o, nullcontext())[0] for m, o in ((model, optimizer), (fresh, fresh_optimizer))]
         files = len(os.listdir(folder))
-        shutil.rmtree(run_dir)
+        remove_checkpoints(run_dir)  # what this case saved, and the folders it made for it once empty
+        remove_empty_folders(run_dir, up_to=run_dir)
         return {"ok": same and joined and next_loss[0] == next_loss[1], "shards_equal": same, "joined_equal": joined,
                 "next_step_loss": next_loss[0], "resumed_next_step_loss": next_loss[1],
                 "files": files}

@@ -63,10 +63,11 @@ def group(items, config_of, overrides_of):
     return list(variants.values())
 
 
-# Positional settings a name leaves out: the RoPE scaling and its factor are in the label already ("rope + YaRN
-# x4"), and rope_original_context is derived (0 means block_size; a fine-tune sets it to the context it was
+# Positional settings a name leaves out: the RoPE scaling and its factor, and the layer pattern, are in the label
+# already ("rope + YaRN x4", "nope, layer pattern rope@64*2 nope@full"), and rope_original_context is derived (0 means block_size; a fine-tune sets it to the context it was
 # pretrained at, which the "x4" is counted from): it says where the model came from, not what it is.
-IN_THE_LABEL_OR_DERIVED = ("model.rope_scaling", "model.rope_factor", "model.rope_original_context")
+IN_THE_LABEL_OR_DERIVED = ("model.rope_scaling", "model.rope_factor", "model.rope_original_context",
+                           "model.layer_pattern")
 
 
 def positional_settings(settings):

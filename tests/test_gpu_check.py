@@ -12,6 +12,7 @@ import torch
 
 import model
 from model import PE_CHOICES
+from planted import checkout_like, snapshot
 
 pytestmark = pytest.mark.slow  # bench.gpu_check's command line, torchrun and torch.compile
 
@@ -174,6 +175,24 @@ def test_train_run_without_data_fails_in_one_line_and_skips_the_runs(tmp_path):
     assert cases[0]["error"] == f"FileNotFoundError: --data_dir {empty} holds no *_train_*.bin shards"
     assert len(cases) == 5
     assert all(c["status"] == "skipped" and c["reason"] == "no demo corpus" for c in cases[1:])
+
+
+def test_an_earlier_calls_runs_lose_their_checkpoints_and_nothing_else(tmp_path):
+    """train_run starts over its runs of an earlier call (train.py refuses a folder with checkpoints): it removes
+    the checkpoints train.py wrote there and nothing else, so a folder of the user's under --out keeps its files."""
+    from bench.gpu_check import main
+    run = tmp_path / "out" / "train_run" / "ddp"
+    before = checkout_like(run)
+    (run / "checkpoints").mkdir()
+    for name in ("step_00000010.pt", "step_00000020.pt", "best.pt"):
+        (run / "checkpoints" / name).write_bytes(b"weights")
+    (run / "checkpoints" / "step_00000030").mkdir()  # an FSDP run's sharded checkpoint
+    (run / "checkpoints" / "step_00000030" / "__0_0.distcp").write_bytes(b"shard")
+    empty = tmp_path / "no_shards"
+    empty.mkdir()
+    assert main(["--device", "cpu", "--quick", "--sections", "train_run", "--data_dir", str(empty),
+                 "--out", str(tmp_path / "out")]) == 1
+    assert snapshot(run) == before
 
 
 def test_a_failed_train_py_is_named_by_its_own_line():

@@ -22,6 +22,7 @@ from bam.checkpoint import load_checkpoint, load_model, step_checkpoints
 from bam.cli import run_cli
 from bam.config import load_config
 from local_tokenizers import bpe_folder, training_text
+from planted import NOTES, checkout_like
 from model import KVCache
 
 pytestmark = pytest.mark.slow  # transformers models imported, evaluated, fine-tuned and exported again
@@ -249,6 +250,29 @@ def test_a_setting_model_py_cannot_honour_is_one_line_naming_it(name, tmp_path, 
     assert words in err, err
 
 
+def test_an_error_of_transformers_keeps_its_reason_in_one_line(tmp_path, capsys):
+    """layer_types shorter than the layers or naming an unknown type: the import's own check runs before
+    transformers (whose first line names only its validator, the reason on the next) and says it as every other
+    refusal does. What only transformers refuses keeps its reason, its lines joined into one."""
+    src = config_folder(tmp_path / "src", "qwen2", num_hidden_layers=2)
+    raw = json.loads((src / "config.json").read_text())
+
+    def refused_with(**changes):
+        (src / "config.json").write_text(json.dumps({**raw, **changes}))
+        return refusal(tmp_path, capsys, src)
+
+    err = refused_with(num_hidden_layers=4, layer_types=["full_attention"] * 2)
+    assert "layer_types = ['full_attention', 'full_attention']: it names 2 layers of 4 (num_hidden_layers)" in err, err
+    assert "layer_types = 'sliding_window'" in refused_with(layer_types=["full_attention", "sliding_window"])
+    err = refused_with(layer_types="full_attention")  # not a list: transformers' two lines, the reason kept
+    assert "transformers cannot read" in err and "Validation error for field 'layer_types': TypeError: Field " \
+        "'layer_types' with value 'full_attention' doesn't match any type" in err, err
+    err = refused_with(num_hidden_layers="2")
+    assert "Field 'num_hidden_layers' expected int, got str" in err, err
+    err = refused_with(rope_parameters=dict(rope_type="linear", rope_theta=10_000.0))  # a KeyError: no quotes
+    assert "transformers cannot read" in err and ": Missing required keys in `rope_parameters`" in err, err
+
+
 LAYER_SETTINGS = [  # (family, config, attn_window, layer_pattern): what transformers' config makes of each layer
     ("qwen2", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=0), 8, ""),
     ("qwen2", dict(num_hidden_layers=4, sliding_window=8, max_window_layers=2), 0, ""),  # use_sliding_window off
@@ -328,6 +352,55 @@ def test_an_out_that_is_holds_or_lies_in_src_is_refused_with_nothing_written(tmp
         assert info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
         assert words in err and "lie apart" in err, err
         assert snapshot(tmp_path) == before, args
+
+
+def import_refusal(capsys, *args):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        run_cli(import_hf.main, [str(a) for a in args])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_overwrite_replaces_only_an_import_holding_nothing_else(tmp_path, capsys, tokenizer):
+    """A checkout of this repository with the user's notes, an earlier import holding an evaluation's results and
+    notes, an import of the version before imported.json listed its files: each refused in one line, not a byte
+    changed; an earlier import holding nothing else is replaced, also one the user deleted a file of."""
+    _, src = hf_folder(tmp_path / "download", "llama", tokenizer)
+    checkout = tmp_path / "checkout"
+    before = checkout_like(checkout)
+    err = import_refusal(capsys, src, checkout, "--overwrite")
+    assert f"OUT {checkout} is not a folder import_hf.py wrote (no imported.json of it)" in err, err
+    assert snapshot(checkout) == before
+
+    out = tmp_path / "OUT"
+    import_hf.main([src, str(out)])
+    manifest = json.loads((out / "imported.json").read_text())
+    assert manifest["written_by"] == "import_hf.py" and manifest["source"] == src
+    assert sorted(f.rstrip("/") for f in manifest["files"]) == sorted(set(snapshot(out)) - {"imported.json"})
+    (out / NOTES).write_text("passkey at 4x looked odd")
+    (out / "eval").mkdir()
+    (out / "eval" / "passkey.json").write_text("{}")
+    before = snapshot(out)
+    err = import_refusal(capsys, src, out, "--overwrite")
+    assert f"OUT {out} holds what import_hf.py did not write: eval/, {NOTES};" in err, err
+    assert snapshot(out) == before
+
+    (out / NOTES).unlink()
+    shutil.rmtree(out / "eval")
+    marker = (out / "imported.json").read_text()
+    (out / "imported.json").write_text(json.dumps({k: manifest[k] for k in ("source", "architecture", "hf_config")}))
+    before = snapshot(out)
+    err = import_refusal(capsys, src, out, "--overwrite")
+    assert "looks like the output of an earlier import_hf.py, which did not list the files it wrote" in err, err
+    assert snapshot(out) == before
+
+    (out / "imported.json").write_text(marker)
+    (out / "config.toml").unlink()
+    import_hf.main([src, str(out), "--overwrite"])
+    assert (out / "config.toml").is_file() and load_checkpoint(str(out))[1]["step"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT", "checkout", "download"]
 
 
 def test_import_evaluate_fine_tune_with_ssmax_and_export(imported, tmp_path, capsys):
