@@ -34,7 +34,12 @@ TOP_DIRS = (".ci", "bench", "configs", "docs", "eval", "tests")
 
 # Known broken links, each naming the issue that will fix it; an entry no longer needed fails the test, so
 # the list only shrinks. (doc, target prefix): reason.
-ALLOWED_BROKEN = {}  # (doc, link prefix): issue, for links that are broken on purpose until an issue lands
+# (doc, link prefix): issue, for links that are broken on purpose until an issue lands
+ALLOWED_BROKEN = {
+    # bench/gpu_check.py became the package bench/gpu_check/; the comment above Encoding.checked_settings is the
+    # lead's to update with the rest of model.py's restructuring (issue 56 point 2)
+    ("model.py", "bench/gpu_check.py"): "issue 56 point 4",
+}
 
 PLACEHOLDER_PART = re.compile(r"^(?:RUN|OUT|OUT_DIR|NAME|PATH|DIR|FILE|PREFIX|SPLIT|N|X+)(?:[._].*)?$")
 LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)"  # [text](target "title")
