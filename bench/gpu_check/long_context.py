@@ -179,9 +179,9 @@ def dense_rows(q, k, v, rows, prior, scale, doc_ids):
     """Attention of the query `rows` over every key, in float64 plain torch from the same inputs: softmax over
     the keys j <= i of i's document of (q_i.k_j / sqrt(d) + g_h(i - j)) * s_h log n_i, n_i the keys i sees;
     (H, rows, d). Only the prior's formula comes from model.py (its bias function)."""
-    q, k, v = (x[0].double() for x in (q, k, v))
-    H, T, d = k.shape
     i = torch.tensor(rows, device=k.device)
+    q, k, v = q[0, :, i].double(), k[0].double(), v[0].double()
+    H, T, d = k.shape
     j = torch.arange(T, device=k.device)
     doc = torch.zeros(T, dtype=torch.long, device=k.device) if doc_ids is None else doc_ids[0]
     same = doc[None, :] == doc[i][:, None]  # (rows, T)
@@ -191,7 +191,7 @@ def dense_rows(q, k, v, rows, prior, scale, doc_ids):
     head = torch.arange(H, device=k.device)[:, None, None]
     bias = bias_fn((i[:, None] - j[None, :]).double(), head, *(t.detach().double() for t in tensors))
     factor = scale.double()[:, None, None] * torch.log((i - first + 1).double())[None, :, None]
-    logits = (q[:, i] @ k.transpose(1, 2) / math.sqrt(d) + bias) * factor
+    logits = (q @ k.transpose(1, 2) / math.sqrt(d) + bias) * factor
     return logits.masked_fill(~seen, -math.inf).softmax(dim=-1) @ v
 
 

@@ -248,7 +248,8 @@ def markdown(obj):
              f"torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}, "
              f"{'quick (tiny shapes, numbers meaningless)' if env['quick'] else 'full'}; "
              f"bf16 peak used for MFU: {env['peak_tflops'] or 'unknown'} TFLOP/s; "
-             f"{obj['elapsed_s']} s so far of a {env['budget_s'] or 'unlimited'} s budget; "
+             f"{obj['elapsed_s']} s so far" + (f" of a {env['budget_s']:.0f} s budget; " if env["budget_s"] is not None
+                                               else " (no budget); ") +
              f"{len(obj['failed'])} failed, {len(obj['not_measured'])} not measured.", ""]
     if obj["failed"]:
         lines += ["Failed:", ""] + [f"- {name}" for name in obj["failed"]] + [""]
