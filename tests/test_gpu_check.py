@@ -4,6 +4,7 @@ and the prepared folder alone, a Python without `datasets` and `wandb`, no netwo
 most 8 files. The record it keeps (files rewritten after every case, one line per failure, the time limits, the
 exit statuses) and its plan are held here too."""
 
+import contextlib
 import json
 import os
 import re
@@ -16,10 +17,11 @@ import time
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import model
 from bench.gpu_check import cli, long_context, preflight, train_run
-from bench.gpu_check.common import LAYER_PATTERNS, Setup
+from bench.gpu_check.common import LAYER_PATTERNS, Setup, static_kernels
 from bench.gpu_check.report import (EXIT_FAILED, EXIT_NOT_MEASURED, EXIT_PASSED, EXIT_PREFLIGHT, EXIT_USAGE,
                                     REPORT_FILES, Case, Report, Section)
 from model import ATTENTION, PE_CHOICES, AttnContext, dense_mask, positions_in_documents, ssmax_log_n
@@ -355,6 +357,21 @@ def test_each_case_records_the_compilations_it_caused(tmp_path, monkeypatch):
     assert [(c["compiled_graphs"], c["recompiles"]) for c in cases] == [(1, 0), (1, 1), (0, 0)]
 
 
+def test_static_kernels_compile_each_shape_of_its_own():
+    """flex_cost times each length on a kernel compiled for it alone, not on the dynamic-shape kernel a second
+    shape would otherwise make (and that would serve the third)."""
+    def graphs_for_three_lengths(context):
+        torch._dynamo.reset()
+        double = torch.compile(lambda x: x * 2, backend="eager")
+        before = counters["stats"]["unique_graphs"]
+        with context:
+            for n in (4, 8, 16):
+                double(torch.ones(n))
+        return counters["stats"]["unique_graphs"] - before
+    assert graphs_for_three_lengths(static_kernels(None)) == 3
+    assert graphs_for_three_lengths(contextlib.nullcontext()) == 2
+
+
 def test_the_preflight_stops_a_run_without_its_data_in_one_line_with_the_fix(tmp_path, capsys):
     empty = tmp_path / "no_shards"
     empty.mkdir()
@@ -379,6 +396,20 @@ def test_the_preflight_lists_the_gpu_run_needs_on_a_machine_without_one(tmp_path
     lines, problems = preflight.preflight(Setup(args), args.section_list, str(tmp_path))
     assert lines[0].startswith("Python ") and lines[1].startswith(f"torch {torch.__version__}")
     assert any("sees no GPU" in p or "is a CPU build" in p for p in problems)  # the tests see no GPU
+
+
+@pytest.mark.parametrize("device,selected", [("cuda", []), ("cuda:1", [1])])
+def test_the_default_device_is_selected_as_torch_accepts_it(monkeypatch, device, selected):
+    """A GPU-only line the CPU cannot run: torch.cuda.set_device refuses `cuda` without an index (its own
+    argument check runs here, on the CPU), which would end the acceptance run in its first second."""
+    calls = []
+
+    def set_device(device):
+        calls.append(torch.cuda._utils._get_device_index(device))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    cli.select_device(Setup(cli.parse_args(["--plan", "--device", device])))
+    assert calls == selected
 
 
 def test_dense_rows_are_the_eager_reference_and_a_one_token_shift_is_caught():

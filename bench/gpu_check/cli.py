@@ -147,8 +147,7 @@ def main(argv=None):
     os.makedirs(s.work_dir, exist_ok=True)
     threads = torch.get_num_threads()
     try:
-        if s.cuda and torch.cuda.is_available():
-            torch.cuda.set_device(s.device)
+        select_device(s)
         if not s.cuda:
             torch.set_num_threads(1)  # tiny shapes: a second thread only adds contention on a shared CI machine
         with counting_recompiles() as counting:
@@ -157,6 +156,13 @@ def main(argv=None):
         torch.set_num_threads(threads)
         if own_work_dir:
             shutil.rmtree(s.work_dir, ignore_errors=True)
+
+
+def select_device(s):
+    """--device cuda:N makes GPU N the current one; plain `cuda` keeps the current one (torch.cuda.set_device
+    refuses a device without an index)."""
+    if s.cuda and s.device.index is not None and torch.cuda.is_available():
+        torch.cuda.set_device(s.device)
 
 
 def run(s, args, counting):

@@ -250,5 +250,8 @@ def fp32_reference_precision():
 def static_kernels(s):
     """Each shape compiles a kernel of its own: dynamo makes no dimension dynamic when a second shape comes, so a
     timed kernel is the one a run at that shape alone would compile."""
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+    # local PGO would mark as dynamic what an earlier process saw vary (the long-context sweep's lengths)
+    settings = {name: False for name in ("automatic_dynamic_shapes", "automatic_dynamic_local_pgo")
+                if hasattr(torch._dynamo.config, name)}
+    with torch._dynamo.config.patch(**settings):
         yield
