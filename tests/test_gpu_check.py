@@ -20,8 +20,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import model
+from bench.attention import documents
 from bench.gpu_check import cli, long_context, preflight, train_run
-from bench.gpu_check.common import LAYER_PATTERNS, Setup, static_kernels
+from bench.gpu_check.common import BF16_FLOOR, LAYER_PATTERNS, Setup, rel_err, static_kernels
 from bench.gpu_check.report import (EXIT_FAILED, EXIT_NOT_MEASURED, EXIT_PASSED, EXIT_PREFLIGHT, EXIT_USAGE,
                                     REPORT_FILES, Case, Report, Section)
 from model import ATTENTION, PE_CHOICES, AttnContext, dense_mask, positions_in_documents, ssmax_log_n
@@ -418,7 +419,7 @@ def test_dense_rows_are_the_eager_reference_and_a_one_token_shift_is_caught():
     T, H = 300, 4
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, T, 48, generator=g) for _ in range(3))
-    doc_ids = long_context.documents(1, T, "cpu")
+    doc_ids = documents(1, T, "cpu")
     prior, scale = long_context.gentle_bam(H, "cpu")
     pos = torch.arange(T)
     pos_in_doc = positions_in_documents(doc_ids)
@@ -431,8 +432,8 @@ def test_dense_rows_are_the_eager_reference_and_a_one_token_shift_is_caught():
         late = doc_ids.clone()
         late[0, rows[1]] -= 1  # the last document starts one token late
         shifted = long_context.dense_rows(q, k, v, rows, prior, scale, late)
-    assert max(long_context.rel_err(dense[h], eager[0, h, rows]) for h in range(H)) < 1e-5
-    assert max(long_context.rel_err(shifted[h], eager[0, h, rows]) for h in range(H)) > 10 * long_context.BF16_FLOOR
+    assert max(rel_err(dense[h], eager[0, h, rows]) for h in range(H)) < 1e-5
+    assert max(rel_err(shifted[h], eager[0, h, rows]) for h in range(H)) > 10 * BF16_FLOOR
 
 
 def test_a_failed_train_py_is_named_by_its_own_line():
