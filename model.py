@@ -806,7 +806,7 @@ class Encoding:
     # in-document positions
     embedding = None
     # Settings that take another code path inside this encoding, each {ModelConfig field: value}:
-    # the correctness grids (tests/test_model.py, bench/gpu_check.py) check each of them beside the
+    # the correctness grids (tests/test_model.py, bench/gpu_check) check each of them beside the
     # defaults, through CHECKED_SETTINGS
     checked_settings = ()
     # The encoding's options are ModelConfig fields named after it (as bam_init); RANGES gives each

@@ -49,7 +49,7 @@ def test_compiled_forward_with_doc_ids_is_one_graph(pe, ssmax):
 def test_flex_with_prior_tables_is_one_graph():
     """The GPU trains on flex, where the prior tables are built inside the forward (model.flex_prior_tables):
     they must trace into the same one graph. On the CPU flex has no backward, so this traces an inference forward;
-    bench/gpu_check.py's graphs section traces the training forward on a GPU."""
+    bench/gpu_check's graphs section traces the training forward on a GPU."""
     torch.manual_seed(0)
     model = Transformer(tiny("bam", True, attn_impl="flex", flex_prior="table"))
     x, y, doc_ids = batch()

@@ -34,7 +34,8 @@ TOP_DIRS = (".ci", "bench", "configs", "docs", "eval", "tests")
 
 # Known broken links, each naming the issue that will fix it; an entry no longer needed fails the test, so
 # the list only shrinks. (doc, target prefix): reason.
-ALLOWED_BROKEN = {}  # (doc, link prefix): issue, for links that are broken on purpose until an issue lands
+# (doc, link prefix): issue, for links that are broken on purpose until an issue lands
+ALLOWED_BROKEN = {}
 
 PLACEHOLDER_PART = re.compile(r"^(?:RUN|OUT|OUT_DIR|NAME|PATH|DIR|FILE|PREFIX|SPLIT|N|X+)(?:[._].*)?$")
 LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)"  # [text](target "title")
