@@ -12,6 +12,7 @@ torch that moved them skips the test with the reason instead of passing it."""
 import pytest
 import torch
 
+import model as model_module
 from model import ENCODINGS, FLEX_PRIORS, AdditivePrior, ModelConfig, Transformer
 from flex_on_cpu import trace_flex_as_a_gpu
 from tiny_models import VOCAB, batch
