@@ -121,6 +121,10 @@ class ModelConfig:
     # A sigmoid gate from the layer's input on each head's output, elementwise, before the output
     # projection (Qiu et al. 2025, arXiv 2505.06708; Qwen3-Next)
     attn_gate: bool = False
+    # QK-norm: an RMSNorm over each head's query and key, with a learned gain per channel shared by
+    # the heads, before the rotation (Qwen3's; OLMo 2 normalises the whole projection instead), so
+    # every logit is bounded by |q||k| / sqrt(d) times the gains (docs/training.md "QK-norm")
+    qk_norm: bool = False
     attn_impl: str = "auto"  # auto | flex | sdpa | eager
     # How the flex kernel reads a distance-only prior: "table" gathers it from a per-head table
     # built once per forward in plain torch (distance_table), "formula" evaluates it per score
@@ -578,16 +582,21 @@ class Attention(nn.Module):
         # The gate's projection, as the paper's code makes it (more output columns of q's
         # projection, so initialised as q's: N(0, init_std)); every gate starts near 1/2
         self.wg = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False) if cfg.attn_gate else None
+        # QK-norm's gains, (head_dim,) each, start at 1: the unit-RMS query and key
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def project(self, x, ctx):
         """q, k, v of x, (B, heads, T, head_dim), as every attention implementation receives
-        them (q and k rotated for a rotary encoding); eval.attention scores its sampled
-        queries with the same ones."""
+        them (q and k normalised with QK-norm, then rotated for a rotary encoding); eval.attention
+        scores its sampled queries with the same ones."""
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # before the rotation, which keeps the norm of each pair
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary and ctx.rope is not None:
             q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
         return q, k, v
