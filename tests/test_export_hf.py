@@ -30,6 +30,8 @@ CASES = {f"{pe}{'_ssmax' if ssmax else ''}": dict(pe=pe, ssmax=ssmax) for pe in 
 CASES["bam_ssmax_gqa"] = dict(pe="bam", ssmax=True, n_kv_head=2, bam_per_layer=False)
 # learned sinks (their logits moved off 0 by tiny_model, as prior parameters) and gated attention (issue 47)
 CASES["bam_ssmax_sink_gate"] = dict(pe="bam", ssmax=True, attn_sink=True, attn_gate=True)
+# QK-norm (its gains moved off 1 by tiny_model) under a prior and SSMax; Qwen3's, imported, in test_import_hf.py
+CASES["bam_ssmax_qk_norm"] = dict(pe="bam", ssmax=True, qk_norm=True)
 # Config fields that model.py is gaining; the cases run as soon as it has them (until then: a visible skip).
 WINDOW_AND_SCALING = {"bam_ssmax_window": dict(pe="bam", ssmax=True, attn_window=8),
                       "rope_yarn": dict(pe="rope", rope_scaling="yarn", rope_factor=4.0),
@@ -43,9 +45,12 @@ TEXT = ("The quick brown fox jumps over the lazy dog. It's 2024, isn't it?\n\n"
 def tiny_model(seed=0, **kw):
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(**{**TINY, **kw}))
-    with torch.no_grad():  # trained-looking priors and SSMax scales, so a lost value cannot go unnoticed
+    with torch.no_grad():  # trained-looking priors, SSMax scales and QK-norm gains: a lost value cannot go unnoticed
         for p in model.prior_parameters():
             p.add_(0.3 * torch.randn_like(p))
+        for name, p in model.named_parameters():
+            if ".q_norm." in name or ".k_norm." in name:
+                p.add_(0.3 * torch.randn_like(p))
     return model.eval()
 
 
