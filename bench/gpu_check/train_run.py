@@ -35,7 +35,7 @@ from bench.gpu_check.report import Case, CaseTimeout, Section, Skip
 
 
 @dataclasses.dataclass
-class Run:
+class TrainPyRun:
     """One train.py run: `name` its run folder, `steps` (on a GPU; --quick trains 2 and resumes to 3),
     `resumed_from`: the step a --resume run continues from (None: a fresh run)."""
     name: str
@@ -61,11 +61,12 @@ FSDP, AC = ("--train.parallel=fsdp",), ("--train.activation_checkpointing=full",
 # are the same code as these and run on request. Expected: each torchrun start ~10 s (imports, NCCL); the DDP
 # run's training graph comes from the training section's inductor cache, its validation graph is compiled anew,
 # 20 steps of 2 x 48 x 512 tokens; a resume finds every graph cached.
-RUNS = [Run("ddp", (), 20, 10, expected_s=55), Run("ddp", (), 25, 10, resumed_from=20, expected_s=25),
-        Run("fsdp_ac", FSDP + AC, 4, 2, expected_s=50),
-        Run("fsdp", FSDP, 4, 2, opt_in=True, expected_s=50),
-        Run("fsdp_ac", FSDP + AC, 6, 2, resumed_from=4, opt_in=True, expected_s=25),
-        Run("fsdp", FSDP, 6, 2, resumed_from=4, opt_in=True, expected_s=25)]
+RUNS = [TrainPyRun("ddp", (), 20, 10, expected_s=55),
+        TrainPyRun("ddp", (), 25, 10, resumed_from=20, expected_s=25),
+        TrainPyRun("fsdp_ac", FSDP + AC, 4, 2, expected_s=50),
+        TrainPyRun("fsdp", FSDP, 4, 2, opt_in=True, expected_s=50),
+        TrainPyRun("fsdp_ac", FSDP + AC, 6, 2, resumed_from=4, opt_in=True, expected_s=25),
+        TrainPyRun("fsdp", FSDP, 6, 2, resumed_from=4, opt_in=True, expected_s=25)]
 # On one rank, two micro-batches of the paper's 48 x 512 per step (gradient accumulation runs) instead of 24;
 # validation over two batches of the demo corpus's 50,000-token validation shard.
 GPU_RUN = ("--train.tokens_per_step=49152", "--train.val_tokens=49152")
