@@ -17,26 +17,30 @@ if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('t
     echo "setup: no torch in $(python -c 'import sys; print(sys.prefix)'), installing torch==$TORCH_VERSION"
     python -m pip install "torch==$TORCH_VERSION"
 fi
-# pip's own output only while it installs something: its lines for each requirement already there are noise
-# in every later run.
-missing=$(python - requirements.txt requirements-downstream.txt <<'PY'
-import re, sys
+# pip only where a requirement is not met (it takes seconds to find that all are), and then with its output.
+unmet=$(python - requirements.txt requirements-downstream.txt <<'PY'
+import sys
 from importlib.metadata import PackageNotFoundError, version
 
-for path in sys.argv[1:]:
-    for line in open(path, encoding="utf-8"):
-        name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", line.strip())
-        if name:
-            try:
-                version(name[0])
-            except PackageNotFoundError:
-                print(name[0], end=" ")
+
+def unmet(line):
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # a bare environment
+        return True
+    requirement = Requirement(line)
+    try:
+        return not requirement.specifier.contains(version(requirement.name), prereleases=True)
+    except PackageNotFoundError:
+        return True
+
+
+lines = [line.split("#")[0].strip() for path in sys.argv[1:] for line in open(path, encoding="utf-8")]
+print("; ".join(line for line in lines if line and not line.startswith("-") and unmet(line)))
 PY
 )
-if [[ -n $missing ]]; then
-    echo "setup: installing requirements.txt and requirements-downstream.txt (missing: ${missing% })"
+if [[ -n $unmet ]]; then
+    echo "setup: installing requirements.txt and requirements-downstream.txt (not met: $unmet)"
     python -m pip install -r requirements.txt -r requirements-downstream.txt
-else
-    python -m pip install --quiet -r requirements.txt -r requirements-downstream.txt  # versions, if any moved
 fi
 python -m bam.fetch
