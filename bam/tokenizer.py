@@ -105,13 +105,15 @@ def download_gpt2_tiktoken(path: str) -> str:
     """Fetch gpt2.tiktoken from the openai-whisper sdist on PyPI (via pip, so through the index, proxy and
     find-links that pip is configured with) into `path`."""
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["download", "--quiet", "--no-deps", "--no-binary", ":all:", WHISPER_SDIST]
+        # The sdist alone, not its build requirements: setuptools may come as a wheel to read its metadata.
+        args = ["download", "--quiet", "--no-deps", "--no-binary", WHISPER_SDIST.split("==")[0], WHISPER_SDIST]
         proc = subprocess.run([sys.executable, "-m", "pip", *args, "-d", tmp], capture_output=True, text=True,
                               timeout=600)
         sdists = glob.glob(os.path.join(tmp, "*.tar.gz"))
         if proc.returncode != 0 or not sdists:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"`pip {' '.join(args)}` failed: {last}")
+            lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()] or ["no output"]
+            errors = [line for line in lines if line.startswith("ERROR:")]  # pip's reason, not its closing note
+            raise RuntimeError(f"`pip {' '.join(args)}` failed: {(errors or lines)[-1]}")
         with tarfile.open(sdists[0]) as tar:
             member = next((m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken")),
                           None)
