@@ -25,20 +25,20 @@ from bam.tokenizer import (WHISPER_SDIST, download_gpt2_tiktoken, gpt2_ranks_by_
 def fetch_gpt2_ranks():
     """GPT-2's ranks at gpt2_tiktoken_cache_path(), fetched unless they are there; UserError, one line."""
     path = gpt2_tiktoken_cache_path()
-    if not os.path.exists(path):
+    fetch = not os.path.exists(path)
+    if fetch:
         try:
             download_gpt2_tiktoken(path)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             raise UserError(f"cannot fetch GPT-2's ranks from the package registry ({e}); fix: let pip reach "
                             f"PyPI (the index and proxy that `pip install -r requirements.txt` used), or "
                             f"{gpt2_ranks_by_hand(path)}") from None
-        load_gpt2_from_file(path)
-        print(f"fetched GPT-2's ranks from PyPI ({WHISPER_SDIST}) into {path}")
-        return path
     try:
         load_gpt2_from_file(path)
     except RuntimeError as e:  # a torn or foreign file that was there before
         raise UserError(e) from None
+    if fetch:
+        print(f"fetched GPT-2's ranks from PyPI ({WHISPER_SDIST}) into {path}")
     return path
 
 
