@@ -19,20 +19,21 @@ if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('t
 fi
 # pip only where a requirement is not met (it takes seconds to find that all are), and then with its output.
 unmet=$(python - requirements.txt requirements-downstream.txt <<'PY'
+import re
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
 
 def unmet(line):
     try:
-        from packaging.requirements import Requirement
-    except ImportError:  # a bare environment
-        return True
-    requirement = Requirement(line)
-    try:
-        return not requirement.specifier.contains(version(requirement.name), prereleases=True)
+        installed = version(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", line)[0])
     except PackageNotFoundError:
         return True
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # a bare environment, where pip runs anyway and checks every version
+        return False
+    return not Requirement(line).specifier.contains(installed, prereleases=True)
 
 
 lines = [line.split("#")[0].strip() for path in sys.argv[1:] for line in open(path, encoding="utf-8")]
