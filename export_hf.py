@@ -6,9 +6,9 @@ Export a checkpoint as a Hugging Face `transformers` folder that loads without t
 
 The folder holds config.json (with `auto_map`), model.safetensors, generation_config.json, the run's
 tokenizer (data.tokenizer: for GPT-2, tokenizer.json and tokenizer_config.json built from the project's GPT-2
-ranks; a Hugging Face tokenizer is saved as it loads), and two Python files:
-model.py, copied verbatim from this repository, and modeling_bam.py, the small wrapper that makes it a
-PreTrainedModel. Because the exported code *is* model.py, every encoding, Scalable-Softmax and every
+ranks; a Hugging Face tokenizer is saved as it loads), two Python files: model.py, copied verbatim from this
+repository, and modeling_bam.py, the small wrapper that makes it a PreTrainedModel; and exported.json, written
+last, which lists them all. Because the exported code *is* model.py, every encoding, Scalable-Softmax and every
 config field behave exactly as in training and evaluation here; nothing is re-implemented.
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -18,11 +18,13 @@ config field behave exactly as in training and evaluation here; nothing is re-im
 OUT_DIR is written in a temporary folder next to it and swapped in at the end (outputs.swap_in), so after
 a kill at any moment OUT_DIR is the old complete export or the new one, never half of one; the next export
 to OUT_DIR finishes or undoes a swap that a kill interrupted and removes what a killed export left
-(.OUT_DIR.tmp-*, .OUT_DIR.new, .OUT_DIR.old). An existing OUT_DIR is replaced only with --overwrite, and an
-OUT_DIR that is the source, holds it or lies inside it (symlinks resolved) is refused before anything is
-written (outputs.check_apart). While an export writes OUT_DIR it holds .OUT_DIR.lock beside it (removed at
-the end): a second export to the same folder is refused. Files and folders get the user's umask, as anything
-else the user writes.
+(.OUT_DIR.tmp-*, .OUT_DIR.new, .OUT_DIR.old). An existing OUT_DIR is replaced only with --overwrite, and only
+if it is an earlier export holding nothing else: exported.json, written last, lists every file of the export,
+and a folder holding anything more (a checkout of this repository has modeling_bam.py too) is refused naming
+it, with nothing removed. An OUT_DIR that is the source, holds it or lies inside it (symlinks resolved) is
+refused before anything is written (outputs.check_apart). While an export writes OUT_DIR it holds
+.OUT_DIR.lock beside it (removed at the end): a second export to the same folder is refused. Files and folders
+get the user's umask, as anything else the user writes.
 """
 
 import argparse
@@ -43,6 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_SOURCE = os.path.join(HERE, "model.py")
 WRAPPER_SOURCE = os.path.join(HERE, "modeling_bam.py")
 EOT_TOKEN = "<|endoftext|>"
+MANIFEST = "exported.json"  # every file an export wrote: what --overwrite may replace (outputs.check_replaceable)
 
 
 class ExportError(UserError):
@@ -109,16 +112,19 @@ def hf_tokenizer(enc):
 
 
 def check_target(out_dir, overwrite):
-    """An existing OUT_DIR is replaced only with --overwrite, and only if it is an earlier export."""
-    if os.path.exists(out_dir):
+    """An existing OUT_DIR is replaced only with --overwrite, and only if it is an earlier export holding nothing
+    but what that export wrote (its MANIFEST lists every file: outputs.check_replaceable), or empty."""
+    if os.path.lexists(out_dir):
         if not overwrite:
-            raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
-        if not os.path.isdir(out_dir):
-            raise ExportError(f"{out_dir} exists and is not a folder")
-        if os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "modeling_bam.py")):
-            # --overwrite deletes the folder: never one that is not an earlier export
-            raise ExportError(f"{out_dir} is not an exported model folder (no modeling_bam.py); --overwrite "
-                              f"replaces only those, choose another OUT_DIR")
+            raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it (an earlier export only)")
+        outputs.check_replaceable(out_dir, MANIFEST, "export_hf.py", ExportError, "OUT_DIR", older=older_export)
+
+
+def older_export(folder):
+    """Whether `folder` looks like an export of export_hf.py before it wrote MANIFEST: the wrapper and the
+    weights beside a config.json (a checkout of this repository has the wrapper, but not the others)."""
+    return all(os.path.isfile(os.path.join(folder, name))
+               for name in ("modeling_bam.py", "model.py", "config.json", "model.safetensors"))
 
 
 def lock_target(out_dir):
@@ -167,6 +173,7 @@ def export(source, out_dir, overwrite=False):
         else:  # a fresh copy from its folder: the run's own instance reads special-token text as text
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(enc.folder, use_fast=True).save_pretrained(tmp)
+        outputs.write_manifest(tmp, MANIFEST, {"written_by": "export_hf.py"})
         outputs.follow_umask(tmp)  # safetensors' file is 0600 otherwise
         outputs.swap_in(tmp, out_dir)  # in one step where the file system allows it (outputs.py)
     except Exception as e:  # a full disk or a file-size limit, in safetensors', torch's or our own words
@@ -186,7 +193,8 @@ def main(argv=None):
     ap = Parser(prog="export_hf.py", description=__doc__.split("\n\n")[0].strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="run directory (newest checkpoint) or checkpoint file")
     ap.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (created)")
-    ap.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace OUT_DIR if it is an earlier export holding nothing else (exported.json lists it)")
     args = ap.parse_args(argv)
     path = export(args.source, args.out_dir, args.overwrite)
     print(f"exported {path} to {args.out_dir}")

@@ -8,11 +8,13 @@ Import a Hugging Face model of the Llama family as a run directory, the mirror o
 
 Supported: LlamaForCausalLM (Llama 2, Llama 3.x with its "llama3" RoPE scaling, SmolLM/SmolLM2),
 MistralForCausalLM (its sliding window becomes model.attn_window), Qwen2ForCausalLM (biases on q, k and v; its
-windows by layer, layer_types or max_window_layers, become model.layer_pattern) and SmolLM3ForCausalLM (Llama
-with NoPE in the layers no_rope_layers marks 0, and windows by layer_types: a layer_pattern such as "rope*3 nope").
-What model.py lacks for them are ordinary ModelConfig fields (tie_embeddings, qkv_bias, attn_head_dim, the
-llama3 rope_scaling, rope_fraction for transformers' "proportional" rope type: p-RoPE, the fastest pairs turning
-at RoPE's frequencies, docs/training.md "Partial RoPE"); a setting it cannot honour (another architecture,
+windows by layer, layer_types or max_window_layers, become model.layer_pattern), Qwen3ForCausalLM (Qwen2 without
+the biases, with QK-norm: q_norm and k_norm, an RMSNorm over each head's head_dim channels before RoPE, are
+model.qk_norm's gains) and SmolLM3ForCausalLM (Llama with NoPE in the layers no_rope_layers marks 0, and windows
+by layer_types: a layer_pattern such as "rope*3 nope").
+What model.py lacks for them are ordinary ModelConfig fields (tie_embeddings, qkv_bias, qk_norm, attn_head_dim,
+the llama3 rope_scaling, rope_fraction for transformers' "proportional" rope type: p-RoPE, the fastest pairs
+turning at RoPE's frequencies, docs/training.md "Partial RoPE"); a setting it cannot honour (another architecture,
 remote code, another activation or RoPE scaling, a bias on o_proj or the MLP, a layer type other than
 full or sliding attention, quantised weights, ...) is refused in one line naming it.
 
@@ -24,7 +26,8 @@ rotates dimension i with i + head_dim / 2, as model.apply_rope does: the q and k
 they are (docs/export.md, "Importing a Hugging Face model").
 
 OUT is written in a temporary folder beside it and swapped in at the end (bam.outputs.swap_in), as export_hf.py
-writes its folders; an existing OUT is replaced only with --overwrite, and only if it is an earlier import. OUT
+writes its folders; an existing OUT is replaced only with --overwrite, and only if it is an earlier import that
+holds nothing else (imported.json, written last, lists every file; evaluation results in OUT/eval refuse it). OUT
 and SRC must lie apart, symlinks resolved (bam.outputs.check_apart): an OUT that is SRC, holds it or lies inside
 it is refused before anything is written.
 """
@@ -40,15 +43,17 @@ import torch
 
 from bam import outputs
 from bam.checkpoint import CONFIG, checkpoint_dict, checkpoint_dir, config_path, save_atomic, step_path
-from bam.cli import Parser, UserError, run_cli
+from bam.cli import Parser, UserError, error_line, run_cli
 from bam.config import Config, ConfigError, DataConfig, LogConfig, TrainConfig, check, to_dict, to_toml
 from bam.tokenizer import TOKENIZER_FILES, TokenizerError, check_vocab, load_tokenizer
 from model import ModelConfig, Transformer
 
 # The architectures (config.json's "architectures") and the model_type transformers builds each from
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "SmolLM3ForCausalLM": "smollm3"}
-# transformers' layer_types (Qwen2, SmolLM3) whose mask model.py draws: full causal, or the sliding window
+            "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3"}
+# The families whose layers take their windows from layer_types (Qwen's from max_window_layers when it is left out)
+LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+# transformers' layer_types (Qwen2, Qwen3, SmolLM3) whose mask model.py draws: full causal, or the sliding window
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' rope_type -> model.py's rope_scaling; "proportional" (Gemma 4's partial RoPE) divides its turning
 # frequencies by `factor` (1 when left out), linear scaling of the turning pairs
@@ -58,7 +63,8 @@ ROPE_KEYS = {"default": set(), "linear": {"factor"},
              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
              "proportional": {"factor", "partial_rotary_factor"}}
 ROPE_OPTIONAL = {"proportional": {"factor", "partial_rotary_factor"}}  # keys a type reads that may be left out
-MARKER = "imported.json"  # what OUT holds beside the run's files: the source, and the marker of an import
+# What OUT holds beside the run's files: the source, and every file the import wrote (what --overwrite may replace)
+MARKER = "imported.json"
 TUNED_SUFFIX = "_tuned"  # log.out_dir of the config template: a fine-tuning run never writes into OUT
 
 # Hugging Face's parameter names -> model.py's (model.Transformer's state dict)
@@ -67,6 +73,7 @@ TOP_LEVEL = {"model.embed_tokens.weight": "tok_emb.weight", "model.norm.weight":
 PER_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "mlp_norm.weight",
              "mlp.gate_proj.weight": "mlp.w1.weight", "mlp.up_proj.weight": "mlp.w3.weight",
              "mlp.down_proj.weight": "mlp.w2.weight", "self_attn.o_proj.weight": "attn.wo.weight",
+             "self_attn.q_norm.weight": "attn.q_norm.weight", "self_attn.k_norm.weight": "attn.k_norm.weight",
              **{f"self_attn.{x}_proj.{kind}": f"attn.w{x}.{kind}" for x in "qkv" for kind in ("weight", "bias")}}
 LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 NOT_WEIGHTS = re.compile(r"(.+\.)?rotary_emb\.inv_freq")  # a buffer older checkpoints saved: RoPE's frequencies
@@ -110,16 +117,34 @@ def read_hf_config(src):
     if raw.get("quantization_config"):
         raise ImportHFError(f"{path}: quantization_config is set: quantised weights cannot be imported; use the "
                             f"model's full-precision release")
+    check_layer_lists(raw, path)  # before transformers, which refuses some in its own words (and names no fix)
     try:  # only now: transformers takes seconds to import
         from transformers import AutoConfig
     except ImportError:
         raise ImportHFError("import_hf.py needs transformers: pip install -r requirements.txt") from None
     try:  # transformers' own reading: its defaults, and older config.json layouts (rope_scaling) made current
         hf = AutoConfig.from_pretrained(src, trust_remote_code=False)
-    except Exception as e:
-        raise ImportHFError(f"transformers cannot read {path}: {(str(e) or type(e).__name__).splitlines()[0]}") \
-            from None
+    except Exception as e:  # its reason is on the lines after the first (which validator, which field)
+        raise ImportHFError(f"transformers cannot read {path}: {error_line(e, limit=500)}") from None
     return arch, hf, raw
+
+
+def check_layer_lists(raw, path):
+    """config.json's layer_types checked as layer_windows checks the list transformers gives, but before
+    transformers reads it (it refuses a list of the wrong length or an unknown type in its own words, then stops):
+    one line in the words of every other refusal. What is not a list of the layers' count is left to transformers."""
+    n, types = raw.get("num_hidden_layers"), raw.get("layer_types")
+    if isinstance(n, int) and not isinstance(n, bool) and isinstance(types, list):
+        check_layer_types(types, n, path)
+
+
+def check_layer_types(types, n, path):
+    if len(types) != n:
+        refuse(path, "layer_types", types, f"it names {len(types)} layers of {n} (num_hidden_layers); it needs one "
+                                           f"per layer")
+    other = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
+    if other:
+        refuse(path, "layer_types", other[0], f"model.py imports {', '.join(LAYER_TYPES)}")
 
 
 def refuse(path, field, value, why):
@@ -175,8 +200,9 @@ def model_config(arch, hf, path):
             vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, n_head=n_head,
             n_kv_head=0 if kv_heads == n_head else kv_heads, n_embd=width,
             attn_head_dim=0 if head_dim * n_head == width else head_dim,
-            qkv_bias=arch == "Qwen2ForCausalLM", tie_embeddings=bool(hf.tie_word_embeddings),
-            mlp_hidden=hf.intermediate_size, block_size=context, norm_eps=float(hf.rms_norm_eps),
+            qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
+            tie_embeddings=bool(hf.tie_word_embeddings), mlp_hidden=hf.intermediate_size, block_size=context,
+            norm_eps=float(hf.rms_norm_eps),
             pe="rope", rope_theta=float(rope.get("rope_theta", 10_000.0)), **layers,
             **({"init_std": float(init_std)} if init_std and init_std <= 10 else {}), **scaling)
     except (TypeError, ValueError) as e:
@@ -185,8 +211,8 @@ def model_config(arch, hf, path):
 
 def layer_settings(arch, hf, path):
     """attn_window and layer_pattern of ModelConfig for transformers' per-layer attention: Mistral's one window,
-    Qwen2's and SmolLM3's layer_types (a "sliding_attention" layer sees sliding_window keys: transformers' mask
-    is j > i - sliding_window, attn_window's 0 <= i - j < W) and SmolLM3's no_rope_layers (0: NoPE)."""
+    Qwen2's, Qwen3's and SmolLM3's layer_types (a "sliding_attention" layer sees sliding_window keys: transformers'
+    mask is j > i - sliding_window, attn_window's 0 <= i - j < W) and SmolLM3's no_rope_layers (0: NoPE)."""
     n = hf.num_hidden_layers
     if arch == "MistralForCausalLM":
         return dict(attn_window=getattr(hf, "sliding_window", None) or 0)
@@ -197,7 +223,7 @@ def layer_settings(arch, hf, path):
             refuse(path, "no_rope_layers", hf.no_rope_layers, f"it names {len(rope)} layers of {n}")
         rope = [bool(flag) for flag in rope[:n]]
     windows = [0] * n
-    if arch in ("Qwen2ForCausalLM", "SmolLM3ForCausalLM"):
+    if arch in LAYER_TYPED:
         windows = layer_windows(arch, hf, path)
     return pattern_fields(rope, windows)
 
@@ -207,16 +233,12 @@ def layer_windows(arch, hf, path):
     not compute alike."""
     types = list(hf.layer_types or ())
     n = hf.num_hidden_layers
-    if len(types) < n:
-        refuse(path, "layer_types", hf.layer_types, f"it names {len(types)} layers of {n}")
-    other = sorted(set(types[:n]) - set(LAYER_TYPES))
-    if other:
-        refuse(path, "layer_types", other[0], f"model.py imports {', '.join(LAYER_TYPES)}")
-    sliding = [t == "sliding_attention" for t in types[:n]]
+    check_layer_types(types, n, path)
+    sliding = [t == "sliding_attention" for t in types]
     if not any(sliding):
         return [0] * n
     window = hf.sliding_window
-    if not isinstance(window, int) or window < 1:  # Qwen2 sets it to None without use_sliding_window
+    if not isinstance(window, int) or window < 1:  # Qwen2 and Qwen3 set it to None without use_sliding_window
         refuse(path, "sliding_window", window, "layer_types has sliding_attention layers, which need a window "
                                                "of at least 1 token (and use_sliding_window = true)")
     if not getattr(hf, "use_sliding_window", True):  # SmolLM3: the mask windows them, flash attention does not
@@ -275,7 +297,7 @@ def read_tensors(path):
             return load_file(path)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a torn download, a file that is no checkpoint
-        raise ImportHFError(f"cannot read {path}: {(str(e) or type(e).__name__).splitlines()[0][:200]}") from None
+        raise ImportHFError(f"cannot read {path}: {error_line(e, limit=300)}") from None
 
 
 def our_name(name):
@@ -368,14 +390,19 @@ def copy_tokenizer(src, folder):
 
 
 def check_target(out_dir, overwrite):
-    """An existing OUT is replaced only with --overwrite, and only if it is an earlier import."""
+    """An existing OUT is replaced only with --overwrite, and only if it is an earlier import holding nothing but
+    what that import wrote (MARKER lists every file: outputs.check_replaceable; an evaluation's results in
+    OUT/eval are the user's), or empty."""
     if not os.path.lexists(out_dir):
         return
     if not overwrite:
-        raise ImportHFError(f"{out_dir} already exists; pass --overwrite to replace it")
-    if not os.path.isdir(out_dir) or not os.path.isfile(os.path.join(out_dir, MARKER)):
-        raise ImportHFError(f"{out_dir} is not an imported model ({MARKER}); --overwrite replaces only those, "
-                            f"choose another OUT")
+        raise ImportHFError(f"{out_dir} already exists; pass --overwrite to replace it (an earlier import only)")
+    outputs.check_replaceable(out_dir, MARKER, "import_hf.py", ImportHFError, "OUT", older=older_import)
+
+
+def older_import(folder):
+    """Whether `folder` is an import of import_hf.py before MARKER listed the files: a MARKER without the list."""
+    return os.path.isfile(os.path.join(folder, MARKER))
 
 
 def import_model(src, out_dir, overwrite=False):
@@ -404,14 +431,14 @@ def import_model(src, out_dir, overwrite=False):
     tmp = outputs.new_folder(out_dir)
     try:
         copy_tokenizer(src, os.path.join(tmp, "tokenizer"))
-        source = {"source": src, "architecture": arch, "hf_config": raw}
-        outputs.write_text(os.path.join(tmp, MARKER), json.dumps(source, indent=2) + "\n")
         outputs.write_text(os.path.join(tmp, CONFIG), to_toml(config))
         os.makedirs(checkpoint_dir(tmp))
         # step 0: the weights as published; what train.py writes from them is a run of its own (step_*.pt from 1)
         ckpt = checkpoint_dict(model, step=0, tokens_seen=0, config=to_dict(config), tokenizer=identity.to_dict(),
                                imported_from={"source": src, "architecture": arch})
         save_atomic(ckpt, step_path(tmp, 0))
+        outputs.write_manifest(tmp, MARKER, {"written_by": "import_hf.py", "source": src, "architecture": arch,
+                                             "hf_config": raw})
         outputs.follow_umask(tmp)
         outputs.swap_in(tmp, out_dir)
     finally:
@@ -426,7 +453,8 @@ def main(argv=None):
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", metavar="SRC", help="a local Hugging Face model folder (config.json, weights, tokenizer)")
     ap.add_argument("out_dir", metavar="OUT", help="the run directory to write (created)")
-    ap.add_argument("--overwrite", action="store_true", help="replace OUT if it is an earlier import")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace OUT if it is an earlier import holding nothing else (imported.json lists it)")
     args = ap.parse_args(argv)
     cfg, path = import_model(args.source, args.out_dir, args.overwrite)
     print(f"imported {args.source} to {path}: {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}"

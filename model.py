@@ -1,11 +1,13 @@
 """
 A Llama-style decoder with pluggable positional encodings, read top to bottom:
 
-    the config (ModelConfig) -> the model, top-down: Transformer (forward, generation, optimizer
-    groups) -> Block -> Attention -> SwiGLU -> KVCache -> the positional encodings (NoPE, RoPE,
-    sinusoidal; the priors ALiBi, BAM, KERPLE, T5, FIRE, FoX) and their registry ENCODINGS -> the
-    attention paths (eager, sdpa, tabled priors, flex) -> validation -> the flex runtime (masks,
-    compiled kernels, caches)
+    the config (ModelConfig, its layer pattern and what it refuses) -> the model, top-down:
+    Transformer (forward, generation, optimizer groups) -> Block -> Attention -> SwiGLU ->
+    KVCache -> the positional encodings (NoPE, RoPE, sinusoidal; the priors ALiBi, BAM, KERPLE,
+    T5, FIRE, FoX), each owning its options, and their registry ENCODINGS -> attention: the
+    context of a forward, what positions do to it, the eager and sdpa paths -> FlexAttention, one
+    region at the bottom (prior tables, the path, sinks, BlockMasks, compiled kernels), which a
+    reader who never runs a GPU can skip
 
 Every additive positional encoding is a *log-prior over position* (docs/paper.md §1): a bias added
 to the attention logit of head h, query position i and key position j; for most, g_h(i - j), a
@@ -30,12 +32,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import (AuxRequest, BlockMask, create_block_mask,
-                                               flex_attention)
+                                               flex_attention as torch_flex_attention)
 
 ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")
 FLEX_PRIORS = ("table", "formula")
-BAM_INITS = ("alibi", "uniform", "constant", "sampled", "linear")
-ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
+
+# The two registries every part reads, each filled where its entries are defined:
+# ENCODINGS, the name a config uses -> the positional encoding (at the end of "Positional
+# encodings"), and ATTENTION, ModelConfig.attn_impl after `auto` -> the attention path
+# (eager and sdpa in "Attention", flex in "FlexAttention").
+ENCODINGS = {}
+ATTENTION = {}
+# The largest position, window or context a setting may name: past it a position no longer fits
+# the int32 indices of the attention kernels
+MAX_POSITION = 2**31 - 1
 
 
 # The paper's model sizes (docs/paper.md §4), named by their parameter count with the paper's
@@ -73,8 +83,7 @@ class ModelConfig:
     block_size: int = 512  # training context; nothing at inference depends on it
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    # a name in ENCODINGS: nope | rope | sinusoidal | alibi | bam | kerple_log | kerple_power |
-    # t5 | fire | fox
+    # a name in ENCODINGS, the registry at the end of "Positional encodings" (PE_CHOICES)
     pe: str = "bam"
     rope_theta: float = 500_000.0  # the paper's RoPE baseline
     # RoPE context extension, applied at evaluation (docs/evaluation.md): none | linear (position
@@ -112,11 +121,15 @@ class ModelConfig:
     # A sigmoid gate from the layer's input on each head's output, elementwise, before the output
     # projection (Qiu et al. 2025, arXiv 2505.06708; Qwen3-Next)
     attn_gate: bool = False
+    # QK-norm: an RMSNorm over each head's query and key, with a learned gain per channel shared by
+    # the heads, before the rotation (Qwen3's; OLMo 2 normalises the whole projection instead), so
+    # every logit is bounded by |q||k| / sqrt(d) times the gains (docs/training.md "QK-norm")
+    qk_norm: bool = False
     attn_impl: str = "auto"  # auto | flex | sdpa | eager
-    # How the flex kernel reads a distance-only prior and SSMax's factor: "table" gathers them from
-    # per-head tables built once per forward in plain torch (distance_table), "formula" evaluates
-    # them per score inside the kernel; the same numbers either way (docs/benchmarks.md,
-    # "Prior tables on flex").
+    # How the flex kernel reads a distance-only prior: "table" gathers it from a per-head table
+    # built once per forward in plain torch (distance_table), "formula" evaluates it per score
+    # inside the kernel; the same numbers either way (docs/benchmarks.md, "Prior tables on flex").
+    # SSMax's factor is read from its table by query (ssmax_table) in both.
     flex_prior: str = "table"
     # BAM's Generalized-Gaussian prior (docs/paper.md §2). The official code and the paper's runs
     # start from `alibi` (shape 1, scale = ALiBi slopes), so BAM begins training exactly as ALiBi.
@@ -142,7 +155,7 @@ class ModelConfig:
     fox_gate_init_bias: float = 0.0
 
     def __post_init__(self):
-        check_model_config(self)  # in "Validation" below
+        check_model_config(self)  # below, after the layer pattern
 
     @property
     def head_dim(self):
@@ -154,6 +167,12 @@ class ModelConfig:
         return tuple(LayerKind(pe or self.pe, self.attn_window if window is None else window,
                                self.ssmax if ssmax is None else ssmax)
                      for pe, window, ssmax in parse_layer_pattern(self.layer_pattern, self.n_layer))
+
+    @property
+    def layer_windows(self):
+        """Every layer's attention window (0: none), read now: an evaluator may change attn_window
+        on a built model, and the layers that take the model-wide one follow it."""
+        return tuple(kind.window for kind in self.layer_kinds)
 
     @property
     def encoding_label(self):
@@ -195,6 +214,7 @@ class ModelConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
+
 # One layer's attention: its encoding (a name in ENCODINGS), its sliding window (0: none) and
 # whether it has SSMax. ModelConfig.layer_kinds gives every layer's.
 LayerKind = namedtuple("LayerKind", "pe window ssmax")
@@ -206,50 +226,155 @@ LAYER_WORD_FORM = "ENCODING[+ssmax|-ssmax][@WINDOW|@full][*COUNT]"
 def parse_layer_pattern(pattern, n_layer):
     """ModelConfig.layer_pattern as n_layer LayerKinds, None where a word leaves a part to the
     model-wide field; its words repeat until every layer has one. ValueError naming the first word
-    that is not LAYER_WORD_FORM, or a pattern that does not divide n_layer."""
+    that is not LAYER_WORD_FORM, or a pattern that does not divide n_layer. The layers a pattern
+    describes are counted before any is listed, so a repeat count of a billion is refused in
+    constant memory."""
     words = pattern.replace(",", " ").split()
     if not words:
         return (LayerKind(None, None, None),) * n_layer
-    cycle = []
+    cycle = []  # (LayerKind, count) per word
     for word in words:
         match = LAYER_WORD.fullmatch(word)
-        if match is None or word.startswith("*") or int(match["count"] or 1) < 1:
-            raise ValueError(f"layer_pattern word {word!r} is not {LAYER_WORD_FORM} (e.g. "
+        try:  # int() refuses a number of more than 4,300 digits
+            count = int(match["count"] or 1) if match else 0
+            window = None if match is None or match["window"] is None else (
+                0 if match["window"] == "full" else int(match["window"]))
+        except ValueError:
+            match = None
+        if match is None or word.startswith("*") or count < 1:
+            shown = word if len(word) <= 40 else word[:40] + "..."
+            raise ValueError(f"layer_pattern word {shown!r} is not {LAYER_WORD_FORM} (e.g. "
                              f"'rope@256*3', 'bam+ssmax@full', 'nope'), COUNT >= 1")
-        window = None if match["window"] is None else (
-            0 if match["window"] == "full" else int(match["window"]))
         ssmax = None if match["ssmax"] is None else match["ssmax"] == "+ssmax"
-        cycle += [LayerKind(match["pe"] or None, window, ssmax)] * int(match["count"] or 1)
-    if n_layer % len(cycle):
-        raise ValueError(f"layer_pattern {pattern!r} describes {len(cycle)} layers, which does not "
+        cycle.append((LayerKind(match["pe"] or None, window, ssmax), count))
+    length = sum(count for _, count in cycle)
+    if n_layer % length:
+        raise ValueError(f"layer_pattern {pattern!r} describes {length} layers, which does not "
                          f"divide n_layer={n_layer}: it must repeat a whole number of times")
-    return tuple(cycle * (n_layer // len(cycle)))
+    return tuple(kind for kind, count in cycle for _ in range(count)) * (n_layer // length)
+
+
+# What ModelConfig refuses. The ranges of the model's own numeric fields are CORE_RANGES; an
+# encoding's options have theirs, and its other checks, in its class (Encoding.RANGES and
+# Encoding.check), and model_ranges() is the union of all of them. A range is
+# bam/ranges.py's notation, always finite as well; it refuses nonsense (a width below 1, a negative
+# count), never a value the method admits. A new numeric field needs its range: tests/test_ranges.py
+# fails for one without. Windows and the training context stop at MAX_POSITION: past it a position
+# (in the header) no longer fits the int32 indices of the attention kernels, and every longer window
+# is the same as full attention at any length a model can be run at.
+CORE_RANGES = {
+    "vocab_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_kv_head": ">= 0",
+    "n_embd": ">= 1", "mlp_hidden": ">= 0", "attn_head_dim": ">= 0",
+    "block_size": f">= 1, <= {MAX_POSITION}", "norm_eps": "> 0, < 1", "init_std": "> 0, <= 10",
+    "attn_window": f">= 0, <= {MAX_POSITION}",
+}
+
+
+def check_model_config(cfg):
+    """ValueError("model config: ...") naming the first setting of `cfg` that is not allowed: the
+    numbers out of range first, then the choices, the shapes and the layer pattern, then each
+    encoding's own checks (of its options, whether a layer uses it or not)."""
+
+    def bad(msg):
+        raise ValueError(f"model config: {msg}")
+
+    check_ranges(cfg, model_ranges(), bad)
+    if cfg.pe not in ENCODINGS:
+        bad(f"unknown pe {cfg.pe!r}; allowed: {', '.join(ENCODINGS)}")
+    if cfg.attn_impl not in ATTN_IMPLS:
+        bad(f"unknown attn_impl {cfg.attn_impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
+    if cfg.flex_prior not in FLEX_PRIORS:
+        bad(f"unknown flex_prior {cfg.flex_prior!r}; allowed: {', '.join(FLEX_PRIORS)}")
+    if cfg.n_embd % cfg.n_head and not cfg.attn_head_dim:
+        bad(f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} (or set attn_head_dim)")
+    if cfg.n_kv_head and cfg.n_head % cfg.n_kv_head:
+        bad(f"n_kv_head={cfg.n_kv_head} must divide n_head={cfg.n_head} (or be 0 for n_head)")
+    kinds = check_layer_pattern(cfg, bad)
+    for pe in dict.fromkeys(kind.pe for kind in kinds):
+        even = ENCODINGS[pe].even_width
+        if even and getattr(cfg, even) % 2:
+            bad(f"{pe} needs an even {even}, got {even}={getattr(cfg, even)}")
+    for encoding in dict.fromkeys(ENCODINGS.values()):
+        encoding.check(cfg, kinds, bad)
+
+
+def model_ranges():
+    """What every numeric ModelConfig field may be: the model's own (CORE_RANGES), then every
+    registered encoding's (Encoding.RANGES)."""
+    return {**CORE_RANGES, **{name: spec for encoding in ENCODINGS.values()
+                              for name, spec in encoding.RANGES.items()}}
+
+
+def check_layer_pattern(cfg, bad):
+    """Every layer's LayerKind; bad(msg) for a layer_pattern that does not parse, fit n_layer, name
+    known encodings or give windows within attn_window's range, or one that mixes an embedding
+    (sinusoidal) with other encodings: it is added to the tokens once, before every layer, so it is
+    the whole model's or none."""
+    if not isinstance(cfg.layer_pattern, str):
+        bad(f"layer_pattern must be a string of words {LAYER_WORD_FORM}, got "
+            f"{cfg.layer_pattern!r}")
+    try:
+        kinds = cfg.layer_kinds
+    except ValueError as e:
+        bad(str(e))
+    for pe in dict.fromkeys(kind.pe for kind in kinds):
+        if pe not in ENCODINGS:
+            bad(f"unknown encoding {pe!r} in layer_pattern {cfg.layer_pattern!r}; allowed: "
+                f"{', '.join(ENCODINGS)}")
+    for window in dict.fromkeys(kind.window for kind in kinds):  # >= 0 by LAYER_WORD
+        if window > MAX_POSITION:
+            bad(f"layer_pattern {cfg.layer_pattern!r}: window {window}: allowed: an integer "
+                f"{CORE_RANGES['attn_window']}, as attn_window")
+    embeddings = {kind.pe for kind in kinds if ENCODINGS[kind.pe].embedding is not None}
+    if embeddings and len({kind.pe for kind in kinds}) > 1:
+        bad(f"layer_pattern {cfg.layer_pattern!r} mixes {', '.join(sorted(embeddings))} with "
+            f"other encodings: it is added to the token embeddings once for every layer, so it "
+            f"can only be the whole model's pe")
+    return kinds
+
+
+_LIMIT = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
+
+
+def check_ranges(obj, table, bad):
+    """bad("NAME = VALUE: allowed: ...") for a field of `obj` that is not a finite number
+    within its range in `table` ("> 0", ">= 0, <= 1"). ranges.check does the same for the other
+    configs and the command lines; this copy keeps model.py free of the repository's other
+    modules (it is exported alone)."""
+    for name, spec in table.items():
+        value, kind = getattr(obj, name), type(getattr(type(obj), name, 0.0))
+        integer = kind is int
+        ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+        ok = ok and math.isfinite(value)
+        for part in spec.split(",") if spec else ():  # "": any finite number
+            op, _, limit = part.strip().partition(" ")
+            ok = ok and _LIMIT[op](float(value), float(limit))
+        if not ok:
+            what = "an integer" if integer else "a finite number"
+            bad(f"{name} = {value!r}: allowed: {what} {spec}".rstrip())
 
 
 # --------------------------------------------------------------------------------------------------
-# The model, top-down: Transformer.forward -> Block -> Attention (and SwiGLU), then the KV cache
-# of generation. What an encoding and an attention path are comes after, in their own parts.
+# The model, top-down: Transformer -> Block -> Attention (and SwiGLU), then the KV cache of
+# generation. What an encoding and an attention path are comes after, in their own parts.
 
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         kinds = cfg.layer_kinds
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList([Block(cfg, kind) for kind in kinds])
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied, as in the paper
-        # every layer's encoding; a pattern mixes them (layer_pattern), but an embedding
-        # (sinusoidal) is the whole model's or none (check_layer_pattern)
-        self.encodings = tuple(ENCODINGS[kind.pe] for kind in kinds)
-        self.position_embedding = self.encodings[0].embedding
-        self.rotation = next((e.rotation for e in self.encodings if e.rotation is not None), None)
-        # The window a pattern gives a layer, None where it takes attn_window, read at each forward
-        self.pattern_windows = tuple(window for _, window, _ in
-                                     parse_layer_pattern(cfg.layer_pattern, cfg.n_layer))
+        # The encodings' roles over the layers: a pattern mixes them (layer_pattern), but an
+        # embedding (sinusoidal) is the whole model's or none (check_layer_pattern)
+        encodings = [ENCODINGS[kind.pe] for kind in kinds]
+        self.position_embedding = encodings[0].embedding
+        self.rotation = next((e.rotation for e in encodings if e.rotation is not None), None)
         # the prior modules (empty without a prior), and for each layer the index of its own or None
-        self.priors, self.prior_index = self._make_priors(cfg, kinds)
+        self.priors, self.prior_index = make_priors(cfg, kinds)
         self.has_ssmax = any(kind.ssmax for kind in kinds)  # in some layer: log n is computed
         self.apply(self._init_weights)
         # one matrix, the embedding's (its init); the state dict names it under both keys
@@ -259,24 +384,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("wo.weight", "w2.weight")):
                 nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
-        self.build_flex_kernels()
-
-    @staticmethod
-    def _make_priors(cfg, kinds):
-        """An encoding that is a prior gets a module per layer that uses it, or, where it is shared
-        (copies 1: ALiBi, T5, BAM with bam_per_layer false), one for all of them; the modules in
-        the order of their first layer. Without a pattern: n_layer modules, or one."""
-        modules, index, shared = nn.ModuleList(), [], {}
-        for kind in kinds:
-            encoding = ENCODINGS[kind.pe]
-            if encoding.copies(cfg) == 0:
-                index.append(None)
-                continue
-            if encoding.copies(cfg) > 1 or kind.pe not in shared:
-                shared[kind.pe] = len(modules)
-                modules.append(encoding(cfg))
-            index.append(shared[kind.pe])
-        return modules, tuple(index)
+        build_flex_kernels(self)
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -287,8 +395,6 @@ class Transformer(nn.Module):
                 if projection.bias is not None:
                     nn.init.zeros_(projection.bias)
 
-    # -- forward, in the order data flows ----------------------------------------------------------
-
     def forward(self, idx, targets=None, doc_ids=None, last_k=None, kv_cache=None, start_pos=0,
                 sparse_targets=False):
         """idx (B, T) tokens -> (logits, loss). With `last_k`, logits (and loss) only for
@@ -297,137 +403,20 @@ class Transformer(nn.Module):
         of -1 are ignored by the loss; with `sparse_targets` (most of them -1) the output
         layer runs only at the N other positions and the logits are (N, vocab): the same
         loss for a fraction of the output layer's cost."""
-        B, T = idx.shape
-        if doc_ids is not None:
-            self._check_doc_ids(doc_ids, (B, T), start_pos)
-        # Each token's position inside its document: RoPE and the priors only see differences, which
-        # are the same either way; the sinusoidal encoding and SSMax's key count need the
-        # in-document position.
-        pos_in_doc = (torch.arange(start_pos, start_pos + T, device=idx.device)[None]
-                      if doc_ids is None else positions_in_documents(doc_ids))
-        x = self._embed(idx, pos_in_doc)
-        windows = self.layer_windows()
-        # one context, and so one mask, per distinct window, shared by the layers that have it
-        contexts = {window: self._attention_context(start_pos, T, pos_in_doc, doc_ids, kv_cache,
-                                                    window) for window in dict.fromkeys(windows)}
-        # Each layer's table is picked here, outside the Block that FSDP compiles, so that one Block
-        # graph serves every layer
-        tables = None
-        flex = next((ctx for ctx in contexts.values() if ctx.flex_tables), None)
-        if flex is not None:
-            tables = self._flex_prior_tables(flex.mask.seq_lengths[0], idx.device)
-        for layer, block in enumerate(self.blocks):
-            x = block(x, contexts[windows[layer]], self._prior_of_layer(layer), layer, kv_cache,
-                      prior_table=None if tables is None else tables[layer])
-        return self._logits_and_loss(x, targets, last_k, sparse_targets)
-
-    def layer_windows(self):
-        """Every layer's attention window (0: none): its pattern's, else the config's attn_window,
-        read now (an evaluator may change it on a built model)."""
-        default = self.config.attn_window
-        return tuple(default if window is None else window for window in self.pattern_windows)
-
-    def _check_doc_ids(self, doc_ids, shape, start_pos):
-        if start_pos:
-            raise ValueError("doc_ids cannot be combined with a KV cache")
-        if doc_ids.shape != shape:
-            raise ValueError(f"doc_ids must have the shape of idx, {shape}, "
-                             f"got {tuple(doc_ids.shape)}")
-        # The order check reads the tensor back (a device sync, and a graph break under
-        # torch.compile), so it runs only where that is free: eager calls on CPU tensors.
-        # ShardLoader's ids are ordered by construction (a cumulative count of EOTs); a GPU caller
-        # is trusted as the compiled one is.
-        if doc_ids.device.type == "cpu" and not torch.compiler.is_compiling():
-            check_doc_ids(doc_ids)
-
-    def _embed(self, idx, pos_in_doc):
+        pos_in_doc = token_positions(idx, doc_ids, start_pos)
         x = self.tok_emb(idx)
         if self.position_embedding is not None:
             x = x + self.position_embedding(pos_in_doc, self.config).to(x.dtype)
-        return x
-
-    def _attention_context(self, start_pos, T, pos_in_doc, doc_ids, kv_cache, window=None):
-        """What the attention of every layer with this window (None: attn_window) needs about this
-        forward's positions: built once, shared."""
-        cfg, device = self.config, pos_in_doc.device
-        window = cfg.attn_window if window is None else window
-        q_pos = torch.arange(start_pos, start_pos + T, device=device)
-        first_key = kv_cache.first_key(start_pos, window) if kv_cache is not None else 0
-        k_pos = torch.arange(first_key, start_pos + T, device=device)
-        impl = self.attention_impl(T, len(k_pos), doc_ids is not None)
-        log_n = ssmax_log_n(pos_in_doc, window) if self.has_ssmax else None
-        rotation = self.rotation
-        rope = rotation(q_pos, cfg, length=start_pos + T) if rotation is not None else None
-        mask = self._mask(impl, q_pos, k_pos, doc_ids, window)
-        flex_tables = impl == "flex" and cfg.flex_prior == "table"
-        return AttnContext(impl, q_pos, k_pos, mask, log_n, rope, pos_in_doc, flex_tables, window)
-
-    def _flex_prior_tables(self, length, device):
-        """Per layer, the distance_table of its prior over the kernel's `length` tokens, built once
-        per prior module (once for all layers where the prior is shared), or None where the prior
-        is not distance-only."""
-        n_head = self.config.n_head
-        built = [distance_table((p.bias_fn, p.tensors()), n_head, length, device) if p.DISTANCE_ONLY
-                 else None for p in self.priors]
-        return tuple(None if index is None else built[index] for index in self.prior_index)
-
-    def build_flex_kernels(self):
-        """Every flex kernel a forward of this model can ask for (flex_kernel), on a CPU or a GPU,
-        with either flex_prior: made before any trace, so that a compiled forward only reads them.
-        Making one costs nothing (it compiles at its first call)."""
-        kinds = set()  # each distinct (prior, SSMax) of the layers
+        # each layer's AttnContext (one per distinct window, shared) and prior table (flex)
+        contexts, tables = attention_contexts(self, idx.shape[1], pos_in_doc, doc_ids, kv_cache,
+                                              start_pos)
         for layer, block in enumerate(self.blocks):
-            prior = self._prior_of_layer(layer)
-            has_features = prior is not None and not prior.DISTANCE_ONLY
-            kinds.add((None if prior is None else prior.bias_fn, has_features,
-                       block.attn.ssmax_scale is not None))
-        for bias_fn, has_features, use_ssmax in kinds:
-            for cpu in (False, True):
-                sink = sink_form(cpu) if self.config.attn_sink else None
-                if not has_features:  # read from its table (table_bias), or SSMax's table alone
-                    tabled = None if bias_fn is None else table_bias
-                    flex_kernel(flex_variant(tabled, use_ssmax, False, True, cpu, sink))
-                flex_kernel(flex_variant(bias_fn, use_ssmax, has_features, False, cpu, sink))
+            # the Block gets no layer index: a compiled Block would guard on it, once per layer
+            cache = None if kv_cache is None else LayerCache(kv_cache, layer)
+            x = block(x, contexts[layer], self.prior_of_layer(layer), tables[layer], cache)
+        return self._logits_and_loss(x, targets, last_k, sparse_targets)
 
-    def _plain_causal(self, T_q, T_k, has_docs):
-        """Nothing positional in attention but causality (and no sink), which sdpa's flash kernel
-        does alone."""
-        positional = (len(self.priors) > 0 or self.has_ssmax or has_docs
-                      or any(self.layer_windows()))
-        return T_q == T_k and not positional and not self.config.attn_sink
-
-    def attention_impl(self, T_q, T_k, has_docs):
-        """Which attention implementation a forward over T_q queries and T_k keys will use."""
-        cfg = self.config
-        impl = cfg.attn_impl
-        if T_q != T_k:  # decoding with a KV cache: a few queries, all keys; flex needs Tq == Tk
-            return "eager" if impl == "eager" else "sdpa"
-        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
-        on_cuda = self.lm_head.weight.is_cuda
-        if impl == "flex" and training and not on_cuda:
-            raise ValueError("attn_impl='flex' has no backward pass on CPU (torch 2.13): train on "
-                             "CPU with 'sdpa', 'eager' or 'auto', or run inference under "
-                             "torch.no_grad()")
-        if impl != "auto":
-            return impl
-        if self._plain_causal(T_q, T_k, has_docs):
-            return "sdpa"  # flash attention with is_causal
-        if on_cuda:
-            return "flex"
-        # FlexAttention has no backward on CPU (torch 2.13), and below a few thousand
-        # tokens the dense bias costs less than flex's compile; past that the dense bias
-        # grows as T^2 and flex wins.
-        return "sdpa" if training or T_q <= 2048 else "flex"
-
-    def _mask(self, impl, q_pos, k_pos, doc_ids, window):
-        """`visible` in the form `impl` takes (AttnContext.mask)."""
-        if impl == "flex":
-            return make_block_mask(doc_ids, len(q_pos), q_pos.device, window)
-        if impl == "sdpa" and self._plain_causal(len(q_pos), len(k_pos), doc_ids is not None):
-            return None
-        return dense_mask(q_pos, k_pos, window, doc_ids)
-
-    def _prior_of_layer(self, layer):
+    def prior_of_layer(self, layer):
         """The layer's prior module, or None where it has no prior."""
         index = self.prior_index[layer]
         return None if index is None else self.priors[index]
@@ -537,41 +526,22 @@ class Transformer(nn.Module):
                 + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len)
 
 
-@dataclass
-class AttnContext:
-    """What every layer's attention needs to know about the positions of one forward pass."""
-
-    impl: str  # flex | sdpa | eager (after `auto` was resolved)
-    q_pos: torch.Tensor  # (Tq,) absolute positions of the queries
-    k_pos: torch.Tensor  # (Tk,) absolute positions of the keys
-    # Which keys each query sees, in the form its implementation takes: a BlockMask (flex), a dense
-    # (B or 1, 1, Tq, Tk) bool (eager, sdpa), or None where causality over the same positions is all
-    # there is (sdpa's flash kernel masks by itself: no T x T tensor)
-    mask: torch.Tensor | BlockMask | None
-    log_n: torch.Tensor | None  # (B or 1, Tq) log of how many keys each query sees (SSMax)
-    rope: tuple | None  # (cos, sin) of the queries' positions
-    pos_in_doc: torch.Tensor | None = None  # (B or 1, Tq) the queries' positions in their documents
-    # flex with flex_prior = "table": each layer's distance-only prior comes as its distance_table
-    # (the prior_table argument of Block and Attention, chosen per layer outside them) and SSMax is
-    # tabulated too. A flag, not the tables: a per-layer lookup inside a compiled Block would guard
-    # on the layer's index.
-    flex_tables: bool = False
-    window: int = 0  # the sliding window of the layers this context serves (0: none)
-
-
-def positions_in_documents(doc_ids):
-    """(B, T) position of each token inside its document: 0 where its document starts."""
-    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
-
-
-def ssmax_log_n(pos_in_doc, window=0):
-    """log n_i for SSMax, n_i = the keys query i can see (docs/paper.md §3): the count of `visible`
-    keys, its in-document position + 1, capped by the window."""
-    n_keys = pos_in_doc + 1
-    return torch.log(n_keys.clamp(max=window).float() if window else n_keys.float())
+def make_priors(cfg, kinds):
+    """An encoding that is a prior gets a module per layer that uses it, or, where it is shared
+    (copies 1: ALiBi, T5, BAM with bam_per_layer false), one for all of them; the modules in the
+    order of their first layer, and for each layer the index of its own or None. Without a
+    pattern: n_layer modules, or one."""
+    modules, index, shared = nn.ModuleList(), [], {}
+    for kind in kinds:
+        encoding = ENCODINGS[kind.pe]
+        if encoding.copies(cfg) == 0:
+            index.append(None)
+            continue
+        if encoding.copies(cfg) > 1 or kind.pe not in shared:
+            shared[kind.pe] = len(modules)
+            modules.append(encoding(cfg))
+        index.append(shared[kind.pe])
+    return modules, tuple(index)
 
 
 class Block(nn.Module):
@@ -582,8 +552,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, ctx, prior_module, layer, kv_cache=None, prior_table=None):
-        x = x + self.attn(self.attn_norm(x), ctx, prior_module, layer, kv_cache, prior_table)
+    def forward(self, x, ctx, prior_module, tabled_prior=None, kv_cache=None):
+        x = x + self.attn(self.attn_norm(x), ctx, prior_module, tabled_prior, kv_cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -612,30 +582,36 @@ class Attention(nn.Module):
         # The gate's projection, as the paper's code makes it (more output columns of q's
         # projection, so initialised as q's: N(0, init_std)); every gate starts near 1/2
         self.wg = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False) if cfg.attn_gate else None
+        # QK-norm's gains, (head_dim,) each, start at 1: the unit-RMS query and key
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else None
 
-    def project(self, x, ctx: AttnContext):
+    def project(self, x, ctx):
         """q, k, v of x, (B, heads, T, head_dim), as every attention implementation receives
-        them (q and k rotated for a rotary encoding); eval.attention scores its sampled
-        queries with the same ones."""
+        them (q and k normalised with QK-norm, then rotated for a rotary encoding); eval.attention
+        scores its sampled queries with the same ones."""
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # before the rotation, which keeps the norm of each pair
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary and ctx.rope is not None:
             q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
         return q, k, v
 
-    def forward(self, x, ctx: AttnContext, prior_module, layer, kv_cache=None, prior_table=None):
-        """`prior_table`: this layer's prior as its distance_table (ctx.flex_tables), or None."""
+    def forward(self, x, ctx, prior_module, tabled_prior=None, kv_cache=None):
+        """`tabled_prior`: this layer's prior read from a table built for this forward
+        (flex_prior_tables), or None; `kv_cache`: this layer's LayerCache, or None."""
         B, T, _ = x.shape
         q, k, v = self.project(x, ctx)
         if kv_cache is not None:
-            k, v = kv_cache.update(layer, int(ctx.q_pos[0]), k, v)
-        if prior_table is not None:  # built once for this forward (Transformer._flex_prior_tables)
-            prior, features = (table_bias, (prior_table,)), None
+            k, v = kv_cache.update(int(ctx.q_pos[0]), k, v)
+        if tabled_prior is not None:
+            prior, features = tabled_prior, None
         else:
-            prior, features = layer_prior(prior_module, x, ctx, layer, kv_cache)
+            prior, features = layer_prior(prior_module, x, ctx, kv_cache)
         y = ATTENTION[ctx.impl](q, k, v, ctx, prior, self.ssmax_scale, features, self.sink_logit)
         if self.wg is not None:
             y = y * self.output_gate(x)
@@ -650,22 +626,27 @@ class Attention(nn.Module):
         return torch.sigmoid(gate)
 
 
-def layer_prior(prior_module, x, ctx, layer, kv_cache=None):
+def layer_prior(prior_module, x, ctx, kv_cache=None):
     """What one layer's attention takes from its prior module: (prior, features), `prior` =
     (bias_fn, tensors) or None, `features` = (at the queries, at the keys), each the tuple of the
     prior's token features (AdditivePrior.token_features) of x, or None for a prior of the distance
-    alone. With a KV cache, the keys' features are the cached ones followed by the new ones."""
+    alone. With the layer's KV cache (LayerCache), the keys' features are the cached ones followed
+    by the new ones."""
     if prior_module is None:
         return None, None
-    prior = (prior_module.bias_fn, prior_module.tensors())
+    if ctx.impl == "flex":  # the form FlexAttention's score_mod reads, over the kernel's length
+        prior = (prior_module.kernel_bias_fn or prior_module.bias_fn,
+                 prior_module.kernel_tensors(ctx.mask.seq_lengths[0], x.device))
+    else:
+        prior = (prior_module.bias_fn, prior_module.tensors())
     if prior_module.DISTANCE_ONLY:
         return prior, None
     if kv_cache is None:  # training and full forwards: no position read back from the device
         new = prior_module.token_features(x, ctx.pos_in_doc, None)
         return prior, (new, new)
     start = int(ctx.q_pos[0])
-    new = prior_module.token_features(x, ctx.pos_in_doc, kv_cache.past_features(layer, start))
-    return prior, (new, kv_cache.update_features(layer, start, new))
+    new = prior_module.token_features(x, ctx.pos_in_doc, kv_cache.past_features(start))
+    return prior, (new, kv_cache.update_features(start, new))
 
 
 class SwiGLU(nn.Module):
@@ -685,7 +666,7 @@ class KVCache:
     all a later query can see. Each layer has its own window (ModelConfig.layer_kinds)."""
 
     def __init__(self, cfg, batch_size, max_len, device, dtype):
-        self.windows = [kind.window for kind in cfg.layer_kinds]
+        self.windows = cfg.layer_windows
         self.k = [torch.zeros((batch_size, cfg.kv_heads, 0 if window else max_len, cfg.head_dim),
                               device=device, dtype=dtype) for window in self.windows]
         self.v = [torch.zeros_like(k) for k in self.k]
@@ -743,16 +724,76 @@ class KVCache:
         return joined
 
 
+class LayerCache:
+    """One layer's view of a KV cache (KVCache, or modeling_bam's over the library's), which its
+    Attention reads and writes without knowing its index: the cache's methods with the layer
+    given."""
+
+    def __init__(self, cache, layer):
+        self.cache, self.layer = cache, layer
+
+    def update(self, start, k, v):
+        return self.cache.update(self.layer, start, k, v)
+
+    def past_features(self, start):
+        return self.cache.past_features(self.layer, start)
+
+    def update_features(self, start, features):
+        return self.cache.update_features(self.layer, start, features)
+
+
 def broadcast_leading(a, b):
     """a and b expanded to the same leading dimensions, their last ones kept (to join along it)."""
     lead = torch.broadcast_shapes(a.shape[:-1], b.shape[:-1])
     return a.expand(*lead, a.shape[-1]), b.expand(*lead, b.shape[-1])
 
 
+def token_positions(idx, doc_ids=None, start_pos=0):
+    """(B or 1, T): the position of each token of idx (B, T), from start_pos, inside its document.
+    RoPE and the priors only see differences, which are the same either way; the sinusoidal
+    encoding and SSMax's key count need the in-document position."""
+    B, T = idx.shape
+    if doc_ids is None:
+        return torch.arange(start_pos, start_pos + T, device=idx.device)[None]
+    if start_pos:
+        raise ValueError("doc_ids cannot be combined with a KV cache")
+    if doc_ids.shape != (B, T):
+        raise ValueError(f"doc_ids must have the shape of idx, {(B, T)}, "
+                         f"got {tuple(doc_ids.shape)}")
+    # The order check reads the tensor back (a device sync, and a graph break under
+    # torch.compile), so it runs only where that is free: eager calls on CPU tensors. ShardLoader's
+    # ids are ordered by construction (a cumulative count of EOTs); a GPU caller is trusted as the
+    # compiled one is.
+    if doc_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_doc_ids(doc_ids)
+    return positions_in_documents(doc_ids)
+
+
+def check_doc_ids(doc_ids):
+    """Documents are contiguous runs of a row: ids must never decrease along it."""
+    if doc_ids.shape[-1] > 1 and bool((doc_ids[..., 1:] < doc_ids[..., :-1]).any()):
+        raise ValueError("doc_ids must be non-decreasing along each row (documents are contiguous)")
+
+
+def positions_in_documents(doc_ids):
+    """(B, T) position of each token inside its document: 0 where its document starts."""
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return torch.arange(doc_ids.shape[1], device=doc_ids.device) - last_document_start(starts)
+
+
+def last_document_start(starts):
+    """For (..., T) bools marking where documents start, the index of the last start at or before
+    each token (0 where none is): where its document begins."""
+    index = torch.arange(starts.shape[-1], device=starts.device)
+    return torch.where(starts, index, 0).cummax(dim=-1).values
+
+
 # --------------------------------------------------------------------------------------------------
 # Positional encodings. Each one is a small class registered once in ENCODINGS (at the end of this
-# part); everything else (the config's choices, the attention paths, the evaluators, benchmarks and
-# tests) reads the registry. An encoding plays at most these roles (docs/INTERFACES.md): rotate q
+# part) that owns its options: their ranges (RANGES) and checks (check) sit in it, beside its code;
+# everything else (the config's choices, the attention paths, the evaluators, benchmarks and tests)
+# reads the registry. An encoding plays at most these roles (docs/INTERFACES.md): rotate q
 # and k (`rotation`: RoPE), add to the token embeddings (`embedding`: sinusoidal), or add a prior to
 # every attention logit (an AdditivePrior: ALiBi, BAM, KERPLE, T5, FIRE, FoX). A prior's contract is
 # three hooks:
@@ -778,9 +819,19 @@ class Encoding:
     # in-document positions
     embedding = None
     # Settings that take another code path inside this encoding, each {ModelConfig field: value}:
-    # the correctness grids (tests/test_model.py, bench/gpu_check.py) check each of them beside the
+    # the correctness grids (tests/test_model.py, bench/gpu_check) check each of them beside the
     # defaults, through CHECKED_SETTINGS
     checked_settings = ()
+    # The encoding's options are ModelConfig fields named after it (as bam_init); RANGES gives each
+    # numeric one its range (CORE_RANGES' notation; model_ranges() is the union), and check refuses
+    # what a range cannot say. ModelConfig checks every registered encoding's options, whether a
+    # layer uses it or not, so a typo in one is refused even where it would do nothing.
+    RANGES = {}
+
+    @classmethod
+    def check(cls, cfg, kinds, bad):
+        """bad(msg) for the first of this encoding's settings in `cfg` that is not allowed (its
+        ranges are already checked); `kinds` are the layers' LayerKinds."""
 
     @classmethod
     def copies(cls, cfg):
@@ -803,6 +854,47 @@ class RoPE(Encoding):
     even_width = "head_dim"
     checked_settings = ({"rope_fraction": 0.5},)  # partial RoPE: half the pairs turn
     family = "RoPE"  # for eval/ only
+    SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")  # rope_frequencies
+    # Bases below 2 would make the frequencies grow with the pair index (or all equal 1) instead of
+    # spreading them out
+    RANGES = {"rope_theta": ">= 2", "rope_factor": ">= 1",
+              "rope_original_context": f">= 0, <= {MAX_POSITION}", "rope_fraction": ">= 0, <= 1",
+              "yarn_beta_fast": "> 0", "yarn_beta_slow": "> 0",
+              "llama3_low_freq_factor": "> 0", "llama3_high_freq_factor": "> 0"}
+
+    @classmethod
+    def check(cls, cfg, kinds, bad):
+        """The scalings' settings and partial RoPE's share of pairs (rope_fraction): a whole
+        number of pairs, on a rotary encoding, and with something left to scale."""
+        rotary = any(ENCODINGS[k.pe].rotation is not None for k in kinds)
+        where = f", got pe={cfg.pe!r}" + (f", layer_pattern={cfg.layer_pattern!r}"
+                                           if cfg.layer_pattern else "")
+        if cfg.rope_scaling not in cls.SCALINGS:
+            bad(f"unknown rope_scaling {cfg.rope_scaling!r}; allowed: {', '.join(cls.SCALINGS)}")
+        if not 0 < cfg.yarn_beta_slow < cfg.yarn_beta_fast:
+            bad(f"YaRN needs 0 < yarn_beta_slow < yarn_beta_fast, got {cfg.yarn_beta_slow} and "
+                f"{cfg.yarn_beta_fast}")
+        if cfg.rope_scaling == "none" and cfg.rope_factor != 1.0:
+            bad(f"rope_factor={cfg.rope_factor} has no effect with rope_scaling='none'; choose "
+                f"one of {', '.join(cls.SCALINGS[1:])}")
+        if cfg.rope_scaling != "none" and not rotary:
+            bad(f"rope_scaling needs a rotary encoding (pe = 'rope' in some layer){where}")
+        if not cfg.llama3_low_freq_factor < cfg.llama3_high_freq_factor:
+            bad(f"llama3 scaling needs llama3_low_freq_factor < llama3_high_freq_factor, got "
+                f"{cfg.llama3_low_freq_factor} and {cfg.llama3_high_freq_factor}")
+        pairs = cfg.head_dim // 2
+        if abs(cfg.rope_fraction * pairs - round(cfg.rope_fraction * pairs)) > 1e-9:
+            bad(f"rope_fraction={cfg.rope_fraction} turns {cfg.rope_fraction * pairs:g} of the "
+                f"{pairs} pairs of head_dim={cfg.head_dim}; allowed: a multiple of 1/{pairs}")
+        if cfg.rope_fraction != 1.0 and not rotary:
+            bad(f"rope_fraction needs a rotary encoding (pe = 'rope' in some layer){where}")
+        if cfg.rope_scaling != "none" and rotated_pairs(cfg) == 0:
+            bad(f"rope_scaling={cfg.rope_scaling!r} has no effect with rope_fraction=0 (no pair "
+                f"turns)")
+        if cfg.rope_scaling in ("ntk", "dynamic_ntk") and rotated_pairs(cfg) <= 1:
+            bad(f"rope_scaling={cfg.rope_scaling!r} needs more than one turning pair (its exponent "
+                f"is d / (r - 2), r = 2 x pairs), got head_dim={cfg.head_dim} at "
+                f"rope_fraction={cfg.rope_fraction}")
 
     @staticmethod
     def rotation(positions, cfg, length=None):
@@ -828,7 +920,7 @@ def apply_rope(x, cos, sin):
 
 def rotated_pairs(cfg):
     """How many of the head_dim / 2 rotation pairs turn: all but the slowest under rope_fraction
-    (p-RoPE, docs/training.md "Partial RoPE"). check_rope_fraction holds it to a whole number."""
+    (p-RoPE, docs/training.md "Partial RoPE"). RoPE.check holds it to a whole number."""
     return round(cfg.rope_fraction * (cfg.head_dim // 2))
 
 
@@ -913,6 +1005,7 @@ class Sinusoidal(Encoding):
     """Absolute sin/cos added to the token embeddings, at the position inside the document."""
 
     even_width = "n_embd"
+    RANGES = {"sinusoidal_base": ">= 2"}  # as RoPE's theta
 
     @staticmethod
     def embedding(positions, cfg):
@@ -973,6 +1066,16 @@ class AdditivePrior(Encoding, nn.Module):
 
     def token_features(self, x, pos_in_doc, past=None):
         raise NotImplementedError(f"{type(self).__name__} is a function of the distance only")
+
+    # FlexAttention's score_mod reads the prior as kernel_bias_fn(..., *kernel_tensors(length,
+    # device)) for a kernel over `length` tokens: by default bias_fn and tensors(). A prior whose
+    # formula reads a scalar or a per-head value that needs a gradient tabulates it here instead
+    # (FIRE's c and L): read per score, such a tensor takes every score's gradient into one
+    # address, an atomic add per score in inductor's flex backward.
+    kernel_bias_fn = None
+
+    def kernel_tensors(self, length, device):
+        return self.tensors()
 
     # For eval/ only: the report's plot group, named head groups (eval.priors, eval.attention), the
     # curve eval.priors draws
@@ -1052,7 +1155,7 @@ class ALiBiPrior(AdditivePrior):
     bias_fn = staticmethod(alibi_bias)
     METRICS_PREFIX = "alibi"
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.register_buffer("slopes", torch.tensor(alibi_slopes(cfg.n_head)), persistent=False)
 
@@ -1072,8 +1175,17 @@ class BAMPrior(AdditivePrior):
 
     bias_fn = staticmethod(ggd_bias)
     METRICS_PREFIX = "bam"
+    INITS = ("alibi", "uniform", "constant", "sampled", "linear")  # ModelConfig.bam_init
+    # The shape is any finite number: b <= 0 is the paper's retrieval head and b = 0 NoPE
+    # (docs/paper.md §2), and the paper puts no clamp on b
+    RANGES = {"bam_init_shape": "", "bam_init_log_scale": ">= -30, <= 30"}
 
-    def __init__(self, cfg: ModelConfig, generator=None):
+    @classmethod
+    def check(cls, cfg, kinds, bad):
+        if cfg.bam_init not in cls.INITS:
+            bad(f"unknown bam_init {cfg.bam_init!r}; allowed: {', '.join(cls.INITS)}")
+
+    def __init__(self, cfg, generator=None):
         super().__init__()
         H = cfg.n_head
         log_slopes = torch.tensor(alibi_slopes(H)).log()
@@ -1141,7 +1253,7 @@ class KerplePrior(AdditivePrior):
     METRICS_PREFIX = "kerple"
     R1_INIT, R2_INIT, R2_MAX = 2.0, 1.0, None
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         H = cfg.n_head
         r1 = (torch.rand(H) * self.R1_INIT).clamp(min=KERPLE_FLOOR + 1e-3)
@@ -1206,8 +1318,15 @@ class T5Prior(AdditivePrior):
 
     bias_fn = staticmethod(t5_bias)
     METRICS_PREFIX = "t5"
+    RANGES = {"t5_num_buckets": ">= 2", "t5_max_distance": f">= 2, <= {MAX_POSITION}"}
 
-    def __init__(self, cfg: ModelConfig):
+    @classmethod
+    def check(cls, cfg, kinds, bad):
+        if cfg.t5_num_buckets % 2 or cfg.t5_max_distance <= cfg.t5_num_buckets // 2:
+            bad(f"T5 needs an even t5_num_buckets and t5_max_distance > t5_num_buckets / 2, got "
+                f"{cfg.t5_num_buckets} and {cfg.t5_max_distance}")
+
+    def __init__(self, cfg):
         super().__init__()
         self.table = nn.Parameter(torch.randn(cfg.n_head, cfg.t5_num_buckets) * cfg.n_embd ** -0.5)
         self.register_buffer("max_distance", torch.tensor(float(cfg.t5_max_distance)),
@@ -1239,16 +1358,9 @@ def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2, *segment
     grid by indexing (its backward a scatter-add). The values are the whole grid's, at a fraction of
     its cost: on the CPU training path FIRE's MLP took most of a step (docs/benchmarks.md).
 
-    On FlexAttention's scalars, `segments` (fire_segments, which FIREPrior.tensors gives under
-    autograd) have the kernel read the MLP as the piecewise-linear function it is: inductor's flex
-    backward refuses a score_mod that indexes a tensor with a gradient more than once, as the sum
-    over hidden units does."""
+    FlexAttention's score_mod reads FIRE in another form, fire_kernel_bias; `segments` serve it."""
     c, threshold = torch.exp(log_c[0]), torch.exp(log_threshold[0])
-    dist = dist.clamp(min=0)
-    if dist.dim() == 0:  # FlexAttention's score_mod: one score at a time
-        x = fire_input(dist, query[0], c, threshold)
-        return fire_piecewise(x, head, *segments) if segments else fire_mlp(x, head, w1, b1, w2)
-    d, i = torch.broadcast_tensors(dist, query[0])
+    d, i = torch.broadcast_tensors(dist.clamp(min=0), query[0])
     # One number per pair, exact in float64 for whole positions below 2^21 and distances below 2^31
     shift = 2.0 ** 31
     pairs, where = torch.unique(i.double() * shift + d.double(), return_inverse=True)
@@ -1256,6 +1368,20 @@ def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2, *segment
     x = fire_input((pairs - i_pair * shift).to(d.dtype), i_pair.to(i.dtype), c, threshold)
     every_head = fire_mlp(x, None, w1, b1, w2)  # (pairs, H)
     return every_head[where, head]
+
+
+def fire_kernel_bias(dist, head, query, key, psi, w1, b1, w2, *segments):
+    """fire_bias as FlexAttention's score_mod reads it, one score at a time (FIREPrior.kernel_tensors):
+    psi(i - j) from `psi`, the table of log(c d + 1) by distance, times 1 / psi(max(L, i)), the
+    query's token feature (query[1]), so that no score reads c or L themselves. Read per score, a
+    one-element tensor with a gradient takes every score's gradient in one address (an atomic add per
+    score in inductor's backward); the tables take it per distance and per query, and autograd carries
+    it on to c and L. `segments` (fire_segments, given under autograd) have the kernel read the MLP
+    as the piecewise-linear function it is: inductor's flex backward refuses a score_mod that indexes
+    a tensor with a gradient more than once, as the sum over hidden units does. Equal to fire_bias up
+    to fp32 rounding (a product with 1 / psi for a quotient: tests/test_rivals.py)."""
+    x = psi[dist.clamp(min=0).long()] * query[1]
+    return fire_piecewise(x, head, *segments) if segments else fire_mlp(x, head, w1, b1, w2)
 
 
 def fire_input(dist, i, c, threshold):
@@ -1327,10 +1453,12 @@ class FIREPrior(AdditivePrior):
     gradient is zero, so it would never train)."""
 
     bias_fn = staticmethod(fire_bias)
+    kernel_bias_fn = staticmethod(fire_kernel_bias)
     METRICS_PREFIX = "fire"
     DISTANCE_ONLY = False
+    RANGES = {"fire_mlp_width": ">= 1", "fire_init_c": "> 0", "fire_init_threshold": "> 0"}
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         W, H = cfg.fire_mlp_width, cfg.n_head
         self.log_c = nn.Parameter(torch.tensor([math.log(cfg.fire_init_c)]))
@@ -1348,8 +1476,21 @@ class FIREPrior(AdditivePrior):
             return mlp + fire_segments(self.w1, self.b1, self.w2)
         return mlp
 
+    def kernel_tensors(self, length, device):
+        """fire_kernel_bias's tensors over `length` distances: psi(d) = log(c d + 1), (length,) fp32,
+        then the MLP's."""
+        with torch.autocast(device.type, enabled=False):
+            distances = torch.arange(length, device=device, dtype=torch.float32)
+            psi = torch.log1p(torch.exp(self.log_c) * distances)
+        return (psi,) + self.tensors()[2:]
+
     def token_features(self, x, pos_in_doc, past=None):
-        return (pos_in_doc.float()[:, None, :],)  # the position of each token in its document
+        """(the position of each token in its document, 1 / psi(max(L, i)) at it), (B or 1, 1, T)
+        each: fire_bias reads the first, fire_kernel_bias the second."""
+        position = pos_in_doc.float()[:, None, :]
+        with torch.autocast(position.device.type, enabled=False):
+            c, threshold = torch.exp(self.log_c), torch.exp(self.log_threshold)
+            return position, 1.0 / torch.log1p(c * torch.maximum(position, threshold))
 
     def head_parameters(self):
         H = self.w2.shape[0]
@@ -1384,8 +1525,9 @@ class FoXPrior(AdditivePrior):
     bias_fn = staticmethod(fox_bias)
     METRICS_PREFIX = "fox"
     DISTANCE_ONLY = False
+    RANGES = {"fox_gate_init_bias": ">= -30, <= 30"}  # past +-30 a gate is shut, or open to 1e-13
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.gate = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # weight: Transformer's init
         nn.init.constant_(self.gate.bias, cfg.fox_gate_init_bias)  # 0 by default, as the reference
@@ -1406,9 +1548,7 @@ class FoXPrior(AdditivePrior):
         before it in the row."""
         log_f = self.log_gates(x).double()
         total = log_f.cumsum(dim=-1)
-        idx = torch.arange(log_f.shape[-1], device=x.device)
-        # 0 (nothing to remove) if none
-        last_start = torch.where(pos_in_doc == 0, idx, 0).cummax(dim=-1).values
+        last_start = last_document_start(pos_in_doc == 0)  # 0 (nothing to remove) if none
         before = (total - log_f).gather(-1, last_start[:, None, :].expand_as(log_f))
         c = total - before
         # a KV cache holds the same row: no document start in between
@@ -1428,8 +1568,9 @@ class FoXPrior(AdditivePrior):
         return None  # a function of the content: eval.priors shows the gates instead
 
 
-# The registry: the name a config uses -> the encoding. PE_CHOICES and PRIORS are views of it.
-ENCODINGS = {
+# The registry (declared at the top): the name a config uses -> the encoding. PE_CHOICES, PRIORS,
+# CHECKED_SETTINGS and model_ranges() are views of it.
+ENCODINGS.update({
     "nope": NoPE,
     "rope": RoPE,
     "sinusoidal": Sinusoidal,
@@ -1440,7 +1581,7 @@ ENCODINGS = {
     "t5": T5Prior,
     "fire": FIREPrior,
     "fox": FoXPrior,
-}
+})
 PE_CHOICES = tuple(ENCODINGS)
 # Every encoding at its defaults, then each of its checked_settings: (name, {field: value})
 CHECKED_SETTINGS = tuple([(pe, {}) for pe in ENCODINGS] + [
@@ -1449,6 +1590,109 @@ PRIORS = {name: enc for name, enc in ENCODINGS.items() if issubclass(enc, Additi
 
 
 # --------------------------------------------------------------------------------------------------
+# Attention. First what every layer needs to know about one forward's positions (AttnContext,
+# built once per distinct window and shared by the layers that have it) and which path computes
+# it; then what positions do to it, written once, as two plain torch expressions on broadcastable
+# tensors: `positional_scores` (the logits) and `visible` (the mask). FlexAttention evaluates them
+# on scalars (score_mod, mask_mod), the dense paths on whole grids, so the paths cannot drift
+# apart; `eager` is the reference the tests hold the others to.
+
+
+@dataclass
+class AttnContext:
+    """What every layer's attention needs to know about the positions of one forward pass."""
+
+    impl: str  # flex | sdpa | eager (after `auto` was resolved)
+    q_pos: torch.Tensor  # (Tq,) absolute positions of the queries
+    k_pos: torch.Tensor  # (Tk,) absolute positions of the keys
+    # Which keys each query sees, in the form its implementation takes: a BlockMask (flex), a dense
+    # (B or 1, 1, Tq, Tk) bool (eager, sdpa), or None where causality over the same positions is all
+    # there is (sdpa's flash kernel masks by itself: no T x T tensor)
+    mask: torch.Tensor | BlockMask | None
+    log_n: torch.Tensor | None  # (B or 1, Tq) log of how many keys each query sees (SSMax)
+    rope: tuple | None  # (cos, sin) of the queries' positions
+    pos_in_doc: torch.Tensor | None = None  # (B or 1, Tq) the queries' positions in their documents
+    # flex with flex_prior = "table": each layer's distance-only prior is read from its
+    # distance_table (the tabled_prior of Block and Attention, chosen per layer outside them) and
+    # SSMax's factor from a table too. A flag, not the tables: a per-layer lookup inside a compiled
+    # Block would guard on the layer's index.
+    uses_prior_tables: bool = False
+    window: int = 0  # the sliding window of the layers this context serves (0: none)
+
+
+def attention_contexts(model, T, pos_in_doc, doc_ids=None, kv_cache=None, start_pos=0):
+    """For a forward of `model` over T tokens from start_pos: every layer's AttnContext (one per
+    distinct window, shared by the layers that have it, so one mask each) and every layer's prior
+    read from a table (flex_prior_tables) or None."""
+    windows = model.config.layer_windows
+    contexts = {window: attention_context(model, start_pos, T, pos_in_doc, doc_ids, kv_cache,
+                                          window) for window in dict.fromkeys(windows)}
+    tabled = next((ctx for ctx in contexts.values() if ctx.uses_prior_tables), None)
+    tables = ((None,) * len(windows) if tabled is None
+              else flex_prior_tables(model, tabled.mask.seq_lengths[0], pos_in_doc.device))
+    return tuple(contexts[window] for window in windows), tables
+
+
+def attention_context(model, start_pos, T, pos_in_doc, doc_ids=None, kv_cache=None, window=None):
+    """What the attention of every layer of `model` with this window (None: attn_window) needs
+    about a forward's positions; eval.attention scores its sampled queries with it too."""
+    cfg, device = model.config, pos_in_doc.device
+    window = cfg.attn_window if window is None else window
+    q_pos = torch.arange(start_pos, start_pos + T, device=device)
+    first_key = kv_cache.first_key(start_pos, window) if kv_cache is not None else 0
+    k_pos = torch.arange(first_key, start_pos + T, device=device)
+    impl = attention_path(model, T, len(k_pos), doc_ids is not None)
+    log_n = ssmax_log_n(pos_in_doc, window) if model.has_ssmax else None
+    rotation = model.rotation
+    rope = rotation(q_pos, cfg, length=start_pos + T) if rotation is not None else None
+    if impl == "flex":
+        mask = make_block_mask(doc_ids, T, device, window)
+    elif impl == "sdpa" and plain_causal(model, T, len(k_pos), doc_ids is not None):
+        mask = None
+    else:
+        mask = dense_mask(q_pos, k_pos, window, doc_ids)
+    tables = impl == "flex" and cfg.flex_prior == "table"
+    return AttnContext(impl, q_pos, k_pos, mask, log_n, rope, pos_in_doc, tables, window)
+
+
+def attention_path(model, T_q, T_k, has_docs):
+    """Which attention path (a name in ATTENTION) a forward of `model` over T_q queries and T_k
+    keys takes: the model's policy, which eval/ and bench/ read too."""
+    impl = model.config.attn_impl
+    if T_q != T_k:  # decoding with a KV cache: a few queries, all keys; flex needs Tq == Tk
+        return "eager" if impl == "eager" else "sdpa"
+    training = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+    on_cuda = model.lm_head.weight.is_cuda
+    if impl == "flex" and training and not on_cuda:
+        raise ValueError("attn_impl='flex' has no backward pass on CPU (torch 2.13): train on "
+                         "CPU with 'sdpa', 'eager' or 'auto', or run inference under "
+                         "torch.no_grad()")
+    if impl != "auto":
+        return impl
+    if plain_causal(model, T_q, T_k, has_docs):
+        return "sdpa"  # flash attention with is_causal
+    if on_cuda:
+        return "flex"
+    # FlexAttention has no backward on CPU (torch 2.13), and below a few thousand tokens the dense
+    # bias costs less than flex's compile; past that the dense bias grows as T^2 and flex wins.
+    return "sdpa" if training or T_q <= 2048 else "flex"
+
+
+def plain_causal(model, T_q, T_k, has_docs):
+    """Nothing positional in the attention of `model` but causality (and no sink), which sdpa's
+    flash kernel does alone."""
+    positional = (len(model.priors) > 0 or model.has_ssmax or has_docs
+                  or any(model.config.layer_windows))
+    return T_q == T_k and not positional and not model.config.attn_sink
+
+
+def ssmax_log_n(pos_in_doc, window=0):
+    """log n_i for SSMax, n_i = the keys query i can see (docs/paper.md §3): the count of `visible`
+    keys, its in-document position + 1, capped by the window."""
+    n_keys = pos_in_doc + 1
+    return torch.log(n_keys.clamp(max=window).float() if window else n_keys.float())
+
+
 # Attention. What positions do to it is written once, as two plain torch expressions on
 # broadcastable tensors: `positional_scores` (the logits) and `visible` (the mask). FlexAttention
 # evaluates them on scalars (score_mod, mask_mod), the dense paths on whole grids, so the paths
@@ -1522,14 +1766,6 @@ def dense_mask(q_pos, k_pos, window=0, doc_ids=None):
         return visible(q_pos[:, None], k_pos[None, :], window)[None, None]
     return visible(q_pos[:, None], k_pos[None, :], window, doc_ids[:, :, None],
                    doc_ids[:, None, :])[:, None]
-
-
-def flex_mask_mod(window=0, doc_ids=None):
-    """`visible` as FlexAttention's mask_mod(b, h, q_idx, kv_idx)."""
-    if doc_ids is None:
-        return lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window)
-    return lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window, doc_ids[b, q_idx],
-                                               doc_ids[b, kv_idx])
 
 
 def grid_features(features):
@@ -1623,14 +1859,40 @@ def dense_prior(prior, head, q_pos, k_pos):
     return table[:, q_pos[:, None] - k_pos[None, :] - smallest]
 
 
+
+
+# The attention paths by name (ModelConfig.attn_impl after `auto`), which Attention.forward looks
+# up; flex registers itself at the end of its region.
+ATTENTION.update(eager=eager_attention, sdpa=sdpa_attention)
+
+
+# --------------------------------------------------------------------------------------------------
+# FlexAttention: what the `flex` path needs around the expressions above, in the order a forward
+# meets it: the per-layer prior tables, the path itself (flex_attention), its two forms of a sink,
+# the BlockMasks (written down directly, the causal ones kept in a small cache), and the compiled
+# kernels, one per variant (built outside any trace by build_flex_kernels, where dynamo's recompile
+# budget is raised). torch 2.13's CPU workarounds live here too (static shapes for the kernels that
+# gather per-query tensors, sequences padded to whole blocks).
+
+
 # Prior tables for flex (ModelConfig.flex_prior = "table"). A prior that depends on the head and i -
 # j only (AdditivePrior.DISTANCE_ONLY) takes at most T values per head on a causal grid of T tokens;
 # evaluating it per score repeats its formula T times over, and in the backward pass every score
 # adds its gradient into the same few scalars per head (atomics on a GPU, pytorch/pytorch#137452).
 # Instead the table is built outside the kernel in plain torch, once per forward and prior module
-# (Transformer._flex_prior_tables), the kernel only gathers from it, and autograd takes the table's
-# gradient back to the parameters. SSMax's factor s_h log n_i is tabulated alike by query.
+# (flex_prior_tables), the kernel only gathers from it, and autograd takes the table's gradient back
+# to the parameters. SSMax's factor s_h log n_i is tabulated alike by query.
 # tests/test_prior_tables.py holds the tables to the formulas.
+
+
+def flex_prior_tables(model, length, device):
+    """Per layer of `model`, its prior read from its distance_table over the kernel's `length`
+    tokens, (table_bias, (table,)), built once per prior module (once for all layers where the
+    prior is shared), or None where the layer's prior is not distance-only or there is none."""
+    n_head = model.config.n_head
+    built = [(table_bias, (distance_table((p.bias_fn, p.tensors()), n_head, length, device),))
+             if p.DISTANCE_ONLY else None for p in model.priors]
+    return tuple(None if index is None else built[index] for index in model.prior_index)
 
 
 def distance_table(prior, n_head, length, device):
@@ -1661,60 +1923,54 @@ def flex_captured(t):
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def tabled_scores(scores, b, head, q_pos, k_pos, bias_table, factor_table):
-    """positional_scores with both of its terms read from tables:
-    (scores + g_h(i - j)) * s_h log n_i, where `bias_table` is a distance_table (or None) and
-    `factor_table` an ssmax_table (or None)."""
-    if bias_table is not None:
-        scores = scores + table_bias(q_pos - k_pos, head, bias_table)
+def kernel_scores(scores, b, head, q_pos, k_pos, prior, factor_table, query=None, key=None):
+    """positional_scores as FlexAttention's score_mod computes it, (scores + g_h(i, j)) * s_h log n_i:
+    the prior in the form the kernel reads (`prior` (table_bias, (distance_table,)), or a prior's
+    kernel form, or None) and SSMax's factor from its ssmax_table (or None)."""
+    if prior is not None:
+        scores = scores + prior_bias(prior, head, q_pos - k_pos, query, key)
     if factor_table is not None:
         scores = scores * factor_table[b, head, q_pos]
     return scores
 
 
-def flex_attention_fused(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
-    """FlexAttention: the prior as score_mod, the mask as a sparse BlockMask; never
+def flex_attention(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
+    """The flex path: the prior as score_mod, the mask as a sparse BlockMask; never
     materialises Tq x Tk. Queries and keys are the same positions 0..T-1 (no KV cache), so
-    the token features at the queries are those at the keys (layer_prior). With prior tables
-    (ctx.flex_tables) a tabulated prior, (table_bias, (table,)), and SSMax are gathered from
-    tables; any other prior (one with token features included), and everything with
-    flex_prior = "formula", is evaluated by its formula per score. A sink needs no score_mod on a
+    the token features at the queries are those at the keys (layer_prior). `prior` is what the
+    score_mod reads: a distance-only prior from its table, (table_bias, (table,)), with prior
+    tables (ctx.uses_prior_tables), else its kernel form (AdditivePrior.kernel_bias_fn). SSMax's
+    factor s_h log n_i always comes from a (B, H, T) table (ssmax_table): read per score, the scale
+    s_h would take every score's gradient of its head in one address. A sink needs no score_mod on a
     GPU (with_sink); the CPU's kernel has no log-sum-exp, so there the sink is one more key
     (sink_block_mask)."""
-    log_n = None
-    if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
-        log_n = (ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1
-                 else ctx.log_n)
     bias_fn, tensors = (None, ()) if prior is None else prior
-    tabulated = ctx.flex_tables and bias_fn in (None, table_bias)
     cpu = q.device.type == "cpu"
     form = None if sink is None else sink_form(cpu)
-    kernel = flex_kernel(flex_variant(bias_fn, ssmax_scale is not None, features is not None,
-                                      tabulated, cpu, form))
-    T, padded, mask = q.shape[2], ctx.mask.seq_lengths[0], ctx.mask
+    kernel = flex_kernel(flex_kernel_key(bias_fn, ssmax_scale is not None, features is not None,
+                                         cpu, form))
+    B, H, T = q.shape[:3]
+    padded, mask = ctx.mask.seq_lengths[0], ctx.mask
+    if bias_fn is table_bias and tensors[0].shape[-1] < padded:  # a shape, no device sync
+        raise ValueError(f"a prior table covers distances 0..{tensors[0].shape[-1] - 1}, the "
+                         f"kernel runs {padded} tokens: build it at ctx.mask.seq_lengths[0]")
     if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
-        features = tuple(flex_captured(t.expand(q.shape[0], q.shape[1], T)) for t in features[0])
+        features = tuple(flex_captured(t.expand(B, H, T)) for t in features[0])
+    log_n = ctx.log_n
     # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
     if padded > T:
         q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
         log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
         features = None if features is None else tuple(F.pad(t, (0, padded - T)) for t in features)
+    factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, B)
     sink_table = None
     if form == "key":  # the sink as the first key of one more key block
-        logits = sink_scores(sink, ssmax_scale, ctx.log_n).expand(q.shape[0], q.shape[1], T)
+        logits = sink_scores(sink, ssmax_scale, ctx.log_n).expand(B, H, T)
         sink_table = flex_captured(F.pad(logits, (0, padded - T)))
         k, v = (F.pad(x, (0, 0, 0, mask.BLOCK_SIZE[1])) for x in (k, v))
         mask = sink_block_mask(mask)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one kernel
-    if tabulated:
-        bias_table = tensors[0] if tensors else None
-        if bias_table is not None and bias_table.shape[-1] < padded:  # a shape, no device sync
-            raise ValueError(f"a prior table covers distances 0..{bias_table.shape[-1] - 1}, the "
-                             f"kernel runs {padded} tokens: build it at ctx.mask.seq_lengths[0]")
-        factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, q.shape[0])
-        out = kernel(q, k, v, mask, bias_table, factor_table, sink_table)
-    else:
-        out = kernel(q, k, v, mask, log_n, tensors, ssmax_scale, features, sink_table)
+    out = kernel(q, k, v, mask, tensors, features, factor_table, sink_table)
     if form != "lse":
         return out[:, :, :T]
     return with_sink(out[0][:, :, :T], out[1][:, :, :T], sink_scores(sink, ssmax_scale, ctx.log_n))
@@ -1770,165 +2026,18 @@ def with_sink(out, lse, sink_logit):
     return (out.float() * torch.sigmoid(lse.float() - sink_logit)[..., None]).type_as(out)
 
 
-# The attention paths by name (ModelConfig.attn_impl after `auto`):
-# Attention.forward looks its path up here.
-ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_fused}
-
-
-# --------------------------------------------------------------------------------------------------
-# Validation: what ModelConfig refuses (ModelConfig.__post_init__ calls check_model_config), the
-# numeric ranges of its fields, and the order of document ids.
-
-
-def check_model_config(cfg):
-    """ValueError("model config: ...") naming the first setting of `cfg` that is not allowed."""
-
-    def bad(msg):
-        raise ValueError(f"model config: {msg}")
-
-    check_ranges(cfg, MODEL_RANGES, bad)
-    if cfg.pe not in ENCODINGS:
-        bad(f"unknown pe {cfg.pe!r}; allowed: {', '.join(ENCODINGS)}")
-    if cfg.attn_impl not in ATTN_IMPLS:
-        bad(f"unknown attn_impl {cfg.attn_impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
-    if cfg.flex_prior not in FLEX_PRIORS:
-        bad(f"unknown flex_prior {cfg.flex_prior!r}; allowed: {', '.join(FLEX_PRIORS)}")
-    if cfg.bam_init not in BAM_INITS:
-        bad(f"unknown bam_init {cfg.bam_init!r}; allowed: {', '.join(BAM_INITS)}")
-    if cfg.n_embd % cfg.n_head and not cfg.attn_head_dim:
-        bad(f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} (or set attn_head_dim)")
-    kinds = check_layer_pattern(cfg, bad)
-    for pe in dict.fromkeys(kind.pe for kind in kinds):
-        even = ENCODINGS[pe].even_width
-        if even and getattr(cfg, even) % 2:
-            bad(f"{pe} needs an even {even}, got {even}={getattr(cfg, even)}")
-    if cfg.n_kv_head < 0 or (cfg.n_kv_head and cfg.n_head % cfg.n_kv_head):
-        bad(f"n_kv_head={cfg.n_kv_head} must divide n_head={cfg.n_head} (or be 0 for n_head)")
-    if cfg.t5_num_buckets % 2 or cfg.t5_max_distance <= cfg.t5_num_buckets // 2:
-        bad(f"T5 needs an even t5_num_buckets and t5_max_distance > t5_num_buckets / 2, got "
-            f"{cfg.t5_num_buckets} and {cfg.t5_max_distance}")
-    check_rope_scaling(cfg, bad, kinds)
-
-
-def check_layer_pattern(cfg, bad):
-    """Every layer's LayerKind; bad(msg) for a layer_pattern that does not parse, fit n_layer or
-    name known encodings, or one that mixes an embedding (sinusoidal) with other encodings: it is
-    added to the tokens once, before every layer, so it is the whole model's or none."""
-    if not isinstance(cfg.layer_pattern, str):
-        bad(f"layer_pattern must be a string of words {LAYER_WORD_FORM}, got "
-            f"{cfg.layer_pattern!r}")
-    try:
-        kinds = cfg.layer_kinds
-    except ValueError as e:
-        bad(str(e))
-    for pe in dict.fromkeys(kind.pe for kind in kinds):
-        if pe not in ENCODINGS:
-            bad(f"unknown encoding {pe!r} in layer_pattern {cfg.layer_pattern!r}; allowed: "
-                f"{', '.join(ENCODINGS)}")
-    embeddings = {kind.pe for kind in kinds if ENCODINGS[kind.pe].embedding is not None}
-    if embeddings and len({kind.pe for kind in kinds}) > 1:
-        bad(f"layer_pattern {cfg.layer_pattern!r} mixes {', '.join(sorted(embeddings))} with "
-            f"other encodings: it is added to the token embeddings once for every layer, so it "
-            f"can only be the whole model's pe")
-    return kinds
-
-
-def check_rope_scaling(cfg, bad, kinds):
-    """The RoPE scalings' settings: bad(msg) for the first that is not allowed."""
-    if cfg.rope_scaling not in ROPE_SCALINGS:
-        bad(f"unknown rope_scaling {cfg.rope_scaling!r}; allowed: {', '.join(ROPE_SCALINGS)}")
-    if not 0 < cfg.yarn_beta_slow < cfg.yarn_beta_fast:
-        bad(f"YaRN needs 0 < yarn_beta_slow < yarn_beta_fast, got {cfg.yarn_beta_slow} and "
-            f"{cfg.yarn_beta_fast}")
-    if cfg.rope_scaling == "none" and cfg.rope_factor != 1.0:
-        bad(f"rope_factor={cfg.rope_factor} has no effect with rope_scaling='none'; choose one of "
-            f"{', '.join(ROPE_SCALINGS[1:])}")
-    if cfg.rope_scaling != "none" and all(ENCODINGS[k.pe].rotation is None for k in kinds):
-        bad(f"rope_scaling needs a rotary encoding (pe = 'rope' in some layer), got pe={cfg.pe!r}"
-            + (f", layer_pattern={cfg.layer_pattern!r}" if cfg.layer_pattern else ""))
-    if not cfg.llama3_low_freq_factor < cfg.llama3_high_freq_factor:
-        bad(f"llama3 scaling needs llama3_low_freq_factor < llama3_high_freq_factor, got "
-            f"{cfg.llama3_low_freq_factor} and {cfg.llama3_high_freq_factor}")
-    check_rope_fraction(cfg, bad, kinds)
-    if cfg.rope_scaling in ("ntk", "dynamic_ntk") and rotated_pairs(cfg) <= 1:
-        bad(f"rope_scaling={cfg.rope_scaling!r} needs more than one turning pair (its exponent is "
-            f"d / (r - 2), r = 2 x pairs), got head_dim={cfg.head_dim} at "
-            f"rope_fraction={cfg.rope_fraction}")
-
-
-def check_rope_fraction(cfg, bad, kinds):
-    """Partial RoPE's share of pairs (its range is in MODEL_RANGES): a whole number of pairs, on a
-    rotary encoding, and with something left to scale where a scaling is set."""
-    pairs = cfg.head_dim // 2
-    if abs(cfg.rope_fraction * pairs - round(cfg.rope_fraction * pairs)) > 1e-9:
-        bad(f"rope_fraction={cfg.rope_fraction} turns {cfg.rope_fraction * pairs:g} of the "
-            f"{pairs} pairs of head_dim={cfg.head_dim}; allowed: a multiple of 1/{pairs}")
-    if cfg.rope_fraction != 1.0 and all(ENCODINGS[k.pe].rotation is None for k in kinds):
-        bad(f"rope_fraction needs a rotary encoding (pe = 'rope' in some layer), got pe={cfg.pe!r}"
-            + (f", layer_pattern={cfg.layer_pattern!r}" if cfg.layer_pattern else ""))
-    if cfg.rope_scaling != "none" and rotated_pairs(cfg) == 0:
-        bad(f"rope_scaling={cfg.rope_scaling!r} has no effect with rope_fraction=0 (no pair turns)")
-
-
-# What every numeric ModelConfig field may be (bam/ranges.py's notation; always finite as well). A
-# new numeric field needs its line here: tests/test_ranges.py fails for one without. Bases below 2
-# would make RoPE's and the sinusoids' frequencies grow with the pair index (or all equal 1) instead
-# of spreading them out. A range refuses nonsense (a width below 1, a negative count), never a value
-# the method admits: "" is any finite number. BAM's shape is one: b <= 0 is the paper's retrieval
-# head and b = 0 NoPE (docs/paper.md §2), and the paper puts no clamp on b.
-MODEL_RANGES = {
-    "vocab_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_kv_head": ">= 0",
-    "n_embd": ">= 1", "mlp_hidden": ">= 0", "block_size": ">= 1", "norm_eps": "> 0, < 1",
-    "init_std": "> 0, <= 10", "rope_theta": ">= 2", "rope_factor": ">= 1",
-    "rope_original_context": ">= 0", "yarn_beta_fast": "> 0", "yarn_beta_slow": "> 0",
-    "rope_fraction": ">= 0, <= 1",
-    "sinusoidal_base": ">= 2", "attn_window": ">= 0", "bam_init_shape": "",
-    "bam_init_log_scale": ">= -30, <= 30", "t5_num_buckets": ">= 2", "t5_max_distance": ">= 2",
-    "fire_mlp_width": ">= 1", "fire_init_c": "> 0", "fire_init_threshold": "> 0",
-    "attn_head_dim": ">= 0",
-    "llama3_low_freq_factor": "> 0", "llama3_high_freq_factor": "> 0",
-    # past +-30 a gate is shut (log f < -30 a token) or open to 1e-13
-    "fox_gate_init_bias": ">= -30, <= 30",
-}
-_LIMIT = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
-
-
-def check_ranges(obj, table, bad):
-    """bad("NAME = VALUE: allowed: ...") for a field of `obj` that is not a finite number
-    within its range in `table` ("> 0", ">= 0, <= 1"). ranges.check does the same for the other
-    configs and the command lines; this copy keeps model.py free of the repository's other
-    modules (it is exported alone)."""
-    for name, spec in table.items():
-        value, kind = getattr(obj, name), type(getattr(type(obj), name, 0.0))
-        integer = kind is int
-        ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
-        ok = ok and math.isfinite(value)
-        for part in spec.split(",") if spec else ():  # "": any finite number
-            op, _, limit = part.strip().partition(" ")
-            ok = ok and _LIMIT[op](float(value), float(limit))
-        if not ok:
-            what = "an integer" if integer else "a finite number"
-            bad(f"{name} = {value!r}: allowed: {what} {spec}".rstrip())
-
-
-def check_doc_ids(doc_ids):
-    """Documents are contiguous runs of a row: ids must never decrease along it."""
-    if doc_ids.shape[-1] > 1 and bool((doc_ids[..., 1:] < doc_ids[..., :-1]).any()):
-        raise ValueError("doc_ids must be non-decreasing along each row (documents are contiguous)")
-
-
-# --------------------------------------------------------------------------------------------------
-# Flex runtime: what FlexAttention needs around the math above. The BlockMasks (written down
-# directly, and the causal ones kept in a small cache), one compiled kernel per variant (kept in
-# _FLEX_KERNELS, built outside any trace, where dynamo's recompile budget is raised), and torch
-# 2.13's CPU workarounds (static shapes for the kernels that gather per-query tensors, sequences
-# padded to whole blocks).
-
-
 # FlexAttention's BlockMask says which 128 x 128 blocks of the score grid to visit at all (in full,
 # or through the mask_mod); the causal and the windowed one are written down directly, because
 # create_block_mask would first evaluate the mask on all T x T pairs (10 bytes each: 640 MiB at 8K
 # tokens, 2.5 TB at 500K).
+
+
+def flex_mask_mod(window=0, doc_ids=None):
+    """`visible` as FlexAttention's mask_mod(b, h, q_idx, kv_idx)."""
+    if doc_ids is None:
+        return lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window)
+    return lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window, doc_ids[b, q_idx],
+                                               doc_ids[b, kv_idx])
 
 
 def make_block_mask(doc_ids, T, device, window=0):
@@ -1939,7 +2048,7 @@ def make_block_mask(doc_ids, T, device, window=0):
     if doc_ids is None:
         if window:
             return window_block_mask(T_mask, window, device)
-        return cached_causal_block_mask(T_mask, device)
+        return causal_block_mask(T_mask, device)
     if T_mask > T:
         doc_ids = torch.cat([doc_ids, (doc_ids[:, -1:] + 1).expand(-1, T_mask - T)], dim=1)
     # Documents are a training-time feature, where T is the training context: the dense evaluation
@@ -1956,7 +2065,7 @@ def flex_mask_length(T, device):
     return T if torch.device(device).type != "cpu" else -(-T // 128) * 128
 
 
-def causal_block_mask(T, device, block=128):
+def write_causal_block_mask(T, device, block=128):
     """The causal BlockMask: query block i sees key blocks 0..i-1 in full and block i through the
     mask. O((T / block)^2) small ints."""
     n = -(-T // block)
@@ -1972,10 +2081,12 @@ def causal_block_mask(T, device, block=128):
                                     BLOCK_SIZE=block, mask_mod=flex_mask_mod(), seq_lengths=(T, T))
 
 
-def cached_causal_block_mask(T, device):
+def causal_block_mask(T, device):
+    """The causal BlockMask over T tokens, kept for the next forward at the same length
+    (write_causal_block_mask writes one)."""
     # inside a compiled graph the mask is part of the graph: no cache, no guards
     if torch.compiler.is_compiling():
-        return causal_block_mask(T, device)
+        return write_causal_block_mask(T, device)
     return _kept_causal_block_mask(T, torch.device(device), torch.is_inference_mode_enabled())
 
 
@@ -1988,7 +2099,7 @@ CAUSAL_MASKS_KEPT = 4
 
 @functools.lru_cache(maxsize=CAUSAL_MASKS_KEPT)
 def _kept_causal_block_mask(T, device, inference_mode):
-    return causal_block_mask(T, device)
+    return write_causal_block_mask(T, device)
 
 
 def window_block_mask(T, window, device, block=128):
@@ -2015,86 +2126,89 @@ def window_block_mask(T, window, device, block=128):
                                     mask_mod=flex_mask_mod(window), seq_lengths=(T, T))
 
 
-_FLEX_KERNELS = {}
+# The key of the compiled kernel that serves a layer: `prior` its score_mod's bias function
+# (table_bias for a prior read from its distance_table, a prior's kernel form, or None), `ssmax`,
+# `static_shapes` (the CPU's workaround for a score_mod that gathers per-query tensors,
+# _make_flex_kernel), and `sink`, None or sink_form's "lse" (the kernel also returns its
+# log-sum-exp) or "key" (the sink is a key).
+FlexKernelKey = namedtuple("FlexKernelKey", "prior ssmax static_shapes sink")
 
 
-def flex_kernel(variant):
-    """The compiled FlexAttention of `variant` (flex_variant), built at its first request. Building
+def flex_kernel_key(bias_fn, use_ssmax, has_features, cpu, sink=None):
+    """The FlexKernelKey of a layer whose score_mod reads its prior through `bias_fn`."""
+    gathers = bias_fn is table_bias or use_ssmax or has_features or sink is not None
+    return FlexKernelKey(bias_fn, use_ssmax, cpu and gathers, sink)
+
+
+def build_flex_kernels(model):
+    """Every flex kernel a forward of `model` can ask for (flex_kernel), on a CPU or a GPU, with
+    either flex_prior: made before any trace, so that a compiled forward only reads them. Making
+    one costs nothing (it compiles at its first call). Transformer calls it when it is made."""
+    kinds = set()  # each distinct (score_mod's bias functions, token features?, SSMax?) of the layers
+    for layer, block in enumerate(model.blocks):
+        prior = model.prior_of_layer(layer)
+        if prior is None:
+            bias_fns, has_features = (None,), False
+        else:  # with flex_prior = "table" and "formula"
+            kernel_form = prior.kernel_bias_fn or prior.bias_fn
+            bias_fns = (table_bias, kernel_form) if prior.DISTANCE_ONLY else (kernel_form,)
+            has_features = not prior.DISTANCE_ONLY
+        kinds.add((bias_fns, has_features, block.attn.ssmax_scale is not None))
+    for bias_fns, has_features, use_ssmax in kinds:
+        for cpu in (False, True):
+            sink = sink_form(cpu) if model.config.attn_sink else None
+            for bias_fn in bias_fns:
+                flex_kernel(flex_kernel_key(bias_fn, use_ssmax, has_features, cpu, sink))
+
+
+_FLEX_KERNELS = {}  # FlexKernelKey -> its compiled kernel
+
+
+def flex_kernel(key):
+    """The compiled FlexAttention of `key` (a FlexKernelKey), built at its first request. Building
     writes module state (this cache, and dynamo's recompile budget), which a traced region must not
     do: inside an activation-checkpointed Block dynamo refuses it (an unsafe side effect), elsewhere
     it breaks the graph and changes what the graph's guards saw, so the next call compiles the model
     again. Transformer therefore builds every kernel it can ask for when it is made
     (build_flex_kernels), and traced code only reads."""
-    kernel = _FLEX_KERNELS.get(variant)
+    kernel = _FLEX_KERNELS.get(key)
     if kernel is not None:
         return kernel
     if torch.compiler.is_compiling():
-        raise RuntimeError(f"no flex kernel for {variant} was built before torch.compile traced "
-                           "the model; call its build_flex_kernels() after changing its priors")
+        raise RuntimeError(f"no flex kernel for {key} was built before torch.compile traced "
+                           "the model; call build_flex_kernels(model) after changing its priors")
     # dynamo's recompile budget (8) is per code object, and every variant, sequence length and mask
     # shape of a kernel shares one: an evaluation sweep over lengths, or a test comparing encodings,
     # would exhaust it and fail under fullgraph. Raised here, outside any trace (never lowering a
     # user's setting).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    tabulated = variant[0] == "table"
-    kernel = _make_flex_table_kernel(*variant[1:]) if tabulated else _make_flex_kernel(*variant)
-    _FLEX_KERNELS[variant] = kernel
+    kernel = _make_flex_kernel(*key)
+    _FLEX_KERNELS[key] = kernel
     return kernel
 
 
-def flex_variant(bias_fn, use_ssmax, has_features, tabulated, cpu, sink=None):
-    """The key of the compiled kernel that serves a layer: ("table", prior?, SSMax?, CPU?, sink)
-    for a prior read from its table (bias_fn table_bias or None), else (bias_fn, SSMax?, static
-    shapes?, sink), static shapes being the CPU's workaround for a score_mod that gathers
-    per-query tensors (_make_flex_kernel). `sink`: None or sink_form's "lse" (the kernel also
-    returns its log-sum-exp) or "key" (the sink is a key)."""
-    if tabulated:
-        return ("table", bias_fn is not None, use_ssmax, cpu, sink)
-    return (bias_fn, use_ssmax, cpu and (use_ssmax or has_features or sink is not None), sink)
-
-
 def _make_flex_kernel(bias_fn, use_ssmax, static_shapes, sink=None):
-    """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
-    captured from a module, so every layer (and every model of that variant) reuses one compiled
-    kernel instead of recompiling per layer; each variant also gets its own recompile budget.
-    `static_shapes` (the CPU, for a score_mod that gathers per-query tensors): torch 2.13's C++ flex
-    template fails to compile FoX + SSMax's (the gates and log n by query) once dynamo has made the
-    batch and length dynamic (an undeclared `cur_qSplitSize2`, as the table kernel's
-    `cur_kvSplitSize`), so each shape gets its own (a sink's gather of its logits by query too).
-    `sink` (flex_variant): "lse" returns (output, log-sum-exp), "key" scores the sink's key."""
+    """One compiled FlexAttention per FlexKernelKey. The prior's tensors, its token features and
+    SSMax's table are arguments, not captured from a module, so every layer (and every model of that
+    variant) reuses one compiled kernel instead of recompiling per layer, and gradients flow to them
+    as to q, k and v; each variant also gets its own recompile budget. `static_shapes` (the CPU, for
+    a score_mod that gathers per-query tensors or from a table): torch 2.13's C++ flex template fails
+    to compile these once dynamo has made the batch and length dynamic (an undeclared
+    `cur_qSplitSize2` for FoX + SSMax's gates and SSMax's table by query, `cur_kvSplitSize` for a
+    distance table's gather under a document-and-window mask), so on a CPU each shape gets its own.
+    `sink`: "lse" returns (output, log-sum-exp), "key" scores the sink's key."""
 
-    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features, sink_table=None):
+    def kernel(q, k, v, block_mask, prior_tensors, features, factor_table, sink_table=None):
         prior = None if bias_fn is None else (bias_fn, prior_tensors)
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            row_log_n = log_n[b, q_idx] if use_ssmax else None
             query = key = None
             # queries and keys are the same tokens: one (B, H, T) tensor each
             if features is not None:
                 query = tuple(t[b, h, q_idx] for t in features)
                 key = tuple(t[b, h, kv_idx] for t in features)
-            return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale, query,
-                                     key)
-
-        if sink == "key":
-            score_mod = sink_score_mod(score_mod, sink_table)
-        return flex_call(q, k, v, score_mod, block_mask, sink == "lse")
-
-    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
-
-
-def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes, sink=None):
-    """One compiled FlexAttention for every distance-only prior (with or without SSMax): its
-    score_mod only gathers from the tables, which are arguments, so gradients flow to them as to q,
-    k and v. `static_shapes` (the CPU): torch 2.13's C++ code for this gather under a
-    document-and-window mask fails to compile once dynamo has made the length dynamic (an undeclared
-    `cur_kvSplitSize` in inductor's flex template; the formula kernel is not affected), so on a CPU
-    each length gets a kernel of its own. `sink`: as _make_flex_kernel's."""
-
-    def kernel(q, k, v, block_mask, bias_table, factor_table, sink_table=None):
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return tabled_scores(score, b, h, q_idx, kv_idx, bias_table if use_prior else None,
-                                 factor_table if use_ssmax else None)
+            return kernel_scores(score, b, h, q_idx, kv_idx, prior,
+                                 factor_table if use_ssmax else None, query, key)
 
         if sink == "key":
             score_mod = sink_score_mod(score_mod, sink_table)
@@ -2107,7 +2221,12 @@ def flex_call(q, k, v, score_mod, block_mask, with_lse):
     """flex_attention's output, and with `with_lse` its log-sum-exp per query, (B, H, T) fp32."""
     gqa = k.shape[1] != q.shape[1]
     if not with_lse:
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
-    out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
-                              return_aux=AuxRequest(lse=True))
+        return torch_flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                    enable_gqa=gqa)
+    out, aux = torch_flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                    enable_gqa=gqa, return_aux=AuxRequest(lse=True))
     return out, aux.lse
+
+
+# The flex path joins the others (ATTENTION, in "Attention")
+ATTENTION["flex"] = flex_attention

@@ -74,6 +74,7 @@ LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".tx
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 TOKENIZER = GPT2  # the tokenizer of this process's tokenize() calls; tokenized() sets it, forked workers inherit it
 LOCK = ".lock"  # held by the prepare_fineweb.py that writes the folder (pid and host inside)
+MANIFEST_KEYS = ("shards", "tokens", "finished", "exhausted")  # what every manifest of this script has had
 CHUNK_DOCS = 64  # documents per chunk sent to a worker: fewer, larger messages keep the main process light
 CHUNK_CHARS = 1 << 18  # ... and fewer when they are long: a chunk ends once it holds this many characters
 CHUNKS_PER_WORKER = 4  # chunks in flight per worker: enough that it never waits for the main process
@@ -494,6 +495,10 @@ def _read_manifest(out_dir: str):
         raise PrepareError(f"{path} is not a manifest this script wrote ({e}); use another --out_dir") from None
     if not isinstance(manifest, dict):
         raise PrepareError(f"{path} is not a manifest this script wrote (not a JSON object); use another --out_dir")
+    missing = [key for key in MANIFEST_KEYS if key not in manifest]
+    if missing or not isinstance(manifest["shards"], list):  # a web app's manifest.json, say: not ours to extend
+        raise PrepareError(f"{path} is not a manifest this script wrote (it has no {', '.join(missing or ['shards'])})"
+                           f"; use another --out_dir")
     return manifest
 
 

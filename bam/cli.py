@@ -61,6 +61,16 @@ def os_reason(e):
     return (e.strerror or str(e) or type(e).__name__).splitlines()[0]
 
 
+def error_line(e, limit=None):
+    """A library's error as one line that keeps its reason: the lines of its message joined (transformers'
+    config validation says which validator on the first and why on the next, torch's load_state_dict which
+    module first and which keys after), a KeyError's message without the quotes its str() adds, the type's
+    name for an empty message; cut to `limit` characters, if given, where a message may list without end."""
+    message = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+    text = " ".join(line.strip() for line in message.splitlines() if line.strip()) or type(e).__name__
+    return text if limit is None or len(text) <= limit else text[:limit - 3].rstrip() + "..."
+
+
 def describe_os_error(e, action=None):
     """One line for an OSError: `<action> <path>: <reason>`; `action` defaults to "cannot use"."""
     path = e.filename if e.filename is not None else None

@@ -63,7 +63,7 @@ SHAPE_FREE_MODEL_KEYS = tuple(CHECKPOINT_CHANGES["model"])
 # ones start from the config's initialisation (bam.checkpoint.load_init_weights; a change of pe away from the
 # encoding the weights were trained with also needs train.init_change_pe). Never on resume, never an evaluator's
 # override.
-PARAMETER_ADDING_MODEL_KEYS = ("ssmax", "pe")
+PARAMETER_ADDING_MODEL_KEYS = ("ssmax", "pe", "qk_norm")
 
 def checkpoint_differences(saved, current, allowed):
     """The settings of `current` that differ from `saved` (both as to_dict gives them: a checkpoint's "config"
@@ -208,7 +208,7 @@ class Config:
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "log": LogConfig}
 
 # What every numeric setting of [data], [train] and [log] may be (bam/ranges.py's notation; finite as well; each
-# element of a list, and an optional one only when set). [model]'s are model.MODEL_RANGES, checked by
+# element of a list, and an optional one only when set). [model]'s are model.model_ranges(), checked by
 # ModelConfig itself. A new numeric setting needs its line: tests/test_ranges.py fails for one without.
 RANGES = {
     "data": {"batch_size": ">= 1"},

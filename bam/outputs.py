@@ -24,6 +24,9 @@ shards, manifests, metrics, eval results) goes through atomic_file, every folder
     claim_folder(path, ...)     .NAME.lock beside an output folder, then recover(path) (export, import)
     check_apart(source, out)    refuse an output that is its source, holds it or lies inside it (symlinks
                                 resolved), before anything is written
+    write_manifest(folder, ...) FOLDER/NAME listing every entry of a finished folder, and who wrote it
+    check_replaceable(path,...) refuse to replace a folder unless it is empty or its manifest names the
+                                command and lists all it holds (what --overwrite may replace)
     remove_stale(folder, glob)  temp files of killed writers (their rename never happened)
 
 How a folder is swapped (docs/INTERFACES.md, "Outputs after a kill"). A folder cannot be renamed over a
@@ -45,6 +48,7 @@ import ctypes
 import errno
 import fcntl
 import glob
+import json
 import os
 import re
 import resource
@@ -167,6 +171,79 @@ def check_apart(source, out, refused=ValueError, source_name="SRC", out_name="OU
     resolved = f" (resolved: {out_name} {dst}, {source_name} {src})" if given != (src, dst) else ""
     raise refused(f"{out_name} {out} {relation} {source_name} {source}{resolved}: an output and its source must "
                   f"lie apart, neither inside the other; choose another {out_name}")
+
+
+def contents(folder):
+    """Every file, link and folder under `folder` as a path relative to it, "/"-separated, a folder's ending in
+    "/" (a link is never followed), sorted. A folder that cannot be read is an OSError: what cannot be listed
+    cannot be vouched for."""
+    def fail(error):
+        raise error
+
+    found = []
+    for root, dirs, files in os.walk(folder, onerror=fail):
+        rel = os.path.relpath(root, folder)
+        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        found += [prefix + name + ("" if os.path.islink(os.path.join(root, name)) else "/") for name in dirs]
+        found += [prefix + name for name in files]
+    return sorted(found)
+
+
+def write_manifest(folder, name, record):
+    """FOLDER/NAME: `record` (with "written_by", the command) and "files", every entry of `folder` (contents)
+    but NAME itself. Write it last, into the finished folder before it is swapped in: check_replaceable later
+    replaces the folder only while it holds nothing more."""
+    files = [entry for entry in contents(folder) if entry != name]
+    write_text(os.path.join(folder, name), json.dumps({**record, "files": files}, indent=1) + "\n")
+
+
+def check_replaceable(path, name, command, refused, option, older=None):
+    """Refuse, as `refused` (the caller's error type) with one line, to replace the existing `path` unless it is
+    an empty folder or a folder that `command` wrote: its manifest NAME (write_manifest) names `command` and
+    lists every entry the folder holds. A folder holding anything else (a user's notes, evaluation results, a
+    checkout whose files share names with the command's) is refused naming what is extra, and nothing is
+    removed. `older(path)`: whether the folder looks like one an earlier version of `command` wrote without a
+    manifest, which is refused too (nothing can tell what was added to it since), with a hint. `option`: how
+    the command line names `path` (OUT_DIR)."""
+    def refuse(why):
+        raise refused(f"{option} {path} {why}")
+
+    if os.path.islink(path):
+        refuse(f"is a symbolic link; --overwrite replaces only a folder {command} wrote, not a link to one: give "
+               f"{os.path.realpath(path)}, or choose another {option}")
+    if not os.path.isdir(path):
+        refuse(f"exists and is not a folder; choose another {option}")
+    try:
+        if not os.listdir(path):
+            return  # nothing to lose
+        with open(os.path.join(path, name), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):  # none, unreadable or not JSON: not a manifest this command wrote
+        manifest = None
+    listed = manifest.get("files") if isinstance(manifest, dict) and manifest.get("written_by") == command \
+        else None
+    if not isinstance(listed, list) or not all(isinstance(entry, str) for entry in listed):
+        if older is not None and older(path):
+            refuse(f"looks like the output of an earlier {command}, which did not list the files it wrote in "
+                   f"{name}, so nothing tells what was added to it since; --overwrite replaces only a folder that "
+                   f"lists them: check it and remove it yourself, or choose another {option}")
+        refuse(f"is not a folder {command} wrote (no {name} of it); --overwrite replaces only those, so nothing "
+               f"was removed: choose another {option}")
+    try:
+        found = contents(path)
+    except OSError as e:
+        refuse(f"cannot be listed ({e.strerror or e}: {e.filename}); --overwrite replaces only a folder {command} "
+               f"wrote, checked entry by entry")
+    extra, inside = [], None
+    for entry in sorted(set(found) - set(listed) - {name}):
+        if inside and entry.startswith(inside):
+            continue  # named by its folder (sorted: a folder's entries follow it)
+        extra.append(entry)
+        inside = entry if entry.endswith("/") else None
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        refuse(f"holds what {command} did not write: {', '.join(extra[:5])}{more}; --overwrite replaces only a "
+               f"folder holding nothing else, so nothing was removed: move those away, or choose another {option}")
 
 
 def _inside(path, folder):

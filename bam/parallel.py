@@ -23,7 +23,7 @@ are recomputed in the backward, from the Block's input), and train.compile compi
 (after checkpointing and before sharding, as torchtitan does: FSDP's hooks stay outside the graphs; each
 layer's prior table is an argument, so one graph per grad mode serves every Block) and the whole model under
 DDP (after DDP wraps it, torch's documented order: see wrap). Nothing inside a compiled region writes module
-state: the flex kernels are built when the model is made (model.Transformer.build_flex_kernels). Under FSDP
+state: the flex kernels are built when the model is made (model.build_flex_kernels). Under FSDP
 the weights are DTensors: read them through this module (prior_summary, clip_grad_norm, the checkpoint
 functions), never with .tolist() or .item() on a parameter.
 """

@@ -99,13 +99,13 @@ def attention_call(encoding, impl, T, device, dtype, backward, window=0, batch=1
     def run():
         qq, kk = (apply_rope(q, *rope), apply_rope(k, *rope)) if rope is not None else (q, k)
         # the prior's token features are part of its cost: computed (and differentiated) in every call
-        call_prior, features = layer_prior(prior, x, ctx, layer=0)
+        call_prior, features = layer_prior(prior, x, ctx)
         call_ctx = ctx
         if tabulated and features is None:  # a prior with token features is never tabulated (model.py)
             length = mask.seq_lengths[0] if impl == "flex" else T  # flex's padded length on a CPU
             table = None if prior is None else distance_table(call_prior, H, length, device)
             call_prior = None if prior is None else (table_bias, (table,))
-            call_ctx = dataclasses.replace(ctx, flex_tables=True)
+            call_ctx = dataclasses.replace(ctx, uses_prior_tables=True)
         y = attend(qq, kk, v, call_ctx, call_prior, scale, features)
         if backward:
             y.float().sum().backward()

@@ -75,7 +75,7 @@ def attention_stats(attn, x, ctx, prior_module, positions, context):
     q, k, _ = attn.project(x, ctx)
     B, H, T, head_dim = q.shape
     k = k.float().repeat_interleave(H // k.shape[1], dim=1)  # the key head each query head reads
-    prior, features = layer_prior(prior_module, x, ctx, layer=None)  # FIRE's positions, FoX's gates (or None)
+    prior, features = layer_prior(prior_module, x, ctx)  # FIRE's positions, FoX's gates (or None)
     head = torch.arange(H, device=q.device).view(H, 1, 1)
     chunk = max(1, SCORE_BYTES // (4 * B * H * T))
     stats = []
@@ -107,7 +107,7 @@ def score_prompts(model, tokens, positions, context, amp):
 
     def hook(layer):
         def record(attn, args):
-            x, ctx, prior_module = args[:3]  # Attention.forward(x, ctx, prior_module, layer, kv_cache)
+            x, ctx, prior_module = args[:3]  # Attention.forward(x, ctx, prior_module, tabled_prior, kv_cache)
             stats[layer] = attention_stats(attn, x, ctx, prior_module, positions, context)
         return record
 
@@ -199,7 +199,7 @@ def evaluate_attention(source, *, options=None, lengths=None, max_factor=None, p
             if bar is not None:
                 bar.update(len(chunk))
         per_head = torch.cat(parts, dim=2).double().mean(dim=(2, 4))  # (3, layers, heads)
-        seen = [np.minimum(positions + 1, w) if w else positions + 1 for w in model.layer_windows()]  # per layer
+        seen = [np.minimum(positions + 1, w) if w else positions + 1 for w in model.config.layer_windows]  # per layer
         uniform = np.mean([np.log(n).mean() for n in seen])  # uniform attention's entropy, over the layers
         row = {"length": length, "factor": length / block_size, "samples": samples, "queries": positions.tolist(),
                "seconds": round(time.perf_counter() - t0, 3), "uniform_entropy": float(uniform),
@@ -215,7 +215,7 @@ def evaluate_attention(source, *, options=None, lengths=None, max_factor=None, p
 
 def head_groups(model):
     """[layer][head] group names of a prior that groups its heads (BAM's shapes); None for a layer without."""
-    priors = [model._prior_of_layer(layer) for layer in range(len(model.blocks))]
+    priors = [model.prior_of_layer(layer) for layer in range(len(model.blocks))]
     groups = [[p.head_group(h) for h in range(model.config.n_head)] if p is not None and p.GROUPS else None
               for p in priors]
     return groups if any(groups) else None

@@ -16,9 +16,11 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from bam.checkpoint import CheckpointError, checkpoint_tokenizer, is_sharded, load_checkpoint, model_from_checkpoint
+from bam.cli import error_line
 from bam.tokenizer import GPT2, GPT2_IDENTITY, load_run_tokenizer
 from eval import EvalError
 from eval.options import EvalOptions
+from model import parse_layer_pattern
 
 
 @dataclass
@@ -92,8 +94,7 @@ def read_model(source, device):
     try:
         model = model_from_checkpoint(ckpt, device)
     except Exception as e:  # weights that do not fit their config, a config this model.py refuses: say which
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise EvalError(f"cannot load the checkpoint {path}: {reason}") from None
+        raise EvalError(f"cannot load the checkpoint {path}: {error_line(e, limit=300)}") from None
     return model.eval(), path, ckpt
 
 
@@ -124,12 +125,26 @@ def overridden(model, attn_impl, overrides):
         config = replace(config, **changes)
     except (TypeError, ValueError) as e:
         raise EvalError(str(e)) from None
+    check_window_reaches_a_layer(config, changes)
     if auto and config.rope_scaling == "none":
         raise EvalError("--rope_factor auto needs a RoPE scaling method: add --rope_scaling linear, ntk or yarn")
     if auto and config.rope_scaling == "dynamic_ntk":
         raise EvalError("--rope_factor auto would scale dynamic_ntk twice (it already grows its scale with the "
                         "length); give a number, 1 for the plain dynamic rule")
     return with_config(model, config) if changes else model
+
+
+def check_window_reaches_a_layer(config, changes):
+    """A model-wide attn_window reaches only the layers whose layer_pattern word names no window of its own; where
+    every word names one (rope@64 bam@full), --attn_window would change nothing while the results file and the
+    report named the evaluation after it: refused in one line."""
+    if "attn_window" not in changes or not config.layer_pattern:
+        return
+    if any(kind.window is None for kind in parse_layer_pattern(config.layer_pattern, config.n_layer)):
+        return
+    raise EvalError(f"--attn_window {changes['attn_window']} would change no layer: every word of the model's "
+                    f"layer_pattern {config.layer_pattern!r} names its own window (@W or @full), which the flag "
+                    f"leaves as trained; evaluate the model without it")
 
 
 def with_config(model, config):

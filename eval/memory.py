@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from bam.sizing import available_bytes  # noqa: F401  (the evaluators' and training's one measure)
+from model import Transformer, attention_path
 
 # Peak bytes of one no-grad forward per token and per unit of n_embd (fp32 activations, FlexAttention),
 # measured with bench/eval_memory.py (docs/benchmarks.md) and rounded up: a handful of (T, n_embd)-sized
@@ -36,9 +37,8 @@ def forward_bytes(model, batch, length, scored):
     need = ACTIVATION_BYTES * tokens * max(cfg.n_embd, getattr(cfg, "hidden_dim", 0) // 2)
     need += 8 * batch * scored * cfg.vocab_size  # fp32 logits and their argmax/softmax temporaries
     need += 16 * tokens  # token ids, positions, SSMax's log n
-    resolve = getattr(model, "attention_impl", None)  # the model's own policy, so the two cannot disagree
-    with torch.no_grad():
-        impl = resolve(length, length, False) if resolve else "flex"
+    with torch.no_grad():  # the model's own policy, so the two cannot disagree
+        impl = attention_path(model, length, length, False) if isinstance(model, Transformer) else "flex"
     if impl == "flex":
         need += 8 * (length // 128 + 1) ** 2  # the causal BlockMask's block indices
     ssmax = any(block.attn.ssmax_scale is not None for block in getattr(model, "blocks", ()))  # in some layer

@@ -167,17 +167,24 @@ def overrides_label(config, overrides):
     """How a report names an evaluation of a model (its `config` dict) with model overrides: "rope + YaRN x16",
     "rope + YaRN auto", "rope-local (W=512)"; other overridden keys follow in the brackets as key=value. A factor
     given alone scales by the model's own method (a run fine-tuned with YaRN), so it is named after it, and
-    without overrides such a model is named by the method it was trained with ("rope + YaRN x4")."""
+    without overrides such a model is named by the method it was trained with ("rope + YaRN x4"). A model with a
+    layer_pattern is named by it too, as its layers' encodings and windows are ("nope, layer pattern rope@64*2
+    nope@full"); a window override then reaches only the words that name no window, so the label is not
+    "-local" but "(W=4)" after the pattern."""
     rest = dict(overrides or {})
     window, scaling, factor = rest.pop("attn_window", 0), rest.pop("rope_scaling", None), rest.pop("rope_factor", None)
     if scaling is None:  # not overridden: the model's own method, at its own factor unless one is given
         scaling = config.get("rope_scaling")
         if factor is None and scaling not in (None, "none"):
             factor = config.get("rope_factor")  # as trained: "rope + YaRN x4"
-    label = f"{config.get('pe', '?')}{'-local' if window else ''}{' + ssmax' if config.get('ssmax') else ''}"
+    pattern = config.get("layer_pattern")
+    local = "-local" if window and not pattern else ""
+    label = f"{config.get('pe', '?')}{local}{' + ssmax' if config.get('ssmax') else ''}"
     if scaling and scaling != "none":
         label += f" + {SCALING_NAMES.get(scaling, scaling)}"
     if factor is not None:
         label += " auto" if factor == "auto" else f" x{plain_number(factor)}"
+    if pattern:
+        label += f", layer pattern {pattern}"
     details = ([f"W={window}"] if window else []) + [f"{k}={plain_number(v)}" for k, v in sorted(rest.items())]
     return label + (f" ({', '.join(details)})" if details else "")

@@ -44,12 +44,30 @@ def final_train_loss(train):
     return float(np.mean(losses[-max(1, len(losses) // 10):]))
 
 
+# What data.loss_on takes the loss over, in the table's words
+LOSS_OVER = {"all": "every token", "passkey_answers": "passkey answers"}
+
+
+def loss_text(value):
+    """Four significant digits: 3.457 for a language model's loss, and 0.0001234 rather than 0.000 for a loss on
+    the passkey's answer tokens (data.loss_on = "passkey_answers"), which a trained model drives near zero."""
+    return f"{value:#.4g}"
+
+
 def seeds_cell(values):
     """The mean over seeds, each seed's value in brackets (only the mean for one seed)."""
     if not values:
         return DASH
-    mean = f"{np.mean(values):.3f}"
-    return mean if len(values) == 1 else f"{mean} [{' '.join(f'{v:.3f}' for v in values)}]"
+    mean = loss_text(float(np.mean(values)))
+    return mean if len(values) == 1 else f"{mean} [{' '.join(loss_text(v) for v in values)}]"
+
+
+def loss_over(run):
+    """What the run's losses are taken over, from its data.loss_on (a run without a config.toml: unknown)."""
+    if run.config is None:
+        return DASH
+    loss_on = run.config.get("data", {}).get("loss_on", "all")
+    return LOSS_OVER.get(loss_on, loss_on)
 
 
 def section(runs):
@@ -67,14 +85,15 @@ def section(runs):
             if stop:
                 steps.append(f"seed {r.seed} diverged at {stop[0]:,}")
                 notes.append(f"- {r.name} ({variant}) diverged at step {stop[0]:,}: {stop[1]}")
-        rows.append([variant, len(members), "; ".join(steps),
+        rows.append([variant, len(members), "; ".join(steps), loss_over(members[0][0]),
                      seeds_cell([final_train_loss(c[0]) for c in counted]),
                      seeds_cell([c[1][1][-1] for c in counted if c[1][1]])])
     return (["## Training", "",
-             "From each run's metrics.jsonl: the training loss (nats per token) averaged over the last tenth of "
-             "the logged steps, and the last validation loss; the mean over the variant's seeds, each seed's in "
-             "brackets (over the seeds that trained to the end when some diverged).", ""]
-            + table(["variant", "seeds", "steps", "training loss, end", "validation loss, last"], rows)
+             "From each run's metrics.jsonl: the training loss (nats per token, over the tokens that data.loss_on "
+             "names: every token, or only the passkey's answer tokens) averaged over the last tenth of the logged "
+             "steps, and the last validation loss, over the same tokens; the mean over the variant's seeds, each "
+             "seed's in brackets (over the seeds that trained to the end when some diverged).", ""]
+            + table(["variant", "seeds", "steps", "loss over", "training loss, end", "validation loss, last"], rows)
             + ([""] + notes if notes else []))
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from model import (CHECKED_SETTINGS, ENCODINGS, ROPE_SCALINGS, KVCache, ModelConfig, Transformer, apply_rope,
-                   positions_in_documents, rope_frequencies, window_block_mask)
+from model import (CHECKED_SETTINGS, ENCODINGS, KVCache, ModelConfig, RoPE, Transformer, apply_rope,
+                   attention_context, positions_in_documents, rope_frequencies, window_block_mask)
 from tiny_models import batch, generated_equals_recomputed, logits_with, make_model, tiny, VOCAB
 
 FACTORS = [2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
@@ -146,7 +146,7 @@ def test_rope_frequencies_match_transformers(scaling, fraction, theta, L0):
 def test_dynamic_ntk_follows_the_length_of_the_forward():
     model = Transformer(rope_cfg("dynamic_ntk", 4.0, head_dim=8, context=16, attn_impl="eager"))
     for T in (10, 16, 40):
-        ctx = model._attention_context(0, T, torch.arange(T)[None], None, None)
+        ctx = attention_context(model, 0, T, torch.arange(T)[None])
         inv_freq = torch.tensor(expected_inv_freq("dynamic_ntk", 4.0, 8, 500_000.0, 16, T), dtype=torch.float64)
         angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq
         torch.testing.assert_close(ctx.rope[0], angles.cos().float())
@@ -198,7 +198,7 @@ def window_reference_mask(T, W, doc_ids):
 def test_dense_window_mask_matches_pairwise_reference(W):
     model = make_model(pe="rope", attn_window=W, attn_impl="eager")
     idx, doc_ids = batch(T=24)
-    ctx = model._attention_context(0, 24, positions_in_documents(doc_ids), doc_ids, None)
+    ctx = attention_context(model, 0, 24, positions_in_documents(doc_ids), doc_ids)
     assert torch.equal(ctx.mask, window_reference_mask(24, W, doc_ids))
 
 
@@ -305,7 +305,7 @@ def test_windowed_cache_refuses_a_gap():
 def test_ssmax_counts_only_the_keys_inside_the_window():
     model = make_model(pe="bam", ssmax=True, attn_window=5, attn_impl="eager")
     idx, doc_ids = batch(T=24)
-    ctx = model._attention_context(0, 24, positions_in_documents(doc_ids), doc_ids, None)
+    ctx = attention_context(model, 0, 24, positions_in_documents(doc_ids), doc_ids)
     visible = window_reference_mask(24, 5, doc_ids).sum(-1)[:, 0]  # (B, T) keys each query sees
     torch.testing.assert_close(ctx.log_n, visible.float().log())
     assert int(visible.max()) == 5 and int(visible.min()) == 1
@@ -346,7 +346,7 @@ def positional_variants():
     original context so dynamic NTK scales too."""
     for pe, settings in CHECKED_SETTINGS:
         encoding = ENCODINGS[pe]
-        scalings = ROPE_SCALINGS if encoding.rotation is not None else ("none",)
+        scalings = RoPE.SCALINGS if encoding.rotation is not None else ("none",)
         if encoding.rotation is None and encoding.embedding is None:
             continue
         for scaling in scalings:

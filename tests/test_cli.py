@@ -7,7 +7,7 @@ import os
 import pytest
 
 from bam import cli
-from bam.cli import Parser, UserError, fail, run_cli, user_errors
+from bam.cli import Parser, UserError, error_line, fail, run_cli, user_errors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,3 +59,18 @@ def test_every_function_in_train_py_is_short():
     assert len(lengths) > 15 and "main" in lengths
     long = {name: n for name, n in lengths.items() if n > 60}
     assert not long, long
+
+
+def test_error_line_keeps_the_reason_that_a_library_puts_after_its_first_line():
+    validation = ValueError("Class validation error for validator 'validate_layer_type':\n"
+                            "    ValueError: `num_hidden_layers` (4) must be equal to the number of `layer_types` (2)")
+    assert error_line(validation) == ("Class validation error for validator 'validate_layer_type': ValueError: "
+                                      "`num_hidden_layers` (4) must be equal to the number of `layer_types` (2)")
+    assert error_line(KeyError("Missing required keys in `rope_parameters`: {'factor'}")) == \
+        "Missing required keys in `rope_parameters`: {'factor'}"  # str() of a KeyError would quote it
+    assert error_line(RuntimeError("")) == "RuntimeError"
+    state_dict = RuntimeError("Error(s) in loading state_dict for Transformer:\n\tMissing key(s) in state_dict: "
+                              + ", ".join(f'"blocks.{i}.attn.wq.weight"' for i in range(40)))
+    cut = error_line(state_dict, limit=120)
+    assert len(cut) == 120 and cut.startswith("Error(s) in loading state_dict for Transformer: Missing key(s)") \
+        and cut.endswith("...")

@@ -11,6 +11,7 @@ import model as model_module
 import train
 from bam import parallel
 from bam.config import TrainConfig
+from flex_on_cpu import flex_backward_as_inductor_lowers_it, take_flex
 from model import ModelConfig, Transformer, check_doc_ids
 
 pytestmark = pytest.mark.slow  # every test compiles (dynamo's explain, torch.compile, flex kernels)
@@ -46,9 +47,9 @@ def test_compiled_forward_with_doc_ids_is_one_graph(pe, ssmax):
 
 
 def test_flex_with_prior_tables_is_one_graph():
-    """The GPU trains on flex, where the prior tables are built inside the forward (Transformer._flex_prior_tables):
+    """The GPU trains on flex, where the prior tables are built inside the forward (model.flex_prior_tables):
     they must trace into the same one graph. On the CPU flex has no backward, so this traces an inference forward;
-    bench/gpu_check.py's graphs section traces the training forward on a GPU."""
+    bench/gpu_check's graphs section traces the training forward on a GPU."""
     torch.manual_seed(0)
     model = Transformer(tiny("bam", True, attn_impl="flex", flex_prior="table"))
     x, y, doc_ids = batch()
@@ -99,29 +100,29 @@ def test_one_block_mask_per_forward_shared_by_all_layers(monkeypatch, docs):
 
 def test_causal_block_mask_cached_per_length_device_and_mode():
     model_module._kept_causal_block_mask.cache_clear()
-    first = model_module.cached_causal_block_mask(300, "cpu")
-    assert model_module.cached_causal_block_mask(300, torch.device("cpu")) is first
-    other = model_module.cached_causal_block_mask(200, "cpu")
+    first = model_module.causal_block_mask(300, "cpu")
+    assert model_module.causal_block_mask(300, torch.device("cpu")) is first
+    other = model_module.causal_block_mask(200, "cpu")
     assert other is not first and other.seq_lengths == (200, 200)
     # the cached mask is the causal mask of its length
-    fresh = model_module.causal_block_mask(300, "cpu")
+    fresh = model_module.write_causal_block_mask(300, "cpu")
     assert torch.equal(first.to_dense(), fresh.to_dense()) and first.seq_lengths == (300, 300)
     with torch.inference_mode():  # inference tensors cannot be saved for a later backward: kept apart
-        assert model_module.cached_causal_block_mask(300, "cpu") is not first
+        assert model_module.causal_block_mask(300, "cpu") is not first
     # bounded: a sweep over many lengths keeps only the most recent few
     for T in range(400, 400 + 128 * model_module.CAUSAL_MASKS_KEPT, 128):
-        model_module.cached_causal_block_mask(T, "cpu")
+        model_module.causal_block_mask(T, "cpu")
     assert model_module._kept_causal_block_mask.cache_info().currsize == model_module.CAUSAL_MASKS_KEPT
-    assert model_module.cached_causal_block_mask(300, "cpu") is not first
+    assert model_module.causal_block_mask(300, "cpu") is not first
 
     # make_block_mask serves the cached mask at flex's CPU length (whole 128-token blocks, model.flex_mask_length)
-    assert model_module.make_block_mask(None, 300, "cpu") is model_module.cached_causal_block_mask(384, "cpu")
+    assert model_module.make_block_mask(None, 300, "cpu") is model_module.causal_block_mask(384, "cpu")
 
 # ---------------------------------------------------------------------------------------------------
 # The GPU's training path traced on the CPU (issue 45, points 1, 2 and 9): flex under activation checkpointing
 # and per-Block compile (FSDP), the Block graphs per depth, the whole model's graphs over validation and
 # training steps (DDP), and the order DDP and compile are applied in. A GPU trains on flex; here the model is
-# told to take flex for training too (flex_everywhere), and the aot_eager / eager backends trace and run it:
+# told to take flex for training too (flex_on_cpu.take_flex), and the aot_eager / eager backends trace and run it:
 # dynamo's guards, recompiles and side-effect rules are the same as a GPU's, inductor's CPU kernel (which has
 # no flex backward) is never built.
 
@@ -150,20 +151,16 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def flex_everywhere(model):
-    """What a GPU picks for every forward: flex, training included."""
-    model.attention_impl = lambda T_q, T_k, has_docs: "flex"
-    return model
-
-
 @pytest.fixture
 def flex_backward_on_cpu(monkeypatch):
     """flex_attention refuses inputs that require grad on a CPU, before tracing (inductor's CPU kernel has no
-    backward); the aot_eager and eager backends run its backward in plain torch, so that check is lifted."""
+    backward); the aot_eager and eager backends run its backward in plain torch, so that check is lifted, and
+    that backward gives a gradient to the captured tensors inductor's gives one to (flex_on_cpu)."""
     import torch.nn.attention.flex_attention as flex_module
     if not hasattr(flex_module, "_validate_device"):
         pytest.skip("torch.nn.attention.flex_attention._validate_device is not in this torch")
     monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+    flex_backward_as_inductor_lowers_it(monkeypatch)
 
 
 def bam_ssmax(n_layer=2, ssmax=True, **kw):
@@ -218,22 +215,54 @@ def test_checkpointed_per_block_compiled_flex_runs_the_validation_forward(fresh_
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
-# BAM + SSMax with flex_prior = "table" is left out: on a CPU, flex's backward in plain torch (aot_eager, or
-# eager under checkpointing) fails on the gradient of SSMax's factor table ("Expected a proper Tensor but got
-# None"), a limit of that CPU fallback, not of the GPU's kernel; the GPU acceptance run trains it.
+@needs_counter
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "fully_shard"])
+def test_the_papers_default_path_per_block_compiled_and_checkpointed_trains_as_eager_does(
+        fresh_dynamo, flex_backward_on_cpu, sharded, monkeypatch, request):
+    """BAM + SSMax with flex_prior = "table", the paper's model on the GPU's default path: activation checkpointing
+    and per-Block compile (fullgraph), as parallel.prepare applies them, and also fully_shard (train.py's FSDP +
+    activation_checkpointing = "full" + compile, on a one-rank gloo group). The training forward and backward
+    equal eager's: the logits and every gradient, SSMax's scales and the prior's parameters among them. SSMax's
+    factor table is built inside the compiled Block, so its gradient is one the backward graph asks flex's
+    backward for (flex_on_cpu.flex_backward_as_inductor_lowers_it)."""
+    model = take_flex(monkeypatch, bam_ssmax(flex_prior="table"))
+    reference = eager_reference(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    if sharded:
+        t = TrainConfig(parallel="fsdp", activation_checkpointing="full", compile=True)
+        parallel.prepare(model, t, request.getfixturevalue("one_rank"), bf16=False, compile_backend=counter)
+        assert isinstance(model.blocks[0].attn.ssmax_scale, torch.distributed.tensor.DTensor)
+    else:
+        checkpointed_and_compiled_per_block(model, counter)
+    x, y, doc_ids = batch()
+    (logits, grads), (expected, expected_grads) = loss_and_grads(model, x, y, doc_ids), \
+        loss_and_grads(reference, x, y, doc_ids)
+    assert counter.frame_count == 1  # one graph serves both Blocks
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    shaping = {name for name, p in reference.named_parameters()
+               if p.requires_grad and any(p is q for q in reference.prior_parameters())}
+    assert {"blocks.1.attn.ssmax_scale", "priors.1.shape", "priors.1.log_scale"} <= shaping
+    assert all(expected_grads[name].abs().max() > 0 for name in shaping)  # a comparison that can fail
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        grad = grads[name].full_tensor() if sharded else grads[name]
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @needs_counter
 @pytest.mark.slow
 @pytest.mark.parametrize("ssmax,flex_prior,pattern", [(False, "table", ""), (True, "formula", ""),
-                                                      (False, "formula", "rope-ssmax@24 bam+ssmax@full"),
+                                                      (False, "table", "rope-ssmax@24 bam+ssmax@full"),
                                                       (False, "table", "alibi@24 bam@full")])
 def test_checkpointed_per_block_compiled_flex_trains_as_eager_does(fresh_dynamo, flex_backward_on_cpu, ssmax,
-                                                                    flex_prior, pattern):
+                                                                    flex_prior, pattern, monkeypatch):
     """The training forward and backward of the same model, as a GPU runs them (flex with its backward); with a
     layer_pattern, each layer with its own window, prior and SSMax, one Block graph per layer kind."""
     model = bam_ssmax(ssmax=ssmax, flex_prior=flex_prior, layer_pattern=pattern)
     reference = eager_reference(model)
     counter = CompileCounterWithBackend("aot_eager")
-    checkpointed_and_compiled_per_block(flex_everywhere(model), counter)
+    checkpointed_and_compiled_per_block(take_flex(monkeypatch, model), counter)
     x, y, doc_ids = batch()
     (logits, grads), (expected, expected_grads) = loss_and_grads(model, x, y, doc_ids), \
         loss_and_grads(reference, x, y, doc_ids)
@@ -250,15 +279,16 @@ def test_checkpointed_per_block_compiled_flex_trains_as_eager_does(fresh_dynamo,
 @pytest.mark.parametrize("pe,ssmax,pattern", [("bam", True, ""), ("rope", False, ""), ("fox", True, ""),
                                               ("rope", False, "rope@8*3 bam+ssmax@full")])
 def test_per_block_compile_makes_at_most_two_block_graphs_whatever_the_depth(fresh_dynamo, flex_backward_on_cpu,
-                                                                             n_layer, pe, ssmax, pattern):
+                                                                             n_layer, pe, ssmax, pattern,
+                                                                             monkeypatch):
     """FSDP compiles each Block; every layer must reuse one graph per grad mode (validation and training). A
     guard on the layer's index compiles one per layer, and past dynamo's recompile budget (8 by default)
     fullgraph fails at a later validation (FailOnRecompileLimitHit). With a layer_pattern, one graph per grad
     mode and distinct layer kind (encoding, window, SSMax), not per layer; its flex kernels were all built with
     the model (else the trace raises "no flex kernel ... was built")."""
     torch.manual_seed(0)
-    model = flex_everywhere(Transformer(tiny(pe, ssmax, n_layer=n_layer, n_embd=16, n_head=2,
-                                             layer_pattern=pattern)))
+    model = take_flex(monkeypatch, Transformer(tiny(pe, ssmax, n_layer=n_layer, n_embd=16, n_head=2,
+                                                    layer_pattern=pattern)))
     layer_kinds = len(set(model.config.layer_kinds))
     counter = CompileCounterWithBackend("eager")
     for block in model.blocks:
@@ -280,7 +310,7 @@ def test_the_whole_model_compiles_once_per_grad_mode_over_validation_and_trainin
     next validation must reuse their two graphs. A kernel cache filled during the first trace changes what
     that trace's guards saw, so the training step and the next validation would compile the model again."""
     monkeypatch.setattr(model_module, "_FLEX_KERNELS", {})  # as in a fresh process: no kernel of earlier tests
-    model = flex_everywhere(bam_ssmax())
+    model = take_flex(monkeypatch, bam_ssmax())
     counter = CompileCounterWithBackend("eager")
     compiled = parallel.wrap(model, TrainConfig(compile=True), PROCESS, compile_backend=counter)
     x, y, doc_ids = batch()

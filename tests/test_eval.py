@@ -395,7 +395,7 @@ def test_priors_of_a_layer_pattern_skip_the_layers_without_one():
     res = priors.evaluate_priors(model, options=quiet(), max_distance=1000)
     assert {h["layer"] for h in res["heads"]} == {2} and sum(res["groups"].values()) == 4
     assert res["layer_pattern"] == "rope@16*2 bam+ssmax" and res["ssmax"] and not res["shared_across_layers"]
-    shape, log_scale, loc = model._prior_of_layer(2).tensors()
+    shape, log_scale, loc = model.prior_of_layer(2).tensors()
     for h in res["heads"]:
         expected = ggd_bias(torch.tensor(100.0), h["head"], shape, log_scale, loc).item()
         assert h["bias_at"]["100"] == pytest.approx(expected, rel=1e-5)
@@ -586,6 +586,39 @@ def test_overrides_reach_the_model_are_recorded_and_named(workspace, tmp_path, c
                         "--rope_factor", "auto", "--model.rope_theta=1000"]) == 0
     # EOT + "Hi" + 94 new tokens = 1.5 x the context of 64
     assert "rope + ssmax + YaRN auto (rope_theta=1000) (rope_factor 1.5)" in capsys.readouterr().err
+
+
+def test_attn_window_on_a_layer_pattern_reaches_only_words_without_a_window_and_the_label_names_it(
+        workspace, tmp_path, capsys):
+    """--attn_window on a patterned run was named "bam-local + ssmax (W=4)" though every word of its pattern names
+    its own window and the flag changed nothing: refused in one line, nothing written. Where some words name
+    none, those layers take it and the others keep theirs, and the label names the pattern."""
+    from eval.loading import load_for_eval
+    from eval.results import evaluated_name
+
+    args = ["--length", "2x", "--window", "64", "--attn_window", "4", "--num_seqs", "1", "--data_dir",
+            workspace["data"], "--no_progress"]
+    every = tmp_path / "every"
+    save_model(tiny_model(layer_pattern="rope@8 bam+ssmax@full"), str(every / "checkpoints" / "step_00000001.pt"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_cli(perplexity.main, [str(every), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and err.startswith(
+        "error: --attn_window 4 would change no layer: every word of the model's layer_pattern "
+        "'rope@8 bam+ssmax@full' names its own window"), err
+    assert sorted(os.listdir(every)) == ["checkpoints"]
+
+    some = tmp_path / "some"
+    save_model(tiny_model(layer_pattern="rope@8 bam+ssmax"), str(some / "checkpoints" / "step_00000001.pt"))
+    windowed = load_for_eval(str(some), quiet(model_overrides={"attn_window": 4})).model
+    assert [kind.window for kind in windowed.config.layer_kinds] == [8, 4]
+    assert perplexity.main([str(some), *args]) == 0
+    results = json.load(open(some / "eval" / "perplexity_window4.json"))
+    assert evaluated_name(results).endswith(" as bam + ssmax, layer pattern rope@8 bam+ssmax (W=4)"), \
+        evaluated_name(results)
+    assert overrides_label({"pe": "rope", "layer_pattern": "rope@64*2 nope@full"}, {}) == \
+        "rope, layer pattern rope@64*2 nope@full"
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,6 +1,7 @@
 """export_hf.py: an exported folder computes what the project's model computes, for every encoding x SSMax,
 loads with transformers alone (no repository on sys.path), and its tokenizer gives the project's ids."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import export_hf
 from bam.checkpoint import save_model
+from planted import NOTES, checkout_like, snapshot
 from bam.data import EOT
 from bam.tokenizer import gpt2_encoding, load_tokenizer
 from model import PE_CHOICES, ModelConfig, Transformer
@@ -33,6 +35,8 @@ CASES = {f"{pe}{'_ssmax' if ssmax else ''}": dict(pe=pe, ssmax=ssmax) for pe in 
 CASES["bam_ssmax_gqa"] = dict(pe="bam", ssmax=True, n_kv_head=2, bam_per_layer=False)
 # learned sinks (their logits moved off 0 by tiny_model, as prior parameters) and gated attention (issue 47)
 CASES["bam_ssmax_sink_gate"] = dict(pe="bam", ssmax=True, attn_sink=True, attn_gate=True)
+# QK-norm (its gains moved off 1 by tiny_model) under a prior and SSMax; Qwen3's, imported, in test_import_hf.py
+CASES["bam_ssmax_qk_norm"] = dict(pe="bam", ssmax=True, qk_norm=True)
 # Config fields that model.py is gaining; the cases run as soon as it has them (until then: a visible skip).
 WINDOW_AND_SCALING = {"bam_ssmax_window": dict(pe="bam", ssmax=True, attn_window=8),
                       "rope_yarn": dict(pe="rope", rope_scaling="yarn", rope_factor=4.0),
@@ -46,9 +50,12 @@ TEXT = ("The quick brown fox jumps over the lazy dog. It's 2024, isn't it?\n\n"
 def tiny_model(seed=0, **kw):
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(**{**TINY, **kw}))
-    with torch.no_grad():  # trained-looking priors and SSMax scales, so a lost value cannot go unnoticed
+    with torch.no_grad():  # trained-looking priors, SSMax scales and QK-norm gains: a lost value cannot go unnoticed
         for p in model.prior_parameters():
             p.add_(0.3 * torch.randn_like(p))
+        for name, p in model.named_parameters():
+            if ".q_norm." in name or ".k_norm." in name:
+                p.add_(0.3 * torch.randn_like(p))
     return model.eval()
 
 
@@ -249,17 +256,56 @@ def test_bad_inputs_are_one_clear_line_and_keep_existing_output(tmp_path, export
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    assert "not an exported model folder" in export_error(capsys, tmp_path / "foreign.pt", precious, "--overwrite")
+    assert "is not a folder export_hf.py wrote" in export_error(capsys, tmp_path / "foreign.pt", precious, "--overwrite")
     assert (precious / "notes.txt").read_text() == "keep me"
 
 
 def test_overwrite_replaces_an_earlier_export(tmp_path):
+    """exported.json lists every file the export wrote; an export missing one of them (deleted by the user) is
+    still an earlier export, and is replaced whole."""
     first, out = export_case(tmp_path, "again", pe="alibi", ssmax=True)
+    manifest = json.loads((out / "exported.json").read_text())
+    assert manifest["written_by"] == "export_hf.py"
+    assert sorted(f.rstrip("/") for f in manifest["files"]) == sorted(set(snapshot(out)) - {"exported.json"})
+    (out / "generation_config.json").unlink()
     save_model(tiny_model(seed=5, pe="bam"), str(tmp_path / "second.pt"))
     export_hf.main([str(tmp_path / "second.pt"), str(out), "--overwrite"])
     hf_model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert hf_model.config.bam_model["pe"] == "bam"
+    assert (out / "generation_config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "again.pt", "second.pt"]
+
+
+def test_overwrite_replaces_only_an_export_holding_nothing_else(tmp_path, capsys):
+    """A checkout of this repository (modeling_bam.py at its root, as an export has) with the user's notes; an
+    earlier export the user added notes and results to; an export of the version before exported.json, which
+    nothing can tell apart from one the user added to: each refused in one line (the first naming the file it
+    lacks, the second what was added), not a byte of the folder changed, nothing written beside it."""
+    save_model(tiny_model(), str(tmp_path / "model.pt"))
+    checkout = tmp_path / "checkout"
+    before = checkout_like(checkout)
+    line = export_error(capsys, tmp_path / "model.pt", checkout, "--overwrite")
+    assert f"OUT_DIR {checkout} is not a folder export_hf.py wrote (no exported.json of it)" in line, line
+    assert snapshot(checkout) == before
+
+    _, out = export_case(tmp_path, "earlier", pe="rope")
+    (out / NOTES).write_text("the export I uploaded")
+    (out / "eval").mkdir()
+    (out / "eval" / "passkey.json").write_text("{}")
+    before = snapshot(out)
+    capsys.readouterr()  # the export's progress bars
+    line = export_error(capsys, tmp_path / "model.pt", out, "--overwrite")
+    assert f"OUT_DIR {out} holds what export_hf.py did not write: eval/, {NOTES};" in line, line
+    assert snapshot(out) == before
+
+    (out / NOTES).unlink()
+    shutil.rmtree(out / "eval")
+    (out / "exported.json").unlink()  # as the export_hf.py before it wrote one
+    before = snapshot(out)
+    line = export_error(capsys, tmp_path / "model.pt", out, "--overwrite")
+    assert "looks like the output of an earlier export_hf.py, which did not list the files it wrote" in line, line
+    assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkout", "earlier", "earlier.pt", "model.pt"]
 
 
 def files_under(folder):

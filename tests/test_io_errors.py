@@ -172,6 +172,19 @@ def test_train_config_that_is_not_a_text_file(content, message, tmp_path):
     assert message in line and str(path) in line
 
 
+@pytest.mark.parametrize("setting", ["--model.layer_pattern=rope*1000000000",
+                                     "--model.layer_pattern=rope@99999999999999999999",
+                                     "--model.attn_window=99999999999999999999"])
+def test_a_pattern_or_window_out_of_range_is_refused_before_the_run_folder_is_written(setting, tmp_path, shards):
+    """Issue 59: these were accepted, the run folder written (.lock, config.toml, metrics.jsonl, checkpoints/), and
+    the first forward died with a MemoryError or OverflowError traceback."""
+    import train
+    run_dir = tmp_path / "run"
+    line, _ = one_error_line(train.main, tiny_config(tmp_path, shards, run_dir) + [setting])
+    assert line.startswith("error: ") and ("does not divide" in line or "<= 2147483647" in line), line
+    assert not run_dir.exists()
+
+
 def test_train_output_folder_under_a_file_is_one_line(tmp_path, shards):
     import train
     (tmp_path / "runs").write_text("a file, not a folder")

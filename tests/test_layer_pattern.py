@@ -84,7 +84,7 @@ def test_each_layer_gets_its_own_prior_and_ssmax_and_a_layer_without_is_skipped(
     assert [type(p).__name__ for p in model.priors] == ["BAMPrior", "ALiBiPrior"]
     assert [b.attn.ssmax_scale is not None for b in model.blocks] == [False, True, False, False]
     assert [b.attn.rotary for b in model.blocks] == [True, False, False, True]
-    assert model._prior_of_layer(0) is None and model._prior_of_layer(1) is model.priors[0]
+    assert model.prior_of_layer(0) is None and model.prior_of_layer(1) is model.priors[0]
     summary = model.prior_summary()
     assert len(summary["bam_shape"]) == 1 and len(summary["ssmax_scale"]) == 1 and len(summary["alibi_slope"]) == 1
     # the prior's optimizer group holds exactly the BAM layer's prior and SSMax scales
@@ -97,14 +97,14 @@ def test_one_attention_context_per_distinct_window(monkeypatch):
     """A forward builds one mask per window the layers use, not one per layer (on flex: one BlockMask each)."""
     model = make_model(pe="rope", n_layer=6, attn_window=5, layer_pattern="rope*2 nope@full", attn_impl="eager")
     built = []
-    original = Transformer._attention_context
+    original = model_module.attention_context
 
-    def counting(self, *args):
-        ctx = original(self, *args)
+    def counting(*args):
+        ctx = original(*args)
         built.append(ctx.window)
         return ctx
 
-    monkeypatch.setattr(Transformer, "_attention_context", counting)
+    monkeypatch.setattr(model_module, "attention_context", counting)
     seen = []
     for block in model.blocks:
         block.attn.register_forward_pre_hook(lambda attn, args: seen.append(args[1].window))
@@ -162,9 +162,9 @@ def test_generation_with_a_pattern_equals_full_recompute(pe, ssmax, pattern, kv)
 
 def test_an_evaluators_attn_window_changes_the_layers_that_take_the_model_wide_one():
     model = make_model(pe="rope", attn_window=4, layer_pattern="rope nope@full")
-    assert model.layer_windows() == (4, 0)
+    assert model.config.layer_windows == (4, 0)
     model.config.attn_window = 9
-    assert model.layer_windows() == (9, 0)
+    assert model.config.layer_windows == (9, 0)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -184,6 +184,26 @@ def test_bad_patterns_name_what_is_allowed(kw, match):
     with pytest.raises(ValueError, match=match) as error:
         tiny(**kw)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("pattern,match", [
+    ("rope*1000000000", r"describes 1000000000 layers, which does not divide n_layer=2"),
+    ("nope rope*999999999999999999999999", r"describes 1000000000000000000000000 layers"),
+    ("rope@99999999999999999999", r"window 99999999999999999999: allowed: an integer >= 0, <= 2147483647"),
+    ("rope@" + "9" * 5000, r"word 'rope@99999.*' is not ENCODING"),
+])
+def test_a_pattern_is_refused_in_one_line_before_any_layer_is_listed(pattern, match):
+    """Issue 59: a repeat count of a billion was expanded into a list (MemoryError) before it was checked, and a
+    window past any position was accepted and overflowed at step 0. The layers are counted, and every window
+    held to attn_window's range, before anything is built; a 5,000-digit number is refused as a malformed word."""
+    import tracemalloc
+    tracemalloc.start()
+    with pytest.raises(ValueError, match=match) as error:
+        tiny(layer_pattern=pattern)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert "\n" not in str(error.value) and len(str(error.value)) < 300
+    assert peak < 1 << 20  # constant memory, whatever the count
 
 
 def test_partial_rope_turns_the_pattern_s_rope_layers_under_a_non_rotary_default():

@@ -217,3 +217,50 @@ def test_an_evaluator_removes_what_a_killed_one_left_and_refuses_a_concurrent_on
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+class Refused(Exception):
+    pass
+
+
+def test_check_replaceable_passes_only_a_folder_its_manifest_lists_whole(tmp_path):
+    """What --overwrite may replace: an empty folder, or one whose manifest names the command and lists every
+    entry (entries it lists but lacks are no loss). A folder without the manifest, with another command's, with
+    more than it lists, a file or a link: one line each, the folder's contents named by the folder."""
+    def check(path, older=None):
+        outputs.check_replaceable(str(path), "made.json", "make.py", Refused, "OUT", older=older)
+
+    def refusal(path, older=None):
+        with pytest.raises(Refused) as e:
+            check(path, older)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    (tmp_path / "empty").mkdir()
+    check(tmp_path / "empty")
+    made = tmp_path / "made"
+    (made / "tokenizer").mkdir(parents=True)
+    (made / "weights.bin").write_bytes(b"w")
+    (made / "tokenizer" / "vocab.json").write_text("{}")
+    outputs.write_manifest(str(made), "made.json", {"written_by": "make.py"})
+    assert json.loads((made / "made.json").read_text())["files"] == ["tokenizer/", "tokenizer/vocab.json",
+                                                                       "weights.bin"]
+    check(made)
+    (made / "weights.bin").unlink()
+    check(made)
+    (made / "notes.md").write_text("mine")
+    (made / "tokenizer" / "merges.txt").write_text("")
+    (made / "eval" / "deep").mkdir(parents=True)
+    (made / "eval" / "deep" / "passkey.json").write_text("{}")
+    assert f"OUT {made} holds what make.py did not write: eval/, notes.md, tokenizer/merges.txt;" in refusal(made)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "made.json").write_text(json.dumps({"written_by": "other.py", "files": ["made.json"]}))
+    assert "is not a folder make.py wrote (no made.json of it)" in refusal(foreign)
+    assert "looks like the output of an earlier make.py" in refusal(foreign, older=lambda path: True)
+    (foreign / "made.json").write_text("not json")
+    assert "is not a folder make.py wrote" in refusal(foreign)
+    (tmp_path / "file").write_text("x")
+    assert "exists and is not a folder" in refusal(tmp_path / "file")
+    os.symlink(made, tmp_path / "link")
+    assert "is a symbolic link" in refusal(tmp_path / "link")

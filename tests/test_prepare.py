@@ -18,6 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import prepare_fineweb
 from bam.data import EOT, ShardLoader, read_shard
 from bam.tokenizer import load_tokenizer
+from planted import checkout_like
+from planted import snapshot as planted_snapshot
 from prepare_fineweb import main
 
 pytestmark = pytest.mark.slow  # prepare_fineweb.py end to end, its workers and its command line
@@ -283,7 +285,8 @@ def test_hub_errors_are_one_line_and_out_dir_is_checked_first(tmp_path, monkeypa
         ["--source", "fineweb", "--out_dir", str(tmp_path / "fw")])
     out = tmp_path / "other"
     out.mkdir()
-    (out / "manifest.json").write_text(json.dumps({"tokenizer": "llama3"}))
+    (out / "manifest.json").write_text(json.dumps({"tokenizer": "llama3", "shards": [], "tokens": 0, "finished": False,
+                                                   "exhausted": False}))
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("network before checks"))
     assert "'llama3' tokenizer" in run_error(["--source", "fineweb", "--out_dir", str(out)])
 
@@ -357,6 +360,28 @@ def test_foreign_shards_without_manifest_are_left_untouched(tmp_path):
     assert "without a manifest.json" in run_error(
         ["--source", "local", "--input", write_jsonl(tmp_path / "c.jsonl", DOCS), "--out_dir", str(out)])
     assert snapshot(out) == before
+
+
+def test_a_checkout_as_out_dir_gets_shards_beside_its_files_and_a_foreign_manifest_is_refused(tmp_path):
+    """prepare_fineweb.py replaces no folder: in a folder of the user's (a checkout with notes) it adds its shards,
+    manifest and lock and changes nothing that was there; a manifest.json it did not write (a web app's) is refused
+    in one line, not extended."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "checkout"
+    before = checkout_like(out)
+    main(["--source", "local", "--input", corpus, "--out_dir", str(out), "--workers", "1", "--shard_size", "2000"])
+    after = planted_snapshot(out)
+    assert {name: after[name] for name in before} == before
+    shards = [os.path.basename(f) for f in shard_files(out)]
+    assert len(shards) > 1 and sorted(set(after) - set(before)) == sorted([".lock", "manifest.json"] + shards)
+    other = tmp_path / "webapp"
+    checkout_like(other)
+    (other / "manifest.json").write_text(json.dumps({"name": "my app", "start_url": "/"}))
+    before = planted_snapshot(other)
+    message = run_error(["--source", "local", "--input", corpus, "--out_dir", str(other)])
+    assert "manifest.json is not a manifest this script wrote (it has no shards, tokens, finished, exhausted)" \
+        in message, message
+    assert planted_snapshot(other) == before
 
 
 def test_cli_prints_one_line_not_a_traceback(tmp_path):

@@ -1,6 +1,6 @@
 """Every number a user can give, refused in one line when it is not finite or out of range, before anything is
 created (issue 24, class 1). Driven from the declarations, so a new option is covered without a new test:
-every numeric config field must have a range (model.MODEL_RANGES, config.RANGES), every numeric flag of every
+every numeric config field must have a range (model.model_ranges(), config.RANGES), every numeric flag of every
 command must be a ranges.number, and each is then fed inf, nan and a value just outside its range."""
 
 import argparse
@@ -10,6 +10,7 @@ import sys
 import typing
 
 import pytest
+import torch
 
 import eval as eval_package
 import export_hf
@@ -41,7 +42,7 @@ def numeric_fields(cls):
 
 def config_cases():
     for section, cls in config.SECTIONS.items():
-        table = model.MODEL_RANGES if section == "model" else config.RANGES.get(section, {})
+        table = model.model_ranges() if section == "model" else config.RANGES.get(section, {})
         for key, kind in numeric_fields(cls).items():
             yield section, key, kind, table.get(key)
 
@@ -51,7 +52,7 @@ CONFIG_CASES = list(config_cases())
 
 def test_every_numeric_setting_declares_its_range():
     missing = [f"{s}.{k}" for s, k, _, spec in CONFIG_CASES if spec is None]
-    assert not missing, f"add a range for {missing} (model.MODEL_RANGES or config.RANGES)"
+    assert not missing, f"add a range for {missing} (an encoding's RANGES, model.CORE_RANGES or config.RANGES)"
     assert len(CONFIG_CASES) >= 39
 
 
@@ -104,7 +105,7 @@ def paper_settings():
                                    "--train.optimizer=radam", "--model.norm_eps=1e-5"]
     yield "RoPE's theta", ["--model.pe=rope", "--model.rope_theta=500000"]
     yield "sinusoidal's base", ["--model.pe=sinusoidal", "--model.sinusoidal_base=10000"]
-    for init in model.BAM_INITS:
+    for init in model.BAMPrior.INITS:
         yield f"bam_init = {init}", ["--model.pe=bam", "--model.ssmax=true", f"--model.bam_init={init}"]
     for shape in (-2, -1, -0.6, -0.5, 0, 0.5, 1, 2, 3):  # retrieval heads, NoPE, ALiBi and sharper
         yield f"b = {shape}", ["--model.pe=bam", "--model.bam_init=constant", f"--model.bam_init_shape={shape}",
@@ -134,10 +135,11 @@ def command_mains():
     for name in eval_package.EVALUATORS:
         module = __import__(name, fromlist=["main"])
         mains[name] = module.main
-    for name in ("bench.attention", "bench.data_bench", "bench.gpu_check", "bench.train_bench"):
+    for name in ("bench.attention", "bench.data_bench", "bench.gpu_check.cli", "bench.gpu_check.prepare",
+                 "bench.train_bench"):
         main = __import__(name, fromlist=["main"]).main
-        # the benchmarks read sys.argv themselves (all but gpu_check); the parser is caught before they run
-        mains[name] = main if name == "bench.gpu_check" else (lambda argv, main=main: main())
+        # the benchmarks read sys.argv themselves (all but gpu_check's); the parser is caught before they run
+        mains[name] = main if name.startswith("bench.gpu_check") else (lambda argv, main=main: main())
     return mains
 
 
@@ -213,3 +215,79 @@ def test_every_numeric_flag_refuses_inf_nan_and_out_of_range_in_one_line(command
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and flag in err and repr(value) in err, err
         assert ranges.allowed(kind, spec) in err
+
+
+# -- every accepted value works: a tiny model at each range's extremes runs a forward (issue 59) --------------
+
+# Sizes grow memory, not risk: their extreme is the lower bound alone (a width of 10^9 is for the dry run to
+# plan). Every other number is also tried far out where its range is open above or below.
+SIZES = {"vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "attn_head_dim", "fire_mlp_width",
+         "t5_num_buckets"}
+FAR = 1e30
+# What a field needs beside it to take effect: RoPE's scalings read their own settings only when chosen.
+NEEDS = {"rope_factor": [{"rope_scaling": s} for s in model.RoPE.SCALINGS[1:]],
+         "rope_original_context": [{"rope_scaling": "yarn", "rope_factor": 4.0},
+                                   {"rope_scaling": "dynamic_ntk", "rope_factor": 4.0}],
+         "yarn_beta_fast": [{"rope_scaling": "yarn", "rope_factor": 4.0}],
+         "yarn_beta_slow": [{"rope_scaling": "yarn", "rope_factor": 4.0}],
+         "llama3_low_freq_factor": [{"rope_scaling": "llama3", "rope_factor": 4.0}],
+         "llama3_high_freq_factor": [{"rope_scaling": "llama3", "rope_factor": 4.0}],
+         "bam_init_shape": [{"bam_init": "constant"}], "bam_init_log_scale": [{"bam_init": "constant"}]}
+
+
+def extremes(spec, integer):
+    """The values at the ends of a range: a closed bound itself, just inside an open one, far out where it is
+    unbounded (ranges.bounds' notation)."""
+    low = high = None
+    for op, limit in ranges.bounds(spec) if spec else ():
+        name = next(k for k, v in ranges.OPERATORS.items() if v is op)
+        step = 1 if integer else max(abs(limit) * 1e-6, 1e-30)
+        value = limit if name in (">=", "<=") else (limit + step if name == ">" else limit - step)
+        low, high = (value, high) if name.startswith(">") else (low, value)
+    values = [low if low is not None else -FAR, high if high is not None else FAR]
+    return [int(v) if integer else float(v) for v in values if not integer or abs(v) < 2**62]
+
+
+def owner(field):
+    """The encoding whose options hold `field`, or None for the model's own."""
+    return next((name for name, encoding in model.ENCODINGS.items() if field in encoding.RANGES), None)
+
+
+def extreme_cases():
+    hints = typing.get_type_hints(model.ModelConfig)
+    for field, spec in model.model_ranges().items():
+        integer = hints[field] is int
+        values = extremes(spec, integer)
+        if field in SIZES:
+            values = values[:1]
+        pe = owner(field)
+        for value in values:
+            for extra in NEEDS.get(field, [{}]):
+                for encoding in ([pe] if pe else ["bam", "rope", "fox"]):
+                    yield field, value, encoding, extra
+
+
+@pytest.mark.parametrize("field,value,pe,extra", list(extreme_cases()),
+                         ids=[f"{f}={v:g}-{p}-{'-'.join(map(str, e.values()))}" for f, v, p, e in extreme_cases()])
+def test_a_model_at_each_ranges_extreme_is_refused_or_runs(field, value, pe, extra):
+    """No accepted value fails later (issue 59, point 3): a value at the end of its range either is refused when
+    the config is made, in one line, or makes a model whose forward gives finite logits on every dense path, SSMax
+    and documents included (the paths a CPU run takes; flex's masks read the same windows)."""
+    settings = dict(vocab_size=31, n_layer=2, n_head=2, n_embd=16, block_size=16, pe=pe, ssmax=True, **extra)
+    settings[field] = value
+    if field == "n_kv_head" and value:
+        settings["n_head"] = value
+    try:
+        cfg = model.ModelConfig(**settings)
+    except ValueError as e:
+        assert "\n" not in str(e) and str(e).startswith("model config: "), e
+        return
+    torch.manual_seed(0)
+    net = model.Transformer(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    for impl in ("eager", "sdpa"):
+        net.config.attn_impl = impl
+        with torch.no_grad():
+            logits, _ = net(idx, doc_ids=doc_ids)
+        assert torch.isfinite(logits).all(), f"{field} = {value} ({pe}, {extra}) gives non-finite logits on {impl}"

@@ -245,13 +245,35 @@ def test_report_training_section_means_the_last_tenth_over_seeds_and_draws_the_c
     assert report.main([*dict.fromkeys(grid), "--out", str(out), "--no_run_plots"]) == 0
     text = out.read_text()
     # the last tenth of 20 logged steps is 2 steps: 1.0, 1.3, 1.6 -> mean 1.3; validation 0.5, 0.8, 1.1 -> 0.8
-    assert "| bam + ssmax | 3 | 200 | 1.300 [1.000 1.300 1.600] | 0.800 [0.500 0.800 1.100] |" in text
+    assert "| bam + ssmax | 3 | 200 | every token | 1.300 [1.000 1.300 1.600] | 0.8000 [0.5000 0.8000 1.100] |" \
+        in text, text
     section = text[text.index("## Training"):text.index("## Passkey")]
     assert "bam-local" not in section and "init uniform" not in section  # an override; no metrics.jsonl
     (train_steps, losses), (val_steps, val) = training_section.curves(os.path.join(grid[0], "metrics.jsonl"))
     assert train_steps == list(range(10, 210, 10)) and 99.0 not in losses  # a step's last row wins
     assert val_steps == [0, 100, 200] and val == [10.0, 2.0, 0.5]
     assert "![](report_training.png)" in text and (tmp_path / "report_training.png").stat().st_size > 10_000
+
+
+def test_report_training_section_shows_a_loss_near_zero_and_what_it_is_taken_over(tmp_path):
+    """The README quickstart's runs train on the passkey's answer tokens only (data.loss_on): their losses are near
+    zero and printed as 0.000 for every run. Four significant digits show them, and the table says what each
+    variant's loss is taken over."""
+    root = tmp_path / "runs"
+    answers = [fake_run(root, f"answers_seed{seed}", seed, [20, 10, 0], ["--data.loss_on=passkey_answers"])
+               for seed in (1, 2)]
+    every = fake_run(root, "bam_seed1", 1, [20, 20, 20])
+    for run, end in zip(answers, [2.5e-4, 1.5e-4]):
+        write_metrics(run, [3.0] * 18 + [end] * 2, [(200, end / 10)])
+    write_metrics(every, [3.0] * 18 + [3.25] * 2, [(200, 3.5)])
+    out = tmp_path / "report.md"
+    assert report.main([*answers, every, "--out", str(out), "--no_run_plots"]) == 0
+    section = out.read_text().split("## Training")[1].split("## Passkey")[0]
+    assert "| variant | seeds | steps | loss over | training loss, end | validation loss, last |" in section
+    assert "| bam + ssmax, loss on passkey_answers | 2 | 200 | passkey answers | 0.0002000 [0.0002500 0.0001500] | " \
+           "2.000e-05 [2.500e-05 1.500e-05] |" in section, section
+    assert "| bam + ssmax | 1 | 200 | every token | 3.250 | 3.500 |" in section, section
+    assert "0.000 " not in section
 
 
 def diverge(run, step):
@@ -281,9 +303,10 @@ def test_report_training_section_shows_where_a_seed_diverged_and_averages_the_ot
     assert f"report: {grid[2]} diverged at step 90; it is in the training section only" in warnings
     assert "eval.passkey" not in warnings
     # the two seeds that trained to step 200 are averaged; the third is named with its step
-    assert "| bam + ssmax | 3 | 200; seed 3 diverged at 90 | 1.150 [1.000 1.300] | 0.650 [0.500 0.800] |" in text
+    assert "| bam + ssmax | 3 | 200; seed 3 diverged at 90 | every token | 1.150 [1.000 1.300] | " \
+           "0.6500 [0.5000 0.8000] |" in text, text
     assert "- bam_ssmax_seed3 (bam + ssmax) diverged at step 90: loss 9 is more than 6 robust" in text
-    assert "| fox + ssmax | 1 | seed 1 diverged at 60 | 3.000 |" in text
+    assert "| fox + ssmax | 1 | seed 1 diverged at 60 | every token | 3.000 |" in text
     passkey = text[text.index("## Passkey"):]
     # the diverged seed has no passkey: the two others make the variant's row and its comparison
     assert "| bam + ssmax | 2 | 98 [100 95] (" in passkey and "| 512 (4x) | 35 (2) | 95 (2) |" in passkey

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import model as model_module
-from model import (PE_CHOICES, AttnContext, BAMPrior, ModelConfig, Transformer, dense_mask, ggd_bias,
+from model import (PE_CHOICES, AttnContext, BAMPrior, ModelConfig, Transformer, attention_context, dense_mask, ggd_bias,
                    positions_in_documents, ssmax_log_n)
-from flex_on_cpu import trace_flex_as_a_gpu
+from flex_on_cpu import flex_backward_as_inductor_lowers_it, take_flex, trace_flex_as_a_gpu
 from tiny_models import batch, generated_equals_recomputed, logits_with, make_model, tiny
 
 REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference", "default_models.pt")
@@ -220,9 +220,9 @@ def test_the_gate_is_the_papers_formula():
     attn = model.blocks[0].attn
     B, T, C, H, hd = 2, 9, 32, 4, 8
     x = torch.randn(B, T, C, generator=torch.Generator().manual_seed(5))
-    ctx = model._attention_context(0, T, torch.arange(T)[None], None, None)
+    ctx = attention_context(model, 0, T, torch.arange(T)[None])
     with torch.no_grad():
-        got = attn(x, ctx, None, 0)
+        got = attn(x, ctx, None)
         q, k, v = ((x @ w.weight.T).view(B, T, H, hd).transpose(1, 2) for w in (attn.wq, attn.wk, attn.wv))
         scores = (q @ k.transpose(-2, -1) / math.sqrt(hd)).masked_fill(torch.ones(T, T).triu(1).bool(), -math.inf)
         heads = (scores.softmax(-1) @ v).transpose(1, 2)  # (B, T, H, hd)
@@ -265,7 +265,7 @@ def test_flex_with_sinks_and_gates_equals_eager_forward_and_backward(pe, ssmax, 
     run by torch's dense reference of it), since the CPU's inductor kernel has no log-sum-exp and no backward:
     model.sink_form is made the GPU's, "lse", here."""
     checked = trace_flex_as_a_gpu(monkeypatch)
-    monkeypatch.setattr(Transformer, "attention_impl", lambda self, T_q, T_k, has_docs: self.config.attn_impl)
+    monkeypatch.setattr(model_module, "attention_path", lambda model, T_q, T_k, has_docs: model.config.attn_impl)
     monkeypatch.setattr(model_module, "sink_form", lambda cpu: "lse")
     model = sink_gate_model(pe, ssmax, flex_prior=flex_prior)
     idx, doc_ids = batch(T=128)
@@ -285,19 +285,20 @@ def test_flex_with_sinks_and_gates_equals_eager_forward_and_backward(pe, ssmax, 
 def test_a_model_with_sinks_and_gates_compiles_to_one_graph_and_trains_as_eager(monkeypatch):
     """torch.compile(fullgraph) of the whole model on flex (a GPU's path, traced on the CPU with the aot_eager
     backend as tests/test_compile.py does), in the GPU's form of the sink: one graph, and the logits and gradients of
-    eager. SSMax by formula: as
-    test_compile notes, aot_eager's flex backward in plain torch fails on the gradient of SSMax's table."""
+    eager. SSMax from its table, built inside the compiled graph: flex's backward gives it the gradient the traced
+    joint graph asks for, as inductor's does (flex_on_cpu.flex_backward_as_inductor_lowers_it)."""
     import copy
     import torch.nn.attention.flex_attention as flex_module
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    flex_backward_as_inductor_lowers_it(monkeypatch)
     monkeypatch.setattr(model_module, "_FLEX_KERNELS", {})
     monkeypatch.setattr(model_module, "sink_form", lambda cpu: "lse")  # the GPU's form (with_sink)
     torch._dynamo.reset()
-    model = sink_gate_model("bam", True, flex_prior="formula")
+    model = sink_gate_model("bam", True, flex_prior="table")
     reference = copy.deepcopy(model)
     reference.config.attn_impl = "eager"
-    model.attention_impl = lambda T_q, T_k, has_docs: "flex"
-    model.build_flex_kernels()
+    take_flex(monkeypatch, model)
+    model_module.build_flex_kernels(model)
     from torch._dynamo.testing import CompileCounterWithBackend
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)

@@ -28,7 +28,7 @@ FLOORS = [
     ["bam.checkpoint"],  # run directories, checkpoints, the model's load and save
     ["bam.recovery", "bam.parallel", "bam.sizing", "bam.retrieval"],  # what training needs beside them
     ["eval", "eval.*", "bench", "bench.*", "train", "prepare_fineweb", "sample", "export_hf", "import_hf",
-     "modeling_bam"],  # the commands, the evaluators and the benchmarks
+     "modeling_bam", "bam.fetch"],  # the commands (the set-up step among them), the evaluators and the benchmarks
 ]
 
 # Function-level imports of our own modules that stay, each with its reason: (importing module pattern,
@@ -350,3 +350,73 @@ def test_the_fast_lane_refuses_a_process_and_the_flex_path_to_an_unmarked_test()
         subprocess.run(["true"])
     with pytest.raises(Exception, match="runs the flex path.*: mark it @pytest.mark.slow"):
         model.ATTENTION["flex"]()
+
+
+# model.py's shape (issue 56): a reader follows a name to its definition within a few screens, Transformer
+# reads like nanoGPT's GPT, and FlexAttention is one region at the bottom that a CPU reader can stop before.
+REFERENCE_SPAN = 800
+# The references that cross more lines, each with its reason: Transformer's two doors into the parts below it,
+# which come after the encodings because an encoding is read before what the attention paths do with it.
+FAR_REFERENCES = {
+    ("Transformer", "attention_contexts"): "the forward's one call into the attention part",
+    ("Transformer", "build_flex_kernels"): "made with the model: a compiled forward may not make a kernel",
+}
+TRANSFORMER_LINES = 220
+FLEX_BANNER = "# FlexAttention:"
+
+
+def top_level_references(path):
+    """{(top-level name, name it references): (lines apart, line)} for model.py's names, the header's
+    constants (what is assigned before the first class or function) left out."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    first = min(n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+    defined, header = {}, set()
+    for node in tree.body:
+        targets = [node] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else \
+            getattr(node, "targets", [getattr(node, "target", None)])
+        for target in targets:
+            name = getattr(target, "name", None) or getattr(target, "id", None)
+            if name:
+                defined.setdefault(name, node.lineno)
+                if node.lineno < first:
+                    header.add(name)
+    spans = {}
+    for node in tree.body:
+        owner = getattr(node, "name", None) or "<module>"
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name) and sub.id in defined and sub.id not in header and sub.id != owner:
+                span = abs(sub.lineno - defined[sub.id])
+                spans[owner, sub.id] = max(spans.get((owner, sub.id), (0, 0)), (span, sub.lineno))
+    return spans, defined, tree
+
+
+MODEL_PY = os.path.join(ROOT, "model.py")
+
+
+def test_no_reference_inside_model_py_crosses_more_than_a_few_screens():
+    spans, _, _ = top_level_references(MODEL_PY)
+    far = {pair: span for pair, (span, _) in spans.items() if span > REFERENCE_SPAN}
+    unlisted = {pair: span for pair, span in far.items() if pair not in FAR_REFERENCES}
+    assert not unlisted, (f"references over {REFERENCE_SPAN} lines (move the definition nearer, or list it with "
+                          f"its reason in FAR_REFERENCES): {unlisted}")
+    assert set(FAR_REFERENCES) <= set(far), f"listed but no longer far: {set(FAR_REFERENCES) - set(far)}"
+
+
+def test_transformer_reads_like_nanogpts_gpt_and_flex_is_one_region_at_the_bottom():
+    _, defined, tree = top_level_references(MODEL_PY)
+    transformer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Transformer")
+    assert transformer.end_lineno - transformer.lineno + 1 <= TRANSFORMER_LINES
+    lines = open(MODEL_PY, encoding="utf-8").read().splitlines()
+    banner = next(i for i, line in enumerate(lines, 1) if line.startswith(FLEX_BANNER))
+    # every name of the flex runtime lies below the banner, and the banner is the file's last part
+    flex_names = [name for name in defined if re.search(r"flex|block_mask|sink_(form|score_mod)|with_sink", name,
+                                                        re.IGNORECASE) and name not in ("FLEX_PRIORS",)]
+    above = [name for name in flex_names if defined[name] < banner]
+    assert not above, f"FlexAttention's names above its region ({FLEX_BANNER!r}, line {banner}): {above}"
+    assert not any(line.startswith("# ----") for line in lines[banner:]), "a part after FlexAttention's region"
+    # the region is FlexAttention's alone: nothing above it that is not flex reaches into it but its doors
+    spans, _, _ = top_level_references(MODEL_PY)
+    into = {(owner, name) for (owner, name) in spans if name in flex_names and defined[name] > banner
+            and owner in defined and defined[owner] < banner and owner not in flex_names}
+    assert into <= {("Transformer", "build_flex_kernels"), ("attention_contexts", "flex_prior_tables"),
+                    ("attention_context", "make_block_mask")}, into

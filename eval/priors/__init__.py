@@ -55,7 +55,7 @@ def head_table(model):
     cfg = model.config
     rows = []
     for layer in range(cfg.n_layer):
-        prior, ssmax = model._prior_of_layer(layer), model.blocks[layer].attn.ssmax_scale
+        prior, ssmax = model.prior_of_layer(layer), model.blocks[layer].attn.ssmax_scale
         if prior is None and ssmax is None:
             continue
         columns = prior.head_parameters() if prior is not None else {}
@@ -99,7 +99,7 @@ def bias_curves(model, dist):
     curves = {}
     with torch.no_grad():
         for layer in sorted(set(first_layers(model).values())):
-            curve = model._prior_of_layer(layer).distance_curve(d, head)
+            curve = model.prior_of_layer(layer).distance_curve(d, head)
             if curve is not None:
                 curves[layer] = curve.float().numpy()
     return curves
@@ -116,12 +116,12 @@ def gate_statistics(model, tokens):
 
     def hook(layer):
         def record(attn, args):
-            f = model._prior_of_layer(layer).log_gates(args[0]).exp()  # (B, H, T)
+            f = model.prior_of_layer(layer).log_gates(args[0]).exp()  # (B, H, T)
             gates[layer] = f.transpose(0, 1).reshape(f.shape[1], -1)
         return record
 
     handles = [b.attn.register_forward_pre_hook(hook(i)) for i, b in enumerate(model.blocks)
-               if hasattr(model._prior_of_layer(i), "log_gates")]  # the layers with FoX's gates
+               if hasattr(model.prior_of_layer(i), "log_gates")]  # the layers with FoX's gates
     try:
         with torch.no_grad():
             model(torch.as_tensor(tokens), last_k=1)
