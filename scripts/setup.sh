@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TORCH_VERSION=2.13.0  # the version the suite runs on
+TORCH_VERSION=2.13.0  # CI's torch; the whole suite passed on requirements.txt's range (2.11 to 2.15)
 
 if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
     echo "setup: no torch in $(python -c 'import sys; print(sys.prefix)'), installing torch==$TORCH_VERSION"

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from packaging.specifiers import SpecifierSet
 from torch._dynamo.utils import counters
 
 import model
@@ -397,6 +398,17 @@ def test_the_preflight_names_an_unsupported_torch(tmp_path, monkeypatch, capsys)
     assert cli.main(["--device", "cpu", "--quick", "--sections", "graphs", "--out", str(tmp_path)]) == EXIT_PREFLIGHT
     assert f"error: torch {torch.__version__} (requirements.txt: torch>=99.0): install a torch>=99.0 build" in \
         capsys.readouterr().err
+
+
+def test_the_preflight_reads_requirements_txts_torch_range_which_holds_the_torch_running_the_suite(tmp_path):
+    """requirements.txt's torch line is the range the whole suite has passed on, a floor and a ceiling; the
+    preflight must read it (a line it cannot parse would let any torch through), and the torch that runs these
+    tests must be inside it."""
+    spec = preflight.torch_requirement()
+    assert sorted(s.operator for s in SpecifierSet(spec)) == ["<", ">="], spec
+    args = cli.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    lines, _ = preflight.preflight(Setup(args), ["graphs"], str(tmp_path))
+    assert lines[1] == f"torch {torch.__version__} (requirements.txt: torch{spec})"
 
 
 def test_the_preflight_lists_the_gpu_run_needs_on_a_machine_without_one(tmp_path):

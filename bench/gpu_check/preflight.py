@@ -28,7 +28,7 @@ DISK_GIB = {"gpu": 10, "quick": 0.5}
 
 
 def torch_requirement():
-    """The torch line of requirements.txt ("torch>=2.11,<2.14"), the range the suite passes on."""
+    """The torch line of requirements.txt (e.g. ">=2.11,<2.16"), the range the suite passes on."""
     with open(os.path.join(ROOT, "requirements.txt")) as f:
         for line in f:
             match = re.match(r"\s*torch\s*([<>=!~][^#;]*)", line)
