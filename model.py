@@ -1664,8 +1664,8 @@ def attention_path(model, T_q, T_k, has_docs):
     training = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
     on_cuda = model.lm_head.weight.is_cuda
     if impl == "flex" and training and not on_cuda:
-        raise ValueError("attn_impl='flex' has no backward pass on CPU (torch 2.13): train on "
-                         "CPU with 'sdpa', 'eager' or 'auto', or run inference under "
+        raise ValueError("attn_impl='flex' has no backward pass on CPU (torch 2.11 to 2.15): train "
+                         "on CPU with 'sdpa', 'eager' or 'auto', or run inference under "
                          "torch.no_grad()")
     if impl != "auto":
         return impl
@@ -1673,8 +1673,8 @@ def attention_path(model, T_q, T_k, has_docs):
         return "sdpa"  # flash attention with is_causal
     if on_cuda:
         return "flex"
-    # FlexAttention has no backward on CPU (torch 2.13), and below a few thousand tokens the dense
-    # bias costs less than flex's compile; past that the dense bias grows as T^2 and flex wins.
+    # FlexAttention has no backward on CPU (torch 2.11 to 2.15), and below a few thousand tokens the
+    # dense bias costs less than flex's compile; past that the dense bias grows as T^2 and flex wins.
     return "sdpa" if training or T_q <= 2048 else "flex"
 
 
@@ -1871,8 +1871,8 @@ ATTENTION.update(eager=eager_attention, sdpa=sdpa_attention)
 # meets it: the per-layer prior tables, the path itself (flex_attention), its two forms of a sink,
 # the BlockMasks (written down directly, the causal ones kept in a small cache), and the compiled
 # kernels, one per variant (built outside any trace by build_flex_kernels, where dynamo's recompile
-# budget is raised). torch 2.13's CPU workarounds live here too (static shapes for the kernels that
-# gather per-query tensors, sequences padded to whole blocks).
+# budget is raised). The CPU workarounds of torch 2.11 to 2.15 live here too (static shapes for the
+# kernels that gather per-query tensors, sequences padded to whole blocks).
 
 
 # Prior tables for flex (ModelConfig.flex_prior = "table"). A prior that depends on the head and i -
@@ -1917,9 +1917,9 @@ def ssmax_table(ssmax_scale, log_n, batch):
 
 def flex_captured(t):
     """`t` as a tensor of its own in contiguous memory, for a score_mod to capture. Not
-    `contiguous()`, which returns a view where `t` already is: torch 2.13's AOT autograd drops the
-    gradient of a view captured by flex's score_mod (tests/test_flex_backward.py: SSMax's scales and
-    FoX's gates went untrained on flex)."""
+    `contiguous()`, which returns a view where `t` already is: torch 2.11's and 2.13's AOT autograd
+    drop the gradient of a view captured by flex's score_mod (tests/test_flex_backward.py: SSMax's
+    scales and FoX's gates went untrained on flex; 2.15's keeps it)."""
     return t.clone(memory_format=torch.contiguous_format)
 
 
@@ -1978,8 +1978,8 @@ def flex_attention(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
 
 def sink_form(cpu):
     """How flex adds a sink: "lse" (with_sink) where the kernel returns its log-sum-exp, a GPU's;
-    "key" (sink_block_mask) on a CPU, whose compiled kernel returns none in torch 2.13 (and has no
-    backward, which only the "lse" form needs). Tests trace the GPU's form on the CPU."""
+    "key" (sink_block_mask) on a CPU, whose compiled kernel returns none (torch 2.11 to 2.15; nor has
+    it a backward, which only the "lse" form needs). Tests trace the GPU's form on the CPU."""
     return "key" if cpu else "lse"
 
 
@@ -2192,10 +2192,11 @@ def _make_flex_kernel(bias_fn, use_ssmax, static_shapes, sink=None):
     SSMax's table are arguments, not captured from a module, so every layer (and every model of that
     variant) reuses one compiled kernel instead of recompiling per layer, and gradients flow to them
     as to q, k and v; each variant also gets its own recompile budget. `static_shapes` (the CPU, for
-    a score_mod that gathers per-query tensors or from a table): torch 2.13's C++ flex template fails
-    to compile these once dynamo has made the batch and length dynamic (an undeclared
-    `cur_qSplitSize2` for FoX + SSMax's gates and SSMax's table by query, `cur_kvSplitSize` for a
-    distance table's gather under a document-and-window mask), so on a CPU each shape gets its own.
+    a score_mod that gathers per-query tensors or from a table): inductor's C++ flex template (torch
+    2.11 to 2.15) fails to compile these once dynamo has made the batch and length dynamic (an
+    undeclared `cur_qSplitSize2` for FoX + SSMax's gates and SSMax's table by query,
+    `cur_kvSplitSize` for a distance table's gather under a document-and-window mask), so on a CPU
+    each shape gets its own.
     `sink`: "lse" returns (output, log-sum-exp), "key" scores the sink's key."""
 
     def kernel(q, k, v, block_mask, prior_tensors, features, factor_table, sink_table=None):
