@@ -2058,10 +2058,11 @@ def make_block_mask(doc_ids, T, device, window=0):
 
 
 def flex_mask_length(T, device):
-    """The length FlexAttention runs at. torch 2.13's compiled CPU kernel returns wrong values, and
-    not the same ones twice, when the sequence ends inside one of its blocks on an AVX2 CPU
-    (measured on this project's CI machine: T = 8, 24, 40 and 120 wrong, multiples of 16 right). On
-    CPU the sequence is therefore padded to whole 128-token blocks; on GPU it runs as it is."""
+    """The length FlexAttention runs at. The compiled CPU kernel built for AVX2 (torch 2.11 to 2.15)
+    returns wrong values, and not the same ones twice, when the sequence ends inside one of its
+    blocks (measured on this project's CI machine: T = 8, 24, 40 and 120 wrong, multiples of 16
+    right; its AVX-512 build is right). On CPU the sequence is therefore padded to whole 128-token
+    blocks; on GPU it runs as it is."""
     return T if torch.device(device).type != "cpu" else -(-T // 128) * 128
 
 

@@ -2,11 +2,15 @@
 and the structural properties (causality, document isolation, KV cache) on tiny CPU models."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import model as model_module
+import tiny_models
 from bam.checkpoint import load_model, save_model
 from model import (CHECKED_SETTINGS, ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, apply_rope,
                    ggd_bias)
@@ -43,6 +47,31 @@ def test_flex_and_sdpa_outputs_match_eager(pe, settings, ssmax, docs):
         for impl in ("sdpa", "flex"):
             torch.testing.assert_close(logits_with(model, impl, idx, doc_ids), ref, atol=2e-5, rtol=1e-4,
                                        msg=lambda m: f"{impl}: {m}")
+
+
+AVX2_FLEX = """import torch
+from tiny_models import batch, logits_with, make_model
+model = make_model(pe='nope', ssmax=False, block_size=128)
+for T in (8, 40):
+    idx, _ = batch(T=T)
+    with torch.no_grad():
+        torch.testing.assert_close(logits_with(model, 'flex', idx), logits_with(model, 'eager', idx), atol=2e-5,
+                                   rtol=1e-4, msg=lambda m: f'T={T}: {m}')
+"""
+
+
+@pytest.mark.slow  # a process of its own: inductor picks the vector ISA its C++ is built for once per process
+def test_flex_built_for_avx2_equals_eager_at_lengths_that_end_inside_a_block(tmp_path):
+    """Inductor's AVX2 build of the CPU flex kernel (torch 2.11 to 2.15) returns wrong values when the sequence
+    ends inside one of its blocks, which is why a CPU runs flex padded to whole blocks (model.flex_mask_length).
+    Its AVX-512 build is right, so on an AVX-512 machine the tests above cannot see the padding go: here inductor
+    is asked for AVX2's code, with a cache of its own (the kernels above were built for this machine's ISA)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip(f"this CPU runs no AVX2 code (torch sees {torch.backends.cpu.get_cpu_capability()})")
+    path = os.pathsep.join(os.path.dirname(m.__file__) for m in (model_module, tiny_models))
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, "-c", AVX2_FLEX], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("pe,settings,ssmax,docs", GRID)
