@@ -14,8 +14,10 @@ ACCUM = 2  # micro-batches per step in one process (tokens_per_step = 2 x batch 
 
 
 
-def small_config(tmp_path, data_dir, extra=""):
-    """A 2-layer BAM + SSMax model small enough that a step takes a few ms."""
+def small_config(tmp_path, data_dir):
+    """The path of a TOML config (written into tmp_path) that trains a 2-layer BAM + SSMax model, small enough
+    that a step takes a few ms, on the shards in data_dir. A test changes it as a user would, by
+    --section.key=value overrides after the path."""
     path = tmp_path / "small.toml"
     path.write_text(textwrap.dedent(f"""\
         [model]
@@ -40,7 +42,7 @@ def small_config(tmp_path, data_dir, extra=""):
         dtype = "float32"
         [log]
         log_every = 1
-        """) + extra)
+        """))
     return str(path)
 
 
@@ -51,7 +53,3 @@ def rows(run_dir):
 
 def newest(run_dir):
     return torch.load(sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*.pt")))[-1], weights_only=True)
-
-
-def relative_difference(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

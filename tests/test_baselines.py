@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from model import (CHECKED_SETTINGS, ENCODINGS, KVCache, ModelConfig, RoPE, Transformer, apply_rope,
                    attention_context, positions_in_documents, rope_frequencies, window_block_mask)
-from tiny_models import batch, generated_equals_recomputed, logits_with, make_model, tiny, VOCAB
+from tiny_models import batch, generated_equals_recomputed, logits_with, tiny_model, tiny_config, VOCAB
 
 FACTORS = [2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 SCALINGS = ["linear", "ntk", "dynamic_ntk", "yarn"]
@@ -178,7 +178,7 @@ def test_rope_original_context_defaults_to_block_size():
 ])
 def test_bad_baseline_config_names_what_is_allowed(kw, match):
     with pytest.raises(ValueError, match=match):
-        tiny(**{"pe": "rope", **kw})
+        tiny_config(**{"pe": "rope", **kw})
 
 
 # -- Sliding window ----------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def window_reference_mask(T, W, doc_ids):
 
 @pytest.mark.parametrize("W", [1, 3, 9, 40])
 def test_dense_window_mask_matches_pairwise_reference(W):
-    model = make_model(pe="rope", attn_window=W, attn_impl="eager")
+    model = tiny_model(pe="rope", attn_window=W, attn_impl="eager")
     idx, doc_ids = batch(T=24)
     ctx = attention_context(model, 0, 24, positions_in_documents(doc_ids), doc_ids)
     assert torch.equal(ctx.mask, window_reference_mask(24, W, doc_ids))
@@ -251,7 +251,7 @@ WINDOW_GRID = [(pe, ssmax, {}) for pe in ("nope", "rope", "alibi", "bam", "kerpl
 @pytest.mark.parametrize("pe,ssmax,settings", WINDOW_GRID)
 def test_window_on_eager_and_sdpa_equals_the_crop_reference(pe, ssmax, settings):
     W = 7
-    model = make_model(pe=pe, ssmax=ssmax, n_layer=1, attn_window=W, bam_train_loc=True, **settings)
+    model = tiny_model(pe=pe, ssmax=ssmax, n_layer=1, attn_window=W, bam_train_loc=True, **settings)
     idx, doc_ids = batch(T=30)
     with torch.no_grad():
         ref = crop_reference(model.config, model, idx, doc_ids, W)
@@ -267,7 +267,7 @@ def test_flex_window_equals_eager(W, docs):
     spans partial 128-blocks; W = 129 cuts through blocks, W = 5 lies inside the diagonal ones."""
     idx = torch.randint(0, VOCAB, (1, 300), generator=torch.Generator().manual_seed(3))
     doc_ids = torch.tensor([[0] * 100 + [1] * 150 + [2] * 50]) if docs else None
-    model = make_model(pe="bam", ssmax=True, attn_window=W)
+    model = tiny_model(pe="bam", ssmax=True, attn_window=W)
     with torch.no_grad():
         torch.testing.assert_close(logits_with(model, "flex", idx, doc_ids), logits_with(model, "eager", idx, doc_ids),
                                    atol=2e-5, rtol=1e-4)
@@ -279,7 +279,7 @@ def test_flex_window_equals_eager(W, docs):
 def test_windowed_generation_equals_full_recompute_with_the_window(pe, ssmax, W, kv, settings):
     """The cache keeps only the last W - 1 positions, and the tokens are those of recomputing the whole
     sequence with the same window at every step."""
-    model = make_model(pe=pe, ssmax=ssmax, n_kv_head=kv, attn_window=W, **settings)
+    model = tiny_model(pe=pe, ssmax=ssmax, n_kv_head=kv, attn_window=W, **settings)
     seq = generated_equals_recomputed(model)
     with torch.no_grad():
         cache = KVCache(model.config, 2, 22, "cpu", torch.float32)
@@ -293,7 +293,7 @@ def test_windowed_generation_equals_full_recompute_with_the_window(pe, ssmax, W,
 
 
 def test_windowed_cache_refuses_a_gap():
-    model = make_model(pe="rope", attn_window=4)
+    model = tiny_model(pe="rope", attn_window=4)
     cache = KVCache(model.config, 1, 20, "cpu", torch.float32)
     idx, _ = batch(B=1, T=8)
     with torch.no_grad():
@@ -303,7 +303,7 @@ def test_windowed_cache_refuses_a_gap():
 
 
 def test_ssmax_counts_only_the_keys_inside_the_window():
-    model = make_model(pe="bam", ssmax=True, attn_window=5, attn_impl="eager")
+    model = tiny_model(pe="bam", ssmax=True, attn_window=5, attn_impl="eager")
     idx, doc_ids = batch(T=24)
     ctx = attention_context(model, 0, 24, positions_in_documents(doc_ids), doc_ids)
     visible = window_reference_mask(24, 5, doc_ids).sum(-1)[:, 0]  # (B, T) keys each query sees
@@ -312,7 +312,7 @@ def test_ssmax_counts_only_the_keys_inside_the_window():
 
 
 def test_a_window_as_wide_as_the_sequence_changes_nothing():
-    model = make_model(pe="bam", ssmax=True)
+    model = tiny_model(pe="bam", ssmax=True)
     idx, doc_ids = batch()
     with torch.no_grad():
         ref = logits_with(model, "eager", idx, doc_ids)
@@ -358,7 +358,7 @@ def test_a_forward_makes_every_tensor_on_the_inputs_device(pe, scaling, settings
     """The whole forward (embeddings, RoPE's frequencies and ramps, attention, logits) run on the meta device,
     where a tensor built on the host shows as one that is not on meta."""
     factor = 1.0 if scaling == "none" else 4.0
-    cfg = tiny(pe, attn_impl="sdpa", rope_scaling=scaling, rope_factor=factor, rope_original_context=8, **settings)
+    cfg = tiny_config(pe, attn_impl="sdpa", rope_scaling=scaling, rope_factor=factor, rope_original_context=8, **settings)
     with torch.device("meta"):
         model = Transformer(cfg)
     idx = torch.zeros(2, 24, dtype=torch.long, device="meta")

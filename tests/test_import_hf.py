@@ -23,6 +23,7 @@ from bam.cli import run_cli
 from bam.config import load_config
 from local_tokenizers import bpe_folder, training_text
 from planted import NOTES, checkout_like
+from tiny_models import relative_error
 from model import KVCache
 
 pytestmark = pytest.mark.slow  # transformers models imported, evaluated, fine-tuned and exported again
@@ -72,10 +73,6 @@ PATHS = ("eager", "sdpa", "flex")
 # 16) but this one, whose other shapes (multi-head, head width 32) run on eager and sdpa only
 NO_FLEX = {"llama3_mha_head_dim"}
 MEASURED = {}  # (case, path) -> max relative logit difference, printed at the end (pytest -s)
-
-
-def relative(got, want):
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +135,7 @@ def test_imported_logits_equal_transformers_on_every_attention_path(name, path, 
     x = tokens()
     with torch.no_grad():
         want, got = hf_model(x).logits, ours(x)[0]
-    MEASURED[name, path] = relative(got, want)
+    MEASURED[name, path] = relative_error(got, want, norm="max")
     assert MEASURED[name, path] < 1e-5
 
 
@@ -157,7 +154,7 @@ def test_greedy_tokens_and_a_kv_cache_decode_equal_transformers(name, imported):
         cache = KVCache(ours.config, 2, 21, "cpu", torch.float32)
         ours(x[:, :20], kv_cache=cache)
         got = ours(x[:, 20:], kv_cache=cache, start_pos=20)[0]
-    assert relative(got, want) < 1e-5
+    assert relative_error(got, want, norm="max") < 1e-5
 
 
 def test_the_scalings_and_the_window_change_the_logits_here(imported):
@@ -175,7 +172,8 @@ def test_the_scalings_and_the_window_change_the_logits_here(imported):
                           ("qwen2_max_window_layers", dict(layer_pattern="rope@full*2 rope@9*2"))):
         hf_model, _, out = imported[name]
         with torch.no_grad():
-            assert relative(load_model(out, **setting).eval()(x)[0], hf_model(x).logits) > 1e-3, name
+            wrong = load_model(out, **setting).eval()(x)[0]
+            assert relative_error(wrong, hf_model(x).logits, norm="max") > 1e-3, name
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -186,7 +184,7 @@ def test_export_of_an_import_gives_the_original_logits_in_transformers(name, imp
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
     x = tokens()
     with torch.no_grad():
-        assert relative(back(x).logits, hf_model(x).logits) < 1e-5
+        assert relative_error(back(x).logits, hf_model(x).logits, norm="max") < 1e-5
 
 
 def test_the_run_directory_is_like_any_other(imported, tokenizer):
@@ -461,4 +459,4 @@ def test_import_evaluate_fine_tune_with_ssmax_and_export(imported, tmp_path, cap
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
     x = tokens()
     with torch.no_grad():
-        assert relative(back(x).logits, model(x)[0]) < 1e-5
+        assert relative_error(back(x).logits, model(x)[0], norm="max") < 1e-5

@@ -150,11 +150,6 @@ def shards(tmp_path_factory):
     return str(path)
 
 
-def tiny_config(tmp_path, data_dir, out_dir):
-    """test_train's small config, checkpointing every step, no validation, writing to `out_dir`."""
-    return [small_config(tmp_path, data_dir), "--train.val_every=0", f"--log.out_dir={out_dir}"]
-
-
 @pytest.mark.parametrize("content,message", [
     (BINARY, "is not a UTF-8 text file"),
     (LATIN1, "is not a UTF-8 text file"),
@@ -180,7 +175,8 @@ def test_a_pattern_or_window_out_of_range_is_refused_before_the_run_folder_is_wr
     the first forward died with a MemoryError or OverflowError traceback."""
     import train
     run_dir = tmp_path / "run"
-    line, _ = one_error_line(train.main, tiny_config(tmp_path, shards, run_dir) + [setting])
+    args = [small_config(tmp_path, shards), "--train.val_every=0", f"--log.out_dir={run_dir}", setting]
+    line, _ = one_error_line(train.main, args)
     assert line.startswith("error: ") and ("does not divide" in line or "<= 2147483647" in line), line
     assert not run_dir.exists()
 
@@ -188,7 +184,8 @@ def test_a_pattern_or_window_out_of_range_is_refused_before_the_run_folder_is_wr
 def test_train_output_folder_under_a_file_is_one_line(tmp_path, shards):
     import train
     (tmp_path / "runs").write_text("a file, not a folder")
-    line, _ = one_error_line(train.main, tiny_config(tmp_path, shards, tmp_path / "runs" / "x"))
+    args = [small_config(tmp_path, shards), "--train.val_every=0", f"--log.out_dir={tmp_path / 'runs' / 'x'}"]
+    line, _ = one_error_line(train.main, args)
     assert f"{tmp_path / 'runs'} is a file, not a directory" in line
 
 
@@ -206,7 +203,8 @@ def test_disk_full_while_training_keeps_the_previous_checkpoint(tmp_path, shards
         real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", save)
-    line, _ = one_error_line(train.main, tiny_config(tmp_path, shards, run_dir))
+    args = [small_config(tmp_path, shards), "--train.val_every=0", f"--log.out_dir={run_dir}"]
+    line, _ = one_error_line(train.main, args)
     second = run_dir / "checkpoints" / "step_00000002.pt"
     assert line == (f"error: cannot write {second}: the disk is full (no space left on device); the previous checkpoint "
                     f"{run_dir / 'checkpoints' / 'step_00000001.pt'} is intact; make room and rerun with --resume")

@@ -10,7 +10,7 @@ import model as model_module
 from bam.checkpoint import load_model, save_model
 from model import (CHECKED_SETTINGS, ENCODINGS, PE_CHOICES, PRIORS, ModelConfig, Transformer, alibi_slopes, apply_rope,
                    ggd_bias)
-from tiny_models import VOCAB, batch, generated_equals_recomputed, logits_with, make_model, tiny
+from tiny_models import VOCAB, batch, generated_equals_recomputed, logits_with, tiny_model, tiny_config
 
 
 def settings_id(settings):
@@ -35,7 +35,7 @@ GRID = [pytest.param(pe, settings, ssmax, docs, id=f"{pe}-{settings_id(settings)
 @pytest.mark.slow
 @pytest.mark.parametrize("pe,settings,ssmax,docs", GRID)
 def test_flex_and_sdpa_outputs_match_eager(pe, settings, ssmax, docs):
-    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True, **settings)
+    model = tiny_model(pe=pe, ssmax=ssmax, bam_train_loc=True, **settings)
     idx, doc_ids = batch()
     doc_ids = doc_ids if docs else None
     with torch.no_grad():
@@ -48,7 +48,7 @@ def test_flex_and_sdpa_outputs_match_eager(pe, settings, ssmax, docs):
 @pytest.mark.parametrize("pe,settings,ssmax,docs", GRID)
 def test_sdpa_gradients_match_eager(pe, settings, ssmax, docs):
     # bam_train_loc so the location parameter's gradient is checked as well
-    model = make_model(pe=pe, ssmax=ssmax, bam_train_loc=True, **settings)
+    model = tiny_model(pe=pe, ssmax=ssmax, bam_train_loc=True, **settings)
     idx, doc_ids = batch(T=24)
     targets = torch.roll(idx, -1, dims=1)
     grads = {}
@@ -73,7 +73,7 @@ def test_sdpa_gradients_match_eager(pe, settings, ssmax, docs):
                                      ("fox", True)])  # FoX, FIRE: flex differentiates through their token features
 def test_flex_gradients_match_eager_on_gpu(pe, ssmax):
     # head_dim 16: CUDA's flex kernels refuse narrower heads ("NYI: embedding dimension ... at least 16")
-    model = make_model(pe=pe, ssmax=ssmax, n_embd=64).cuda()
+    model = tiny_model(pe=pe, ssmax=ssmax, n_embd=64).cuda()
     assert model.blocks[0].attn.wq.out_features // model.config.n_head == 16
     idx, doc_ids = (t.cuda() for t in batch(T=256))
     grads = {}
@@ -101,7 +101,7 @@ def test_kerple_biases_are_the_papers_formulas():
     """Against Chi et al. (KERPLE) written out independently in float64: log kernel -r1 ln(1 + r2 |d|),
     power kernel -r1 |d| ** r2, with r1, r2 the prior's constrained (positive) values."""
     torch.manual_seed(0)
-    cfg = tiny("kerple_log")
+    cfg = tiny_config("kerple_log")
     dist = torch.arange(-2000, 2000, 7, dtype=torch.float64)
     for name, formula in (("kerple_log", lambda d, r1, r2: -r1 * torch.log(1 + r2 * d.abs())),
                           ("kerple_power", lambda d, r1, r2: -r1 * d.abs() ** r2)):
@@ -117,7 +117,7 @@ def test_kerple_parameters_stay_in_their_bounds(name):
     """r1, r2 > 0 for any raw value (and r2 <= 2 for the power kernel); init as the reference code:
     r1 in (0, 2] / (0, 1], r2 in (0, 1] / (0, 2]; the gradient at distance 0 is finite."""
     torch.manual_seed(0)
-    prior = ENCODINGS[name](tiny(name, n_head=64, n_embd=128))
+    prior = ENCODINGS[name](tiny_config(name, n_head=64, n_embd=128))
     r1, r2 = prior.tensors()
     upper = {"kerple_log": (2.0, 1.0), "kerple_power": (1.0, 2.0)}[name]
     assert 0.01 < r1.min() and r1.max() <= upper[0] + 1e-5 and 0.01 < r2.min() and r2.max() <= upper[1] + 1e-5
@@ -135,7 +135,7 @@ def test_kerple_parameters_stay_in_their_bounds(name):
 
 def test_every_prior_is_registered_once_and_builds_its_layers():
     for name, enc in PRIORS.items():
-        model = Transformer(tiny(name, n_layer=3))
+        model = Transformer(tiny_config(name, n_layer=3))
         assert isinstance(model.priors[0], enc) and len(model.priors) in (1, 3), name
         assert set(model.prior_summary()) - {"ssmax_scale"}, name  # something per head to log
     assert set(PRIORS) <= set(PE_CHOICES) == set(ENCODINGS)
@@ -158,8 +158,8 @@ def transplant(src, dst):
 @pytest.mark.parametrize("ssmax", [False, True])
 def test_bam_at_alibi_init_is_alibi(ssmax):
     torch.manual_seed(0)
-    alibi = Transformer(tiny("alibi", ssmax=ssmax, attn_impl="eager"))
-    bam = transplant(alibi, Transformer(tiny("bam", ssmax=ssmax, bam_init="alibi", attn_impl="eager")))
+    alibi = Transformer(tiny_config("alibi", ssmax=ssmax, attn_impl="eager"))
+    bam = transplant(alibi, Transformer(tiny_config("bam", ssmax=ssmax, bam_init="alibi", attn_impl="eager")))
     idx, doc_ids = batch()
     with torch.no_grad():
         torch.testing.assert_close(bam(idx, doc_ids=doc_ids)[0], alibi(idx, doc_ids=doc_ids)[0],
@@ -169,8 +169,8 @@ def test_bam_at_alibi_init_is_alibi(ssmax):
 @pytest.mark.parametrize("setting", ["shape0", "scale_to_zero", "uniform_init"])
 def test_bam_reduces_to_nope(setting):
     torch.manual_seed(0)
-    nope = Transformer(tiny("nope", attn_impl="eager"))
-    bam = transplant(nope, Transformer(tiny("bam", bam_init="uniform" if setting == "uniform_init" else "alibi",
+    nope = Transformer(tiny_config("nope", attn_impl="eager"))
+    bam = transplant(nope, Transformer(tiny_config("bam", bam_init="uniform" if setting == "uniform_init" else "alibi",
                                             attn_impl="eager")))
     with torch.no_grad():
         for prior in bam.priors:
@@ -205,7 +205,7 @@ def test_negative_shape_prefers_distant_tokens():
 
 
 def test_extreme_negative_shape_stays_finite():
-    model = make_model(pe="bam", ssmax=True)
+    model = tiny_model(pe="bam", ssmax=True)
     with torch.no_grad():
         for prior in model.priors:
             prior.shape.fill_(-12.0)  # (1e-5) ** -12 = 1e60 would overflow fp32 without the cap
@@ -282,8 +282,8 @@ def test_rope_fraction_one_is_whole_rope_bit_for_bit(scaling, factor, monkeypatc
     and gradients, bit for bit, as whole-width RoPE written here with model.py's own frequency helper
     (every pair at theta^(-2i/d), divided by s under linear scaling)."""
     kw = dict(pe="rope", rope_scaling=scaling, rope_factor=factor, rope_original_context=8)
-    model = make_model(rope_fraction=1.0, **kw)
-    whole = make_model(**kw)
+    model = tiny_model(rope_fraction=1.0, **kw)
+    whole = tiny_model(**kw)
 
     def whole_rotation(positions, cfg, length=None):
         inv_freq = model_module.inverse_frequencies(cfg.head_dim, cfg.rope_theta, positions.device) / factor
@@ -296,15 +296,15 @@ def test_rope_fraction_one_is_whole_rope_bit_for_bit(scaling, factor, monkeypatc
 
 def test_rope_fraction_zero_is_nope():
     """No pair turns: the model is NoPE with the same weights, bit for bit (logits and gradients)."""
-    partial = make_model(pe="rope", rope_fraction=0.0)
-    nope = make_model(pe="nope")
+    partial = tiny_model(pe="rope", rope_fraction=0.0)
+    nope = tiny_model(pe="nope")
     nope.load_state_dict(partial.state_dict())
     assert_same_logits_and_grads(partial, nope)
 
 
 @pytest.mark.parametrize("pe,ssmax", [(pe, s) for pe in PE_CHOICES for s in (False, True)])
 def test_causality(pe, ssmax):
-    model = make_model(pe=pe, ssmax=ssmax)
+    model = tiny_model(pe=pe, ssmax=ssmax)
     idx, _ = batch(B=1)
     changed = idx.clone()
     changed[0, 25:] = (changed[0, 25:] + 1) % VOCAB
@@ -318,7 +318,7 @@ def test_causality(pe, ssmax):
 def test_packed_documents_equal_separate_documents(pe, ssmax):
     """Document isolation: a document's logits inside a packed row equal the logits of the document on
     its own (so changing another document changes nothing, and SSMax counts only in-document keys)."""
-    model = make_model(pe=pe, ssmax=ssmax)
+    model = tiny_model(pe=pe, ssmax=ssmax)
     idx, doc_ids = batch(B=1)
     with torch.no_grad():
         packed = model(idx, doc_ids=doc_ids)[0]
@@ -336,7 +336,7 @@ def test_packed_documents_equal_separate_documents(pe, ssmax):
 @pytest.mark.parametrize("pe,ssmax,per_layer,kv", [("bam", True, True, 0), ("bam", False, False, 2),
                                                   ("rope", False, True, 2), ("sinusoidal", True, True, 0)])
 def test_parameter_count_matches_formula(pe, ssmax, per_layer, kv):
-    cfg = tiny(pe, ssmax=ssmax, bam_per_layer=per_layer, n_kv_head=kv, bam_train_loc=True)
+    cfg = tiny_config(pe, ssmax=ssmax, bam_per_layer=per_layer, n_kv_head=kv, bam_train_loc=True)
     d, L, H, V, hidden = cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.vocab_size, 2 * cfg.n_embd
     kv_width = (kv or H) * (d // H)
     per_block = d * d + 2 * d * kv_width + d * d + 3 * d * hidden + 2 * d  # q,k,v,o; SwiGLU; two norms
@@ -357,7 +357,7 @@ def test_paper_prior_parameter_count():
 
 def test_sinusoidal_table_is_added_at_the_token_embeddings_scale():
     """As in the official code (unit table on N(0, 1) embeddings): about 0.7 : 1 at init, not 35 : 1."""
-    model = make_model(pe="sinusoidal", n_embd=64)
+    model = tiny_model(pe="sinusoidal", n_embd=64)
     seen = {}
     model.blocks[0].register_forward_pre_hook(lambda module, args: seen.update(x=args[0]))
     idx, _ = batch(B=2, T=16)
@@ -371,7 +371,7 @@ def test_sinusoidal_table_is_added_at_the_token_embeddings_scale():
 def test_sinusoidal_table_is_vaswanis_formula_at_the_position_in_each_document():
     """PE(p, 2i) = sin(p / base^(2i/d)) and PE(p, 2i+1) = cos(p / base^(2i/d)) (Vaswani et al. 2017, 3.5),
     written out here one entry at a time, at the token embeddings' scale, p counted from each document's start."""
-    model = make_model(pe="sinusoidal", n_embd=64)
+    model = tiny_model(pe="sinusoidal", n_embd=64)
     seen = {}
     model.blocks[0].register_forward_pre_hook(lambda module, args: seen.update(x=args[0]))
     idx, doc_ids = batch(B=2, T=16)
@@ -394,11 +394,11 @@ def test_sinusoidal_table_is_vaswanis_formula_at_the_position_in_each_document()
     ("rope", False, 2, {"rope_fraction": 0.25, "rope_scaling": "yarn", "rope_factor": 4.0}),
     ("bam", False, 2, ALL_AT_ONCE)])
 def test_kv_cache_generation_equals_full_recompute(pe, ssmax, kv, settings):
-    generated_equals_recomputed(make_model(pe=pe, ssmax=ssmax, n_kv_head=kv, **settings))
+    generated_equals_recomputed(tiny_model(pe=pe, ssmax=ssmax, n_kv_head=kv, **settings))
 
 
 def test_sampling_with_top_k_stays_in_top_k():
-    model = make_model(pe="bam")
+    model = tiny_model(pe="bam")
     prompt, _ = batch(B=1, T=5)
     g = torch.Generator().manual_seed(0)
     out = model.generate(prompt, max_new_tokens=1, temperature=1.0, top_k=3, generator=g)
@@ -408,7 +408,7 @@ def test_sampling_with_top_k_stays_in_top_k():
 
 @pytest.mark.parametrize("impl", [pytest.param("flex", marks=pytest.mark.slow), "sdpa"])
 def test_logits_far_past_block_size_are_finite(impl):
-    model = make_model(pe="bam", ssmax=True)
+    model = tiny_model(pe="bam", ssmax=True)
     with torch.no_grad():
         model.priors[0].shape[:2] = torch.tensor([-0.8, -2.0])  # anti-local heads
         idx = torch.randint(0, VOCAB, (1, 64 * model.config.block_size))
@@ -418,7 +418,7 @@ def test_logits_far_past_block_size_are_finite(impl):
 
 
 def test_last_k_equals_slice_of_full_logits():
-    model = make_model(pe="bam", ssmax=True)
+    model = tiny_model(pe="bam", ssmax=True)
     idx, doc_ids = batch()
     with torch.no_grad():
         full = model(idx, doc_ids=doc_ids)[0]
@@ -427,7 +427,7 @@ def test_last_k_equals_slice_of_full_logits():
 
 
 def test_sparse_targets_give_the_dense_loss_and_gradients():
-    model = make_model(pe="bam", ssmax=True)
+    model = tiny_model(pe="bam", ssmax=True)
     idx, doc_ids = batch()
     targets = torch.full_like(idx, -1)
     targets[0, 5], targets[1, -1], targets[1, 7] = 3, 11, 2
@@ -452,7 +452,7 @@ def test_sparse_targets_give_the_dense_loss_and_gradients():
 
 @pytest.mark.slow
 def test_gqa_matches_across_implementations():
-    model = make_model(pe="bam", ssmax=True, n_kv_head=2)
+    model = tiny_model(pe="bam", ssmax=True, n_kv_head=2)
     idx, doc_ids = batch()
     with torch.no_grad():
         ref = logits_with(model, "eager", idx, doc_ids)
@@ -461,13 +461,13 @@ def test_gqa_matches_across_implementations():
 
 
 def test_shared_prior_has_one_set_of_parameters():
-    model = Transformer(tiny("bam", bam_per_layer=False))
+    model = Transformer(tiny_config("bam", bam_per_layer=False))
     assert len(model.priors) == 1
     assert model.prior_summary()["bam_shape"] == [[1.0] * 4]
 
 
 def test_optimizer_groups_cover_every_trainable_parameter_once():
-    model = Transformer(tiny("bam", ssmax=True))
+    model = Transformer(tiny_config("bam", ssmax=True))
     groups = {g["name"]: g for g in model.optim_groups(0.1)}
     ids = [id(p) for g in groups.values() for p in g["params"]]
     assert len(ids) == len(set(ids)) == sum(1 for p in model.parameters() if p.requires_grad)
@@ -478,7 +478,7 @@ def test_optimizer_groups_cover_every_trainable_parameter_once():
 
 
 def test_load_model_from_file_and_run_dir(tmp_path):
-    model = make_model(pe="bam", ssmax=True)
+    model = tiny_model(pe="bam", ssmax=True)
     (tmp_path / "checkpoints").mkdir()
     save_model(model, tmp_path / "checkpoints" / "step_00000010.pt")
     idx, _ = batch()
@@ -501,11 +501,11 @@ def test_load_model_from_file_and_run_dir(tmp_path):
 ])
 def test_bad_config_names_what_is_allowed(kw, match):
     with pytest.raises(ValueError, match=match):
-        tiny(**kw)
+        tiny_config(**kw)
 
 
 def test_bad_doc_ids_shape():
-    model = make_model()
+    model = tiny_model()
     idx, doc_ids = batch()
     with pytest.raises(ValueError, match="doc_ids must have the shape of idx"):
         model(idx, doc_ids=doc_ids[:, :-1])
@@ -514,7 +514,7 @@ def test_bad_doc_ids_shape():
 
 
 def test_flex_training_on_cpu_is_a_clear_error():
-    model = make_model(pe="bam", attn_impl="flex")
+    model = tiny_model(pe="bam", attn_impl="flex")
     idx, _ = batch()
     with pytest.raises(ValueError, match="no backward pass on CPU"):
         model(idx, torch.roll(idx, -1, 1))
@@ -532,7 +532,7 @@ def test_causal_block_mask_equals_create_block_mask(T):
 
 @pytest.mark.slow
 def test_flex_matches_eager_across_partial_blocks():
-    model = make_model(pe="bam", ssmax=True)
+    model = tiny_model(pe="bam", ssmax=True)
     idx = torch.randint(0, VOCAB, (1, 300))  # two full 128-token blocks and a partial one
     with torch.no_grad():
         torch.testing.assert_close(logits_with(model, "flex", idx), logits_with(model, "eager", idx),
@@ -543,7 +543,7 @@ def test_flex_matches_eager_across_partial_blocks():
 def test_eager_attention_stays_fp32_under_bf16_autocast(pe, monkeypatch):
     """eager is the reference the other paths are held to, and a GPU runs under bf16 autocast, which would round
     q.k (and the weights' product with v) to 8 bits: from the same inputs it computes what it computes in fp32."""
-    model = make_model(pe=pe, ssmax=True, attn_impl="eager")
+    model = tiny_model(pe=pe, ssmax=True, attn_impl="eager")
     calls = []
     eager = model_module.ATTENTION["eager"]
     monkeypatch.setitem(model_module.ATTENTION, "eager", lambda *args: calls.append(args) or eager(*args))

@@ -22,7 +22,8 @@ from bam.cli import UserError
 from bam.config import load_config, to_dict
 from bam.tokenizer import GPT2_IDENTITY, load_tokenizer
 from model import ModelConfig, Transformer
-from small_runs import ACCUM, ROOT, newest, relative_difference, rows, small_config
+from small_runs import ACCUM, ROOT, newest, rows, small_config
+from tiny_models import relative_error
 
 pytestmark = pytest.mark.slow  # python train.py and torchrun launches, and whole training runs
 
@@ -284,7 +285,7 @@ def test_ddp_with_gloo_matches_gradient_accumulation(tmp_path, synthetic):
                 assert abs(a[key] - b[key]) / abs(a[key]) < 1e-5, (a["step"], key, a[key], b[key])
     a, b = newest(single)["model"], newest(ddp)["model"]
     for name in a:
-        assert relative_difference(b[name], a[name]) < 1e-5, name
+        assert relative_error(b[name], a[name], norm="l2") < 1e-5, name
 
 
 KILLER = """
@@ -475,7 +476,7 @@ def test_passkey_answer_loss_counts_every_target_once(tmp_path, passkey_corpus):
     assert rows(one)[-1]["loss"] == pytest.approx(rows(two)[-1]["loss"], rel=1e-5)
     a, b = newest(one)["model"], newest(two)["model"]
     for name in a:
-        assert relative_difference(b[name], a[name]) < 1e-5, name
+        assert relative_error(b[name], a[name], norm="l2") < 1e-5, name
 
 
 def test_init_from_loads_weights_only_and_refuses_other_shapes(tmp_path, synthetic, monkeypatch, capsys):
