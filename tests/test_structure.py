@@ -171,7 +171,7 @@ def module_level_nodes(tree):
         stack.extend(ast.iter_child_nodes(node))
 
 
-@pytest.mark.parametrize("folder", ["bench", "tests", "eval", "bam", "."])
+@pytest.mark.parametrize("folder", ["bench", "tests", "tests/model", "eval", "bam", "."])
 def test_nothing_edits_sys_path_at_module_level(folder):
     edits = []
     for name in sorted(os.listdir(os.path.join(ROOT, folder))):
@@ -300,16 +300,20 @@ def slow_functions(trees):
 
 
 def unmarked_slow_tests(folder):
-    """{file: {test: slow work}} of the tests that do slow work without the `slow` marker."""
+    """{file: {test: slow work}} of the tests under `folder` (its subfolders' too: tests/model/) that do slow work
+    without the `slow` marker; a file is named by its path from `folder`."""
     trees = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                trees[name] = ast.parse(f.read(), name)
-    shared = [tree for name, tree in trees.items() if not name.startswith("test_")]
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with open(path, encoding="utf-8") as f:
+                    trees[os.path.relpath(path, folder)] = ast.parse(f.read(), name)
+    shared = [tree for name, tree in trees.items() if not os.path.basename(name).startswith("test_")]
     found = {}
     for name, tree in trees.items():
-        if not name.startswith("test_") or any(
+        if not os.path.basename(name).startswith("test_") or any(
                 isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
                 and marked_slow([node.value]) for node in tree.body):
             continue
@@ -329,7 +333,7 @@ def test_the_fast_lane_starts_no_process_and_compiles_nothing():
 
 def test_the_fast_lane_scan_sees_a_process_a_compile_and_a_mark(tmp_path):
     """The reader itself: a planted test that starts a process through a helper, one that compiles through a
-    fixture, are found; marked (one by its decorator, a file by pytestmark) they are not."""
+    fixture, are found, in a subfolder too; marked (one by its decorator, a file by pytestmark) they are not."""
     (tmp_path / "helpers.py").write_text("import subprocess\n\ndef launch():\n    subprocess.run(['true'])\n")
     body = ("import pytest, re, torch\nfrom helpers import launch\n\n{mark}def test_a():\n    launch()\n\n"
             "@pytest.fixture\ndef compiled():\n    return torch.compile(lambda x: x)\n\n"
@@ -341,6 +345,9 @@ def test_the_fast_lane_scan_sees_a_process_a_compile_and_a_mark(tmp_path):
     assert unmarked_slow_tests(tmp_path) == {"test_planted.py": {"test_b": ["torch.compile"]}}
     (tmp_path / "test_planted.py").write_text("import pytest\npytestmark = pytest.mark.slow\n" + body.format(mark=""))
     assert unmarked_slow_tests(tmp_path) == {}
+    (tmp_path / "model").mkdir()  # a test in a subfolder (tests/model/), through the shared helper above
+    (tmp_path / "model" / "test_deep.py").write_text(body.format(mark="@pytest.mark.slow\n"))
+    assert unmarked_slow_tests(tmp_path) == {os.path.join("model", "test_deep.py"): {"test_b": ["torch.compile"]}}
 
 
 def test_the_fast_lane_refuses_a_process_and_the_flex_path_to_an_unmarked_test():

@@ -31,7 +31,7 @@ def test_only_a_prior_of_the_head_and_distance_is_called_distance_only():
 # the formula path compiles one kernel per prior as well, so the whole grid against the compiled formula kernels
 # would be ~70 compilations. The grid is therefore held to the eager path (the same formulas on the dense grid, the
 # reference every flex test uses), and the compiled formula kernel to the table kernel at the training setting
-# (documents), at the shapes of test_model's flex tests, whose kernels a suite run has compiled already.
+# (documents), at the shapes of test_attention_paths.py's flex tests, whose kernels a suite run has compiled already.
 # On CPU both grid lengths run at 256 (flex_mask_length pads to whole 128-token blocks); 200 ends inside a
 # block, so padded queries and keys and the table's last entries are exercised; on a GPU they are two shapes.
 @pytest.mark.slow

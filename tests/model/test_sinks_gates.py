@@ -5,7 +5,7 @@ composed with SSMax and the priors; the gate is the paper's formula; generation 
 forward; flex's log-sum-exp form of the sink equals the materialised one, traced forward and backward as a GPU
 compiles it.
 
-tests/reference/default_models.pt was written by the model.py of commit d531d6e (before these fields existed):
+tests/model/reference/default_models.pt was written by the model.py of commit d531d6e (before these fields existed):
 for each case below, `make_model(pe=..., ssmax=...)` of tests/tiny_models.py (today's `tiny_model`, which
 since moves the sinks' logits too, after every other draw), its state-dict keys, the sum of its weights
 and its logits at the last three positions of `batch(T=24)` with its documents:
@@ -266,7 +266,7 @@ def test_sinks_join_the_prior_group_and_gates_the_decayed_matrices():
 def test_flex_with_sinks_and_gates_equals_eager_forward_and_backward(pe, ssmax, flex_prior, monkeypatch):
     """out * sigmoid(lse - sink) from flex's log-sum-exp equals the materialised softmax with the sink's column:
     logits and the gradient of every parameter, the sinks' own included. The flex kernels are compiled as
-    tests/test_flex_backward.py compiles them (AOT autograd, inductor's check of the joint graph, flex's backward
+    tests/model/test_flex_backward.py compiles them (AOT autograd, inductor's check of the joint graph, flex's backward
     run by torch's dense reference of it), since the CPU's inductor kernel has no log-sum-exp and no backward:
     model.sink_form is made the GPU's, "lse", here."""
     checked = trace_flex_as_a_gpu(monkeypatch)

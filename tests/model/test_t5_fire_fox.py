@@ -1,8 +1,8 @@
 """The learnable-bias rivals of BAM (model.py: T5Prior, FIREPrior, FoXPrior): each formula against a loop over
 i, j written out here from its paper, and what the widened prior contract must keep (token features that
 stay inside their document, a window, a KV cache that equals full recomputation). Every test of
-test_model.py parametrised over model.PE_CHOICES (flex == sdpa == eager, sdpa == eager gradients, causality,
-packed documents) and test_export_hf.py's export cases cover these encodings as well."""
+test_attention_paths.py and test_forward.py parametrised over model.PE_CHOICES (flex == sdpa == eager, sdpa == eager
+gradients, causality, packed documents) and tests/test_export_hf.py's export cases cover these encodings as well."""
 
 import math
 
@@ -222,7 +222,6 @@ def test_fox_gates_of_a_document_do_not_depend_on_the_documents_before_it():
     torch.testing.assert_close(packed[..., -40:], alone, rtol=1e-6, atol=1e-5)
 
 
-
 def test_fox_gate_init_bias_starts_the_gates_open_and_its_default_is_the_reference_init():
     """fox_gate_init_bias b sets every gate's bias to b, so the gates start near sigmoid(b) (5: ~0.993); it
     takes no random numbers, so every other weight is the same for a seed, and the default 0 is the reference
@@ -291,7 +290,7 @@ def test_cached_decoding_equals_full_recomputation(pe, ssmax, window):
 @pytest.mark.parametrize("pe", RIVALS)
 def test_window_on_every_path(pe):
     """flex == sdpa == eager with a window cutting through documents; that the windowed eager path is the
-    crop of each query's last W keys is test_baselines.py's crop reference (T5, FoX: functions of the keys
+    crop of each query's last W keys is test_sliding_window.py's crop reference (T5, FoX: functions of the keys
     inside the window; FIRE's query position counts from the document's start, not the window's)."""
     model = tiny_model(pe=pe, ssmax=True, attn_window=7)
     idx, doc_ids = batch(T=40)
@@ -369,16 +368,6 @@ def test_eval_priors_shows_each_rivals_curves_and_foxs_gates(tmp_path):
             for h in heads:
                 if h["layer"] == 0:
                     assert h["bias_at"]["100"] == pytest.approx(float(expected[h["head"]]), rel=1e-4, abs=1e-5)
-
-
-def test_every_encoding_names_the_family_the_report_groups_it_by():
-    from model import ENCODINGS
-
-    expected = {"nope": "baselines", "sinusoidal": "baselines", "rope": "RoPE", "alibi": "fixed and kernel priors",
-                "kerple_log": "fixed and kernel priors", "kerple_power": "fixed and kernel priors", "bam": "BAM",
-                "t5": "learnable-bias rivals", "fire": "learnable-bias rivals", "fox": "learnable-bias rivals"}
-    assert {name: enc.family for name, enc in ENCODINGS.items()} == expected
-    assert [name for name, enc in ENCODINGS.items() if not getattr(enc, "DISTANCE_ONLY", True)] == ["fire", "fox"]
 
 
 @pytest.mark.slow
