@@ -55,7 +55,7 @@ def dense_probabilities(attn, x, ctx, prior_module, window=None, sink_share=None
         head = torch.arange(H).view(H, 1, 1)
         if prior_module.DISTANCE_ONLY:
             bias = prior_module.bias_fn((i - j).double(), head, *prior_module.tensors())
-        else:  # FIRE, FoX: their per-token values (the formulas are test_rivals.py's)
+        else:  # FIRE, FoX: their per-token values (the formulas are tests/model/test_t5_fire_fox.py's)
             at = prior_module.token_features(x, torch.arange(T)[None])
             bias = prior_module.bias_fn((i - j).double(), head, tuple(t[..., :, None] for t in at),
                                         tuple(t[..., None, :] for t in at), *prior_module.tensors())
