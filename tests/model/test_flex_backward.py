@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model import ENCODINGS, FLEX_PRIORS, AdditivePrior, ModelConfig, Transformer
-from flex_on_cpu import trace_flex_as_a_gpu
+from flex_on_cpu import take_flex, trace_flex_as_a_gpu
 from tiny_models import VOCAB, batch
 
 pytestmark = pytest.mark.slow
@@ -41,12 +41,11 @@ def loss_and_grads(model, idx, doc_ids):
 @pytest.mark.parametrize("pe,ssmax,flex_prior", list(variants()))
 def test_every_encodings_flex_backward_passes_inductors_check_and_equals_sdpa(pe, ssmax, flex_prior, monkeypatch):
     checked = trace_flex_as_a_gpu(monkeypatch)
-    # the GPU's choice: flex also for training (on the CPU, attention_path refuses it for lack of a backward)
-    monkeypatch.setattr(model_module, "attention_path", lambda model, T_q, T_k, has_docs: "flex")
     # 128 tokens, a whole flex block: on the CPU a shorter sequence is padded, a copy that would hide a view
     idx, doc_ids = batch(T=128)
     torch.manual_seed(0)
-    flex = Transformer(config(pe, ssmax, flex_prior, "flex"))
+    # the GPU's choice: flex also for training (on the CPU, attention_path refuses it for lack of a backward)
+    flex = take_flex(monkeypatch, Transformer(config(pe, ssmax, flex_prior, "flex")))
     reference = Transformer(config(pe, ssmax, flex_prior, "sdpa"))
     reference.load_state_dict(flex.state_dict())
     try:
