@@ -12,9 +12,9 @@ torch that moved them skips the test with the reason instead of passing it."""
 import pytest
 import torch
 
-from model import ENCODINGS, FLEX_PRIORS, AdditivePrior, ModelConfig, Transformer
+from model import ENCODINGS, FLEX_PRIORS, AdditivePrior, Transformer
 from flex_on_cpu import take_flex, trace_flex_as_a_gpu
-from tiny_models import VOCAB, batch
+from tiny_models import batch, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,7 @@ def variants():
 
 
 def config(pe, ssmax, flex_prior, attn_impl):
-    return ModelConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, block_size=64, pe=pe, ssmax=ssmax,
-                       flex_prior=flex_prior, attn_impl=attn_impl, fire_mlp_width=6)
+    return tiny_config(pe, ssmax, n_head=2, block_size=64, flex_prior=flex_prior, attn_impl=attn_impl)
 
 
 def loss_and_grads(model, idx, doc_ids):
