@@ -23,8 +23,8 @@ from bam import checkpoint, data, outputs, tokenizer
 from bam.checkpoint import save_model
 from bam.cli import WriteError, describe_os_error, run_cli, user_errors
 from bam.tokenizer import load_tokenizer
-from model import ModelConfig, Transformer
 from small_runs import small_config
+from tiny_models import GPT2_VOCAB, tiny_model
 
 pytestmark = pytest.mark.slow  # every command's main end to end, with its input and output failing
 
@@ -361,8 +361,7 @@ def test_a_torn_manifest_is_one_line(tmp_path, prepare_main):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("io_eval")
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16, block_size=64, pe="bam"))
+    model = tiny_model(vocab_size=GPT2_VOCAB, block_size=64)
     save_model(model, str(root / "run" / "checkpoints" / "step_00000001.pt"))
     enc = load_tokenizer("gpt2")
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
@@ -481,11 +480,11 @@ def test_a_source_that_is_not_a_checkpoint(name, source, message, tmp_path, run_
     if source == "binary.pt":
         path.write_bytes(BINARY)
     elif source == "torn.pt":  # a checkpoint cut short: a zip archive without its end
-        save_model(Transformer(ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16)), str(path))
+        save_model(tiny_model(vocab_size=GPT2_VOCAB), str(path))
         whole = path.read_bytes()
         path.write_bytes(whole[:1000] + whole[-200:])
     elif source == "small_vocab":
-        save_model(Transformer(ModelConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=16)), str(path / "step_1.pt"))
+        save_model(tiny_model(vocab_size=1000), str(path / "step_1.pt"))
         path = path / "step_1.pt"
     elif source == "empty_dir":
         path.mkdir()

@@ -21,9 +21,9 @@ from bam.checkpoint import load_model
 from bam.cli import UserError
 from bam.config import load_config, to_dict
 from bam.tokenizer import GPT2_IDENTITY, load_tokenizer
-from model import ModelConfig, Transformer
+from model import Transformer
 from small_runs import ACCUM, ROOT, newest, rows, small_config
-from tiny_models import relative_error
+from tiny_models import relative_error, tiny_model
 
 pytestmark = pytest.mark.slow  # python train.py and torchrun launches, and whole training runs
 
@@ -179,7 +179,7 @@ def test_save_best_writes_best_pt_only_on_a_new_lowest_validation_loss_and_atomi
     other layout (a sharded best/ from before a change of train.parallel)."""
     cfg = load_config(None, [f"--log.out_dir={tmp_path}"])
     run = SimpleNamespace(cfg=cfg, procs=train.Processes(False, 0, 0, 1, torch.device("cpu")), sharded=False,
-                          raw_model=Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16)),
+                          raw_model=tiny_model(),
                           train_loader=SimpleNamespace(tokenizer=GPT2_IDENTITY), state=train.TrainState())
     best, folder = checkpoint.best_path(str(tmp_path)), checkpoint.checkpoint_dir(str(tmp_path))
     os.makedirs(checkpoint.best_path(str(tmp_path), sharded=True))

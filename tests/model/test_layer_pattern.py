@@ -7,8 +7,8 @@ import torch
 
 import model as model_module
 from bam.sizing import Sizes
-from model import KVCache, LayerKind, Transformer
-from tiny_models import batch, generated_equals_recomputed, tiny_model, tiny_config
+from model import KVCache, LayerKind
+from tiny_models import batch, generated_equals_recomputed, tiny_config, tiny_model
 
 
 def kinds(pe="rope", ssmax=False, window=0, n_layer=4, **kw):

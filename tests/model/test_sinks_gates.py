@@ -24,7 +24,7 @@ import model as model_module
 from model import (PE_CHOICES, AttnContext, BAMPrior, ModelConfig, Transformer, attention_context, dense_mask, ggd_bias,
                    positions_in_documents, ssmax_log_n)
 from flex_on_cpu import take_flex, trace_flex_as_a_gpu
-from tiny_models import batch, generated_equals_recomputed, logits_with, tiny_model, tiny_config
+from tiny_models import batch, generated_equals_recomputed, logits_with, tiny_config, tiny_model
 
 REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference", "default_models.pt")
 

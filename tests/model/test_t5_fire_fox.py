@@ -11,7 +11,7 @@ import torch
 
 from model import (KVCache, ModelConfig, Transformer, fire_bias, fire_mlp, fire_piecewise, fire_segments, fox_bias,
                    positions_in_documents, t5_bias, t5_bucket)
-from tiny_models import VOCAB, batch, logits_with, tiny_model, tiny_config
+from tiny_models import VOCAB, batch, logits_with, tiny_config, tiny_model
 
 RIVALS = ("t5", "fire", "fox")
 
