@@ -8,11 +8,13 @@ Import a Hugging Face model of the Llama family as a run directory, the mirror o
 
 Supported: LlamaForCausalLM (Llama 2, Llama 3.x with its "llama3" RoPE scaling, SmolLM/SmolLM2),
 MistralForCausalLM (its sliding window becomes model.attn_window), Qwen2ForCausalLM (biases on q, k and v; its
-windows by layer, layer_types or max_window_layers, become model.layer_pattern) and SmolLM3ForCausalLM (Llama
-with NoPE in the layers no_rope_layers marks 0, and windows by layer_types: a layer_pattern such as "rope*3 nope").
-What model.py lacks for them are ordinary ModelConfig fields (tie_embeddings, qkv_bias, attn_head_dim, the
-llama3 rope_scaling, rope_fraction for transformers' "proportional" rope type: p-RoPE, the fastest pairs turning
-at RoPE's frequencies, docs/training.md "Partial RoPE"); a setting it cannot honour (another architecture,
+windows by layer, layer_types or max_window_layers, become model.layer_pattern), Qwen3ForCausalLM (Qwen2 without
+the biases, with QK-norm: q_norm and k_norm, an RMSNorm over each head's head_dim channels before RoPE, are
+model.qk_norm's gains) and SmolLM3ForCausalLM (Llama with NoPE in the layers no_rope_layers marks 0, and windows
+by layer_types: a layer_pattern such as "rope*3 nope").
+What model.py lacks for them are ordinary ModelConfig fields (tie_embeddings, qkv_bias, qk_norm, attn_head_dim,
+the llama3 rope_scaling, rope_fraction for transformers' "proportional" rope type: p-RoPE, the fastest pairs
+turning at RoPE's frequencies, docs/training.md "Partial RoPE"); a setting it cannot honour (another architecture,
 remote code, another activation or RoPE scaling, a bias on o_proj or the MLP, a layer type other than
 full or sliding attention, quantised weights, ...) is refused in one line naming it.
 
@@ -48,8 +50,10 @@ from model import ModelConfig, Transformer
 
 # The architectures (config.json's "architectures") and the model_type transformers builds each from
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "SmolLM3ForCausalLM": "smollm3"}
-# transformers' layer_types (Qwen2, SmolLM3) whose mask model.py draws: full causal, or the sliding window
+            "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3"}
+# The families whose layers take their windows from layer_types (Qwen's from max_window_layers when it is left out)
+LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+# transformers' layer_types (Qwen2, Qwen3, SmolLM3) whose mask model.py draws: full causal, or the sliding window
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' rope_type -> model.py's rope_scaling; "proportional" (Gemma 4's partial RoPE) divides its turning
 # frequencies by `factor` (1 when left out), linear scaling of the turning pairs
@@ -69,6 +73,7 @@ TOP_LEVEL = {"model.embed_tokens.weight": "tok_emb.weight", "model.norm.weight":
 PER_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "mlp_norm.weight",
              "mlp.gate_proj.weight": "mlp.w1.weight", "mlp.up_proj.weight": "mlp.w3.weight",
              "mlp.down_proj.weight": "mlp.w2.weight", "self_attn.o_proj.weight": "attn.wo.weight",
+             "self_attn.q_norm.weight": "attn.q_norm.weight", "self_attn.k_norm.weight": "attn.k_norm.weight",
              **{f"self_attn.{x}_proj.{kind}": f"attn.w{x}.{kind}" for x in "qkv" for kind in ("weight", "bias")}}
 LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 NOT_WEIGHTS = re.compile(r"(.+\.)?rotary_emb\.inv_freq")  # a buffer older checkpoints saved: RoPE's frequencies
@@ -195,8 +200,9 @@ def model_config(arch, hf, path):
             vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, n_head=n_head,
             n_kv_head=0 if kv_heads == n_head else kv_heads, n_embd=width,
             attn_head_dim=0 if head_dim * n_head == width else head_dim,
-            qkv_bias=arch == "Qwen2ForCausalLM", tie_embeddings=bool(hf.tie_word_embeddings),
-            mlp_hidden=hf.intermediate_size, block_size=context, norm_eps=float(hf.rms_norm_eps),
+            qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
+            tie_embeddings=bool(hf.tie_word_embeddings), mlp_hidden=hf.intermediate_size, block_size=context,
+            norm_eps=float(hf.rms_norm_eps),
             pe="rope", rope_theta=float(rope.get("rope_theta", 10_000.0)), **layers,
             **({"init_std": float(init_std)} if init_std and init_std <= 10 else {}), **scaling)
     except (TypeError, ValueError) as e:
@@ -205,8 +211,8 @@ def model_config(arch, hf, path):
 
 def layer_settings(arch, hf, path):
     """attn_window and layer_pattern of ModelConfig for transformers' per-layer attention: Mistral's one window,
-    Qwen2's and SmolLM3's layer_types (a "sliding_attention" layer sees sliding_window keys: transformers' mask
-    is j > i - sliding_window, attn_window's 0 <= i - j < W) and SmolLM3's no_rope_layers (0: NoPE)."""
+    Qwen2's, Qwen3's and SmolLM3's layer_types (a "sliding_attention" layer sees sliding_window keys: transformers'
+    mask is j > i - sliding_window, attn_window's 0 <= i - j < W) and SmolLM3's no_rope_layers (0: NoPE)."""
     n = hf.num_hidden_layers
     if arch == "MistralForCausalLM":
         return dict(attn_window=getattr(hf, "sliding_window", None) or 0)
@@ -217,7 +223,7 @@ def layer_settings(arch, hf, path):
             refuse(path, "no_rope_layers", hf.no_rope_layers, f"it names {len(rope)} layers of {n}")
         rope = [bool(flag) for flag in rope[:n]]
     windows = [0] * n
-    if arch in ("Qwen2ForCausalLM", "SmolLM3ForCausalLM"):
+    if arch in LAYER_TYPED:
         windows = layer_windows(arch, hf, path)
     return pattern_fields(rope, windows)
 
@@ -232,7 +238,7 @@ def layer_windows(arch, hf, path):
     if not any(sliding):
         return [0] * n
     window = hf.sliding_window
-    if not isinstance(window, int) or window < 1:  # Qwen2 sets it to None without use_sliding_window
+    if not isinstance(window, int) or window < 1:  # Qwen2 and Qwen3 set it to None without use_sliding_window
         refuse(path, "sliding_window", window, "layer_types has sliding_attention layers, which need a window "
                                                "of at least 1 token (and use_sliding_window = true)")
     if not getattr(hf, "use_sliding_window", True):  # SmolLM3: the mask windows them, flash attention does not

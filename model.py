@@ -121,11 +121,15 @@ class ModelConfig:
     # A sigmoid gate from the layer's input on each head's output, elementwise, before the output
     # projection (Qiu et al. 2025, arXiv 2505.06708; Qwen3-Next)
     attn_gate: bool = False
+    # QK-norm: an RMSNorm over each head's query and key, with a learned gain per channel shared by
+    # the heads, before the rotation (Qwen3's; OLMo 2 normalises the whole projection instead), so
+    # every logit is bounded by |q||k| / sqrt(d) times the gains (docs/training.md "QK-norm")
+    qk_norm: bool = False
     attn_impl: str = "auto"  # auto | flex | sdpa | eager
-    # How the flex kernel reads a distance-only prior and SSMax's factor: "table" gathers them from
-    # per-head tables built once per forward in plain torch (distance_table), "formula" evaluates
-    # them per score inside the kernel; the same numbers either way (docs/benchmarks.md,
-    # "Prior tables on flex").
+    # How the flex kernel reads a distance-only prior: "table" gathers it from a per-head table
+    # built once per forward in plain torch (distance_table), "formula" evaluates it per score
+    # inside the kernel; the same numbers either way (docs/benchmarks.md, "Prior tables on flex").
+    # SSMax's factor is read from its table by query (ssmax_table) in both.
     flex_prior: str = "table"
     # BAM's Generalized-Gaussian prior (docs/paper.md §2). The official code and the paper's runs
     # start from `alibi` (shape 1, scale = ALiBi slopes), so BAM begins training exactly as ALiBi.
@@ -578,16 +582,21 @@ class Attention(nn.Module):
         # The gate's projection, as the paper's code makes it (more output columns of q's
         # projection, so initialised as q's: N(0, init_std)); every gate starts near 1/2
         self.wg = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False) if cfg.attn_gate else None
+        # QK-norm's gains, (head_dim,) each, start at 1: the unit-RMS query and key
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def project(self, x, ctx):
         """q, k, v of x, (B, heads, T, head_dim), as every attention implementation receives
-        them (q and k rotated for a rotary encoding); eval.attention scores its sampled
-        queries with the same ones."""
+        them (q and k normalised with QK-norm, then rotated for a rotary encoding); eval.attention
+        scores its sampled queries with the same ones."""
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # before the rotation, which keeps the norm of each pair
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary and ctx.rope is not None:
             q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
         return q, k, v
@@ -625,7 +634,11 @@ def layer_prior(prior_module, x, ctx, kv_cache=None):
     by the new ones."""
     if prior_module is None:
         return None, None
-    prior = (prior_module.bias_fn, prior_module.tensors())
+    if ctx.impl == "flex":  # the form FlexAttention's score_mod reads, over the kernel's length
+        prior = (prior_module.kernel_bias_fn or prior_module.bias_fn,
+                 prior_module.kernel_tensors(ctx.mask.seq_lengths[0], x.device))
+    else:
+        prior = (prior_module.bias_fn, prior_module.tensors())
     if prior_module.DISTANCE_ONLY:
         return prior, None
     if kv_cache is None:  # training and full forwards: no position read back from the device
@@ -806,7 +819,7 @@ class Encoding:
     # in-document positions
     embedding = None
     # Settings that take another code path inside this encoding, each {ModelConfig field: value}:
-    # the correctness grids (tests/test_model.py, bench/gpu_check.py) check each of them beside the
+    # the correctness grids (tests/test_model.py, bench/gpu_check) check each of them beside the
     # defaults, through CHECKED_SETTINGS
     checked_settings = ()
     # The encoding's options are ModelConfig fields named after it (as bam_init); RANGES gives each
@@ -1053,6 +1066,16 @@ class AdditivePrior(Encoding, nn.Module):
 
     def token_features(self, x, pos_in_doc, past=None):
         raise NotImplementedError(f"{type(self).__name__} is a function of the distance only")
+
+    # FlexAttention's score_mod reads the prior as kernel_bias_fn(..., *kernel_tensors(length,
+    # device)) for a kernel over `length` tokens: by default bias_fn and tensors(). A prior whose
+    # formula reads a scalar or a per-head value that needs a gradient tabulates it here instead
+    # (FIRE's c and L): read per score, such a tensor takes every score's gradient into one
+    # address, an atomic add per score in inductor's flex backward.
+    kernel_bias_fn = None
+
+    def kernel_tensors(self, length, device):
+        return self.tensors()
 
     # For eval/ only: the report's plot group, named head groups (eval.priors, eval.attention), the
     # curve eval.priors draws
@@ -1335,16 +1358,9 @@ def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2, *segment
     grid by indexing (its backward a scatter-add). The values are the whole grid's, at a fraction of
     its cost: on the CPU training path FIRE's MLP took most of a step (docs/benchmarks.md).
 
-    On FlexAttention's scalars, `segments` (fire_segments, which FIREPrior.tensors gives under
-    autograd) have the kernel read the MLP as the piecewise-linear function it is: inductor's flex
-    backward refuses a score_mod that indexes a tensor with a gradient more than once, as the sum
-    over hidden units does."""
+    FlexAttention's score_mod reads FIRE in another form, fire_kernel_bias; `segments` serve it."""
     c, threshold = torch.exp(log_c[0]), torch.exp(log_threshold[0])
-    dist = dist.clamp(min=0)
-    if dist.dim() == 0:  # FlexAttention's score_mod: one score at a time
-        x = fire_input(dist, query[0], c, threshold)
-        return fire_piecewise(x, head, *segments) if segments else fire_mlp(x, head, w1, b1, w2)
-    d, i = torch.broadcast_tensors(dist, query[0])
+    d, i = torch.broadcast_tensors(dist.clamp(min=0), query[0])
     # One number per pair, exact in float64 for whole positions below 2^21 and distances below 2^31
     shift = 2.0 ** 31
     pairs, where = torch.unique(i.double() * shift + d.double(), return_inverse=True)
@@ -1352,6 +1368,20 @@ def fire_bias(dist, head, query, key, log_c, log_threshold, w1, b1, w2, *segment
     x = fire_input((pairs - i_pair * shift).to(d.dtype), i_pair.to(i.dtype), c, threshold)
     every_head = fire_mlp(x, None, w1, b1, w2)  # (pairs, H)
     return every_head[where, head]
+
+
+def fire_kernel_bias(dist, head, query, key, psi, w1, b1, w2, *segments):
+    """fire_bias as FlexAttention's score_mod reads it, one score at a time (FIREPrior.kernel_tensors):
+    psi(i - j) from `psi`, the table of log(c d + 1) by distance, times 1 / psi(max(L, i)), the
+    query's token feature (query[1]), so that no score reads c or L themselves. Read per score, a
+    one-element tensor with a gradient takes every score's gradient in one address (an atomic add per
+    score in inductor's backward); the tables take it per distance and per query, and autograd carries
+    it on to c and L. `segments` (fire_segments, given under autograd) have the kernel read the MLP
+    as the piecewise-linear function it is: inductor's flex backward refuses a score_mod that indexes
+    a tensor with a gradient more than once, as the sum over hidden units does. Equal to fire_bias up
+    to fp32 rounding (a product with 1 / psi for a quotient: tests/test_rivals.py)."""
+    x = psi[dist.clamp(min=0).long()] * query[1]
+    return fire_piecewise(x, head, *segments) if segments else fire_mlp(x, head, w1, b1, w2)
 
 
 def fire_input(dist, i, c, threshold):
@@ -1423,6 +1453,7 @@ class FIREPrior(AdditivePrior):
     gradient is zero, so it would never train)."""
 
     bias_fn = staticmethod(fire_bias)
+    kernel_bias_fn = staticmethod(fire_kernel_bias)
     METRICS_PREFIX = "fire"
     DISTANCE_ONLY = False
     RANGES = {"fire_mlp_width": ">= 1", "fire_init_c": "> 0", "fire_init_threshold": "> 0"}
@@ -1445,8 +1476,21 @@ class FIREPrior(AdditivePrior):
             return mlp + fire_segments(self.w1, self.b1, self.w2)
         return mlp
 
+    def kernel_tensors(self, length, device):
+        """fire_kernel_bias's tensors over `length` distances: psi(d) = log(c d + 1), (length,) fp32,
+        then the MLP's."""
+        with torch.autocast(device.type, enabled=False):
+            distances = torch.arange(length, device=device, dtype=torch.float32)
+            psi = torch.log1p(torch.exp(self.log_c) * distances)
+        return (psi,) + self.tensors()[2:]
+
     def token_features(self, x, pos_in_doc, past=None):
-        return (pos_in_doc.float()[:, None, :],)  # the position of each token in its document
+        """(the position of each token in its document, 1 / psi(max(L, i)) at it), (B or 1, 1, T)
+        each: fire_bias reads the first, fire_kernel_bias the second."""
+        position = pos_in_doc.float()[:, None, :]
+        with torch.autocast(position.device.type, enabled=False):
+            c, threshold = torch.exp(self.log_c), torch.exp(self.log_threshold)
+            return position, 1.0 / torch.log1p(c * torch.maximum(position, threshold))
 
     def head_parameters(self):
         H = self.w2.shape[0]
@@ -1879,12 +1923,12 @@ def flex_captured(t):
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def tabled_scores(scores, b, head, q_pos, k_pos, bias_table, factor_table):
-    """positional_scores with both of its terms read from tables:
-    (scores + g_h(i - j)) * s_h log n_i, where `bias_table` is a distance_table (or None) and
-    `factor_table` an ssmax_table (or None)."""
-    if bias_table is not None:
-        scores = scores + table_bias(q_pos - k_pos, head, bias_table)
+def kernel_scores(scores, b, head, q_pos, k_pos, prior, factor_table, query=None, key=None):
+    """positional_scores as FlexAttention's score_mod computes it, (scores + g_h(i, j)) * s_h log n_i:
+    the prior in the form the kernel reads (`prior` (table_bias, (distance_table,)), or a prior's
+    kernel form, or None) and SSMax's factor from its ssmax_table (or None)."""
+    if prior is not None:
+        scores = scores + prior_bias(prior, head, q_pos - k_pos, query, key)
     if factor_table is not None:
         scores = scores * factor_table[b, head, q_pos]
     return scores
@@ -1893,46 +1937,40 @@ def tabled_scores(scores, b, head, q_pos, k_pos, bias_table, factor_table):
 def flex_attention(q, k, v, ctx, prior, ssmax_scale, features=None, sink=None):
     """The flex path: the prior as score_mod, the mask as a sparse BlockMask; never
     materialises Tq x Tk. Queries and keys are the same positions 0..T-1 (no KV cache), so
-    the token features at the queries are those at the keys (layer_prior). With prior tables
-    (ctx.uses_prior_tables) a tabulated prior, (table_bias, (table,)), and SSMax are gathered from
-    tables; any other prior (one with token features included), and everything with
-    flex_prior = "formula", is evaluated by its formula per score. A sink needs no score_mod on a
+    the token features at the queries are those at the keys (layer_prior). `prior` is what the
+    score_mod reads: a distance-only prior from its table, (table_bias, (table,)), with prior
+    tables (ctx.uses_prior_tables), else its kernel form (AdditivePrior.kernel_bias_fn). SSMax's
+    factor s_h log n_i always comes from a (B, H, T) table (ssmax_table): read per score, the scale
+    s_h would take every score's gradient of its head in one address. A sink needs no score_mod on a
     GPU (with_sink); the CPU's kernel has no log-sum-exp, so there the sink is one more key
     (sink_block_mask)."""
-    log_n = None
-    if ssmax_scale is not None:  # flex indexes log_n[b, q]; a (1, T) table serves every row
-        log_n = (ctx.log_n.expand(q.shape[0], -1).contiguous() if ctx.log_n.shape[0] == 1
-                 else ctx.log_n)
     bias_fn, tensors = (None, ()) if prior is None else prior
-    tabulated = ctx.uses_prior_tables and bias_fn in (None, table_bias)
     cpu = q.device.type == "cpu"
     form = None if sink is None else sink_form(cpu)
     kernel = flex_kernel(flex_kernel_key(bias_fn, ssmax_scale is not None, features is not None,
-                                         tabulated, cpu, form))
-    T, padded, mask = q.shape[2], ctx.mask.seq_lengths[0], ctx.mask
+                                         cpu, form))
+    B, H, T = q.shape[:3]
+    padded, mask = ctx.mask.seq_lengths[0], ctx.mask
+    if bias_fn is table_bias and tensors[0].shape[-1] < padded:  # a shape, no device sync
+        raise ValueError(f"a prior table covers distances 0..{tensors[0].shape[-1] - 1}, the "
+                         f"kernel runs {padded} tokens: build it at ctx.mask.seq_lengths[0]")
     if features is not None:  # score_mod indexes [b, h, token]: broadcast dimensions made whole
-        features = tuple(flex_captured(t.expand(q.shape[0], q.shape[1], T)) for t in features[0])
+        features = tuple(flex_captured(t.expand(B, H, T)) for t in features[0])
+    log_n = ctx.log_n
     # see flex_mask_length: padded keys follow every real query, so the causal mask hides them
     if padded > T:
         q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
         log_n = None if log_n is None else F.pad(log_n, (0, padded - T))
         features = None if features is None else tuple(F.pad(t, (0, padded - T)) for t in features)
+    factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, B)
     sink_table = None
     if form == "key":  # the sink as the first key of one more key block
-        logits = sink_scores(sink, ssmax_scale, ctx.log_n).expand(q.shape[0], q.shape[1], T)
+        logits = sink_scores(sink, ssmax_scale, ctx.log_n).expand(B, H, T)
         sink_table = flex_captured(F.pad(logits, (0, padded - T)))
         k, v = (F.pad(x, (0, 0, 0, mask.BLOCK_SIZE[1])) for x in (k, v))
         mask = sink_block_mask(mask)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one memory layout, one kernel
-    if tabulated:
-        bias_table = tensors[0] if tensors else None
-        if bias_table is not None and bias_table.shape[-1] < padded:  # a shape, no device sync
-            raise ValueError(f"a prior table covers distances 0..{bias_table.shape[-1] - 1}, the "
-                             f"kernel runs {padded} tokens: build it at ctx.mask.seq_lengths[0]")
-        factor_table = None if ssmax_scale is None else ssmax_table(ssmax_scale, log_n, q.shape[0])
-        out = kernel(q, k, v, mask, bias_table, factor_table, sink_table)
-    else:
-        out = kernel(q, k, v, mask, log_n, tensors, ssmax_scale, features, sink_table)
+    out = kernel(q, k, v, mask, tensors, features, factor_table, sink_table)
     if form != "lse":
         return out[:, :, :T]
     return with_sink(out[0][:, :, :T], out[1][:, :, :T], sink_scores(sink, ssmax_scale, ctx.log_n))
@@ -2088,39 +2126,39 @@ def window_block_mask(T, window, device, block=128):
                                     mask_mod=flex_mask_mod(window), seq_lengths=(T, T))
 
 
-# The key of the compiled kernel that serves a layer, one shape for both forms: `form` "table" (the
-# prior read from its distance_table, `prior` True, or none, False; _make_flex_table_kernel) or
-# "formula" (`prior` its bias_fn, or None; _make_flex_kernel); `ssmax`; `static_shapes`, the CPU's
-# workaround for a score_mod that gathers per-query tensors (see the makers); `sink` None or
-# sink_form's "lse" (the kernel also returns its log-sum-exp) or "key" (the sink is a key).
-FlexKernelKey = namedtuple("FlexKernelKey", "form prior ssmax static_shapes sink")
+# The key of the compiled kernel that serves a layer: `prior` its score_mod's bias function
+# (table_bias for a prior read from its distance_table, a prior's kernel form, or None), `ssmax`,
+# `static_shapes` (the CPU's workaround for a score_mod that gathers per-query tensors,
+# _make_flex_kernel), and `sink`, None or sink_form's "lse" (the kernel also returns its
+# log-sum-exp) or "key" (the sink is a key).
+FlexKernelKey = namedtuple("FlexKernelKey", "prior ssmax static_shapes sink")
 
 
-def flex_kernel_key(bias_fn, use_ssmax, has_features, tabulated, cpu, sink=None):
-    """The FlexKernelKey of a layer whose prior is `bias_fn` (table_bias or None if tabulated)."""
-    if tabulated:
-        return FlexKernelKey("table", bias_fn is not None, use_ssmax, cpu, sink)
-    static = cpu and (use_ssmax or has_features or sink is not None)
-    return FlexKernelKey("formula", bias_fn, use_ssmax, static, sink)
+def flex_kernel_key(bias_fn, use_ssmax, has_features, cpu, sink=None):
+    """The FlexKernelKey of a layer whose score_mod reads its prior through `bias_fn`."""
+    gathers = bias_fn is table_bias or use_ssmax or has_features or sink is not None
+    return FlexKernelKey(bias_fn, use_ssmax, cpu and gathers, sink)
 
 
 def build_flex_kernels(model):
     """Every flex kernel a forward of `model` can ask for (flex_kernel), on a CPU or a GPU, with
     either flex_prior: made before any trace, so that a compiled forward only reads them. Making
     one costs nothing (it compiles at its first call). Transformer calls it when it is made."""
-    kinds = set()  # each distinct (prior, SSMax) of the layers
+    kinds = set()  # each distinct (score_mod's bias functions, token features?, SSMax?) of the layers
     for layer, block in enumerate(model.blocks):
         prior = model.prior_of_layer(layer)
-        has_features = prior is not None and not prior.DISTANCE_ONLY
-        kinds.add((None if prior is None else prior.bias_fn, has_features,
-                   block.attn.ssmax_scale is not None))
-    for bias_fn, has_features, use_ssmax in kinds:
+        if prior is None:
+            bias_fns, has_features = (None,), False
+        else:  # with flex_prior = "table" and "formula"
+            kernel_form = prior.kernel_bias_fn or prior.bias_fn
+            bias_fns = (table_bias, kernel_form) if prior.DISTANCE_ONLY else (kernel_form,)
+            has_features = not prior.DISTANCE_ONLY
+        kinds.add((bias_fns, has_features, block.attn.ssmax_scale is not None))
+    for bias_fns, has_features, use_ssmax in kinds:
         for cpu in (False, True):
             sink = sink_form(cpu) if model.config.attn_sink else None
-            if not has_features:  # read from its table (table_bias), or SSMax's table alone
-                tabled = None if bias_fn is None else table_bias
-                flex_kernel(flex_kernel_key(tabled, use_ssmax, False, True, cpu, sink))
-            flex_kernel(flex_kernel_key(bias_fn, use_ssmax, has_features, False, cpu, sink))
+            for bias_fn in bias_fns:
+                flex_kernel(flex_kernel_key(bias_fn, use_ssmax, has_features, cpu, sink))
 
 
 _FLEX_KERNELS = {}  # FlexKernelKey -> its compiled kernel
@@ -2144,54 +2182,33 @@ def flex_kernel(key):
     # would exhaust it and fail under fullgraph. Raised here, outside any trace (never lowering a
     # user's setting).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    make = _make_flex_table_kernel if key.form == "table" else _make_flex_kernel
-    kernel = make(key.prior, key.ssmax, key.static_shapes, key.sink)
+    kernel = _make_flex_kernel(*key)
     _FLEX_KERNELS[key] = kernel
     return kernel
 
 
 def _make_flex_kernel(bias_fn, use_ssmax, static_shapes, sink=None):
-    """One compiled FlexAttention per (prior, SSMax) variant. The prior's tensors are arguments, not
-    captured from a module, so every layer (and every model of that variant) reuses one compiled
-    kernel instead of recompiling per layer; each variant also gets its own recompile budget.
-    `static_shapes` (the CPU, for a score_mod that gathers per-query tensors): torch 2.13's C++ flex
-    template fails to compile FoX + SSMax's (the gates and log n by query) once dynamo has made the
-    batch and length dynamic (an undeclared `cur_qSplitSize2`, as the table kernel's
-    `cur_kvSplitSize`), so each shape gets its own (a sink's gather of its logits by query too).
-    `sink` (FlexKernelKey): "lse" returns (output, log-sum-exp), "key" scores the sink's key."""
+    """One compiled FlexAttention per FlexKernelKey. The prior's tensors, its token features and
+    SSMax's table are arguments, not captured from a module, so every layer (and every model of that
+    variant) reuses one compiled kernel instead of recompiling per layer, and gradients flow to them
+    as to q, k and v; each variant also gets its own recompile budget. `static_shapes` (the CPU, for
+    a score_mod that gathers per-query tensors or from a table): torch 2.13's C++ flex template fails
+    to compile these once dynamo has made the batch and length dynamic (an undeclared
+    `cur_qSplitSize2` for FoX + SSMax's gates and SSMax's table by query, `cur_kvSplitSize` for a
+    distance table's gather under a document-and-window mask), so on a CPU each shape gets its own.
+    `sink`: "lse" returns (output, log-sum-exp), "key" scores the sink's key."""
 
-    def kernel(q, k, v, block_mask, log_n, prior_tensors, ssmax_scale, features, sink_table=None):
+    def kernel(q, k, v, block_mask, prior_tensors, features, factor_table, sink_table=None):
         prior = None if bias_fn is None else (bias_fn, prior_tensors)
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            row_log_n = log_n[b, q_idx] if use_ssmax else None
             query = key = None
             # queries and keys are the same tokens: one (B, H, T) tensor each
             if features is not None:
                 query = tuple(t[b, h, q_idx] for t in features)
                 key = tuple(t[b, h, kv_idx] for t in features)
-            return positional_scores(score, h, q_idx, kv_idx, row_log_n, prior, ssmax_scale, query,
-                                     key)
-
-        if sink == "key":
-            score_mod = sink_score_mod(score_mod, sink_table)
-        return flex_call(q, k, v, score_mod, block_mask, sink == "lse")
-
-    return torch.compile(kernel, fullgraph=True, dynamic=False if static_shapes else None)
-
-
-def _make_flex_table_kernel(use_prior, use_ssmax, static_shapes, sink=None):
-    """One compiled FlexAttention for every distance-only prior (with or without SSMax): its
-    score_mod only gathers from the tables, which are arguments, so gradients flow to them as to q,
-    k and v. `static_shapes` (the CPU): torch 2.13's C++ code for this gather under a
-    document-and-window mask fails to compile once dynamo has made the length dynamic (an undeclared
-    `cur_kvSplitSize` in inductor's flex template; the formula kernel is not affected), so on a CPU
-    each length gets a kernel of its own. `sink`: as _make_flex_kernel's."""
-
-    def kernel(q, k, v, block_mask, bias_table, factor_table, sink_table=None):
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return tabled_scores(score, b, h, q_idx, kv_idx, bias_table if use_prior else None,
-                                 factor_table if use_ssmax else None)
+            return kernel_scores(score, b, h, q_idx, kv_idx, prior,
+                                 factor_table if use_ssmax else None, query, key)
 
         if sink == "key":
             score_mod = sink_score_mod(score_mod, sink_table)

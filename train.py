@@ -122,7 +122,7 @@ def build_run(args, overrides, procs, held):
     init_weights = None if ckpt else load_init_weights(cfg, procs.master)
     init_distributed(procs, cfg.train.parallel)
     accum_steps = t.tokens_per_step // (cfg.data.batch_size * cfg.model.block_size * procs.world_size)
-    run = Run(cfg, procs, bf16, accum_steps, train_loader, val_loader, val_batches,
+    run = TrainingRun(cfg, procs, bf16, accum_steps, train_loader, val_loader, val_batches,
               *build_model(cfg, procs, bf16, ckpt, init_weights),
               peak_flops=peak_flops(device, bf16, cfg.log.peak_tflops))
     if ckpt:
@@ -364,7 +364,7 @@ class MetricsLog:
 
 
 @dataclasses.dataclass
-class Run:
+class TrainingRun:
     cfg: object
     procs: Processes
     bf16: bool

@@ -561,6 +561,11 @@ def load_init_weights(cfg, master):
                         f"model.pe = {cfg.model.pe!r} drops it: pass --train.init_change_pe=true to change the "
                         f"encoding anyway")
     if master:
+        if old_pe != cfg.model.pe:  # DroPE's recipe, or another re-encoding: the line that says which
+            print(f"dropping pe = {old_pe!r}, which the weights of {path} were trained with, for "
+                  f"{cfg.model.encoding_label.removeprefix('pe=')}{' + qk_norm' if cfg.model.qk_norm else ''}: "
+                  f"recalibrating for {cfg.train.max_steps:,} steps (docs/training.md, \"Dropping RoPE after "
+                  f"pretraining\")")
         print(f"initialised from {path} (step {ckpt.get('step', '?')}): weights only; fresh optimizer, schedule "
               f"and data" + (f"; changed: {'; '.join(changed)}" if changed else ""))
         if added:

@@ -63,7 +63,7 @@ SHAPE_FREE_MODEL_KEYS = tuple(CHECKPOINT_CHANGES["model"])
 # ones start from the config's initialisation (bam.checkpoint.load_init_weights; a change of pe away from the
 # encoding the weights were trained with also needs train.init_change_pe). Never on resume, never an evaluator's
 # override.
-PARAMETER_ADDING_MODEL_KEYS = ("ssmax", "pe")
+PARAMETER_ADDING_MODEL_KEYS = ("ssmax", "pe", "qk_norm")
 
 def checkpoint_differences(saved, current, allowed):
     """The settings of `current` that differ from `saved` (both as to_dict gives them: a checkpoint's "config"

@@ -142,6 +142,8 @@ def activation_bytes(model_config, tokens, bf16, checkpointing):
     b = 2 if bf16 else 4
     C, C_kv, F, H, V, L = m.n_embd, m.kv_heads * m.head_dim, m.hidden_dim, m.n_head, m.vocab_size, m.n_layer
     block = N * (9 * C + 2 * C_kv + 4 * F) * b + 4 * N * H
+    if m.qk_norm:  # the normalised q and k beside the projections, and an fp32 inverse RMS per row and head
+        block += N * (C + C_kv) * b + 4 * N * (H + m.kv_heads)
     head = 2 * N * C * b + 4 * N * V
     head_backward = 2 * 4 * N * V
     if checkpointing == "none":

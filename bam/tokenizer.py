@@ -102,16 +102,18 @@ def load_gpt2_from_file(path: str):
 
 
 def download_gpt2_tiktoken(path: str) -> str:
-    """Fetch gpt2.tiktoken from the openai-whisper sdist on PyPI (via pip) into `path`."""
-    print(f"fetching GPT-2 ranks: pip download {WHISPER_SDIST} (sdist) -> {path}", file=sys.stderr)
+    """Fetch gpt2.tiktoken from the openai-whisper sdist on PyPI (via pip, so through the index, proxy and
+    find-links that pip is configured with) into `path`."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-               WHISPER_SDIST, "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        # The sdist alone, not its build requirements: setuptools may come as a wheel to read its metadata.
+        args = ["download", "--quiet", "--no-deps", "--no-binary", WHISPER_SDIST.split("==")[0], WHISPER_SDIST]
+        proc = subprocess.run([sys.executable, "-m", "pip", *args, "-d", tmp], capture_output=True, text=True,
+                              timeout=600)
         sdists = glob.glob(os.path.join(tmp, "*.tar.gz"))
         if proc.returncode != 0 or not sdists:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"`{' '.join(cmd[1:])}` failed: {last}")
+            lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()] or ["no output"]
+            errors = [line for line in lines if line.startswith("ERROR:")]  # pip's reason, not its closing note
+            raise RuntimeError(f"`pip {' '.join(args)}` failed: {(errors or lines)[-1]}")
         with tarfile.open(sdists[0]) as tar:
             member = next((m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken")),
                           None)
@@ -122,6 +124,13 @@ def download_gpt2_tiktoken(path: str) -> str:
         raise RuntimeError(f"gpt2.tiktoken in {WHISPER_SDIST} has an unexpected sha256")
     write_bytes(path, [ranks])
     return path
+
+
+def gpt2_ranks_by_hand(path: str) -> str:
+    """How to put GPT-2's ranks at `path` without this machine reaching PyPI: the fix every failure names."""
+    return (f"on any machine run `pip download --no-deps --no-binary :all: {WHISPER_SDIST}`, take "
+            f"whisper/assets/gpt2.tiktoken out of the tarball and put it at {path} (or point $BAM_GPT2_TIKTOKEN "
+            f"at it)")
 
 
 def _tiktoken_online():
@@ -145,6 +154,11 @@ def _tiktoken_online():
     raise RuntimeError(str(result.get("error", f"no answer within {TIKTOKEN_ONLINE_TIMEOUT_S}s")))
 
 
+def _fetched_on_first_use(path):
+    print(f"fetching GPT-2 ranks: pip download {WHISPER_SDIST} (sdist) -> {path}", file=sys.stderr)
+    return load_gpt2_from_file(download_gpt2_tiktoken(path))
+
+
 @functools.lru_cache(maxsize=None)
 def gpt2_encoding():
     """tiktoken's GPT-2 Encoding (50257 tokens, EOT = 50256), online or from local ranks: what
@@ -152,7 +166,8 @@ def gpt2_encoding():
 
     Order: a local gpt2.tiktoken when one exists (the same ranks, checked by sha256, and no network
     call that could hang); tiktoken's own download or cache; else fetch gpt2.tiktoken from PyPI
-    (the openai-whisper sdist) into the local cache, so every later call is offline.
+    (the openai-whisper sdist) into the local cache, so every later call is offline. The set-up step,
+    `python -m bam.fetch`, takes that last route ahead of time, and the tests read only the local file.
     """
     path = gpt2_tiktoken_cache_path()
     if os.environ.get("BAM_GPT2_TIKTOKEN") and not os.path.exists(path):
@@ -160,16 +175,14 @@ def gpt2_encoding():
     if os.path.exists(path):
         return load_gpt2_from_file(path)
     errors = []
-    for route in (_tiktoken_online, lambda: load_gpt2_from_file(download_gpt2_tiktoken(path))):
+    for route in (_tiktoken_online, lambda: _fetched_on_first_use(path)):
         try:
             return route()
         except Exception as e:
             errors.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
     raise RuntimeError(
         "cannot load the GPT-2 tokenizer: tiktoken's download failed (" + errors[0] + ") and so did the "
-        "offline route (" + errors[1] + "). Fix: on any machine run `pip download --no-deps --no-binary "
-        f":all: {WHISPER_SDIST}`, take whisper/assets/gpt2.tiktoken out of the tarball and put it "
-        f"at {path} (or point $BAM_GPT2_TIKTOKEN at it)")
+        "offline route (" + errors[1] + "). Fix: " + gpt2_ranks_by_hand(path))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -102,19 +102,31 @@ def describe_setting(key, value, settings):
     return f"{name.replace('_', ' ')} {_number(value)}"
 
 
+def recalibrated(config):
+    """Trained on from another run's weights with its positional encoding changed (train.init_from with
+    train.init_change_pe): DroPE's recipe, RoPE dropped after pretraining (docs/training.md)."""
+    settings = flatten(config)
+    return bool(settings.get("train.init_from") and settings.get("train.init_change_pe"))
+
+
 def names(labels, configs, defaults):
     """A name per variant: its label, then its positional settings and the settings that differ among the
     variants sharing that label, except those at their default value (`defaults`: flattened settings of the
-    schema's defaults)."""
+    schema's defaults). A run trained on from another's weights is "fine-tuned", or "DroPE" where its encoding
+    changed: such a run's peers are the runs recalibrated alike, and the recalibration's schedule (train.*) is
+    part of that name, not listed."""
     settings = [experiment(c) for c in configs]
+    kinds = [recalibrated(c) for c in configs]
     out = []
-    for label, mine, config in zip(labels, settings, configs):
-        peers = [s for l, s in zip(labels, settings) if l == label]
+    for label, mine, config, kind in zip(labels, settings, configs, kinds):
+        peers = [s for l, s, k in zip(labels, settings, kinds) if l == label and k == kind]
         differing = {k for s in peers for k in s if any(p.get(k) != s.get(k) for p in peers)}
         named = sorted(differing | positional_settings(mine))
+        if kind:
+            named = [k for k in named if not k.startswith("train.") or k == "train.prior_lr"]
         parts = [describe_setting(k, mine[k], mine) for k in named if k in mine and mine[k] != defaults.get(k)]
         if flatten(config).get("train.init_from"):  # trained on from another run's weights
-            parts.append("fine-tuned")
+            parts.append("DroPE" if kind else "fine-tuned")
         out.append(", ".join([label] + parts))
     return out
 

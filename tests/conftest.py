@@ -24,6 +24,12 @@ be: a subprocess, a process group and the flex path (whose kernels are compiled 
 when they start; any other compile (torch.compile, dynamo's explain) is counted by dynamo and reported when
 the test ends. tests/test_structure.py also reads the test files for unmarked tests that do so.
 
+No test reaches the network. What the repository fetches from outside, GPT-2's ranks, comes from the set-up
+step (`python -m bam.fetch`, which scripts/setup.sh runs): without it the session stops before the first test
+with one line that names the command. $BAM_GPT2_TIKTOKEN is set here to the ranks the set-up step fetched,
+before any test module is imported, so that this process and every process a test starts read that file and
+never take bam.tokenizer's routes that download on first use (a test of those routes sets its own).
+
 The shared fixtures live here too; the shared helpers (tiny models and batches, small training runs) are
 plain modules beside this file, so no test file imports from another.
 """
@@ -38,13 +44,21 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import model
-from bam import data
+from bam import data, tokenizer
 
 # Asked before CUDA_VISIBLE_DEVICES is emptied below: the CUDA runtime reads the variable when it first counts
 # the devices, so this process keeps the GPUs it has.
 CUDA_PRESENT = torch.cuda.is_available()
 VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+GPT2_RANKS = tokenizer.gpt2_tiktoken_cache_path()
+os.environ["BAM_GPT2_TIKTOKEN"] = GPT2_RANKS
+
+
+def pytest_sessionstart(session):
+    if not os.path.isfile(GPT2_RANKS):
+        raise pytest.UsageError(f"no GPT-2 ranks at {GPT2_RANKS}: run the set-up step first, `python -m bam.fetch` "
+                                f"(scripts/setup.sh installs the requirements and runs it)")
 
 
 def no_accelerator(*args, **kwargs):

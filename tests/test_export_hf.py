@@ -30,6 +30,8 @@ CASES = {f"{pe}{'_ssmax' if ssmax else ''}": dict(pe=pe, ssmax=ssmax) for pe in 
 CASES["bam_ssmax_gqa"] = dict(pe="bam", ssmax=True, n_kv_head=2, bam_per_layer=False)
 # learned sinks (their logits moved off 0 by tests/tiny_models.py's tiny_model) and gated attention (issue 47)
 CASES["bam_ssmax_sink_gate"] = dict(pe="bam", ssmax=True, attn_sink=True, attn_gate=True)
+# QK-norm (its gains moved off 1 by exported_model) under a prior and SSMax; Qwen3's, imported, in test_import_hf.py
+CASES["bam_ssmax_qk_norm"] = dict(pe="bam", ssmax=True, qk_norm=True)
 # Config fields that model.py is gaining; the cases run as soon as it has them (until then: a visible skip).
 WINDOW_AND_SCALING = {"bam_ssmax_window": dict(pe="bam", ssmax=True, attn_window=8),
                       "rope_yarn": dict(pe="rope", rope_scaling="yarn", rope_factor=4.0),
@@ -41,9 +43,15 @@ TEXT = ("The quick brown fox jumps over the lazy dog. It's 2024, isn't it?\n\n"
 
 
 def exported_model(seed=0, **config):
-    """A tiny model that reads GPT-2's ids (the tokenizer an export ships), its priors, SSMax scales and sinks
-    moved off their init as trained ones would be, so that a value lost on the way cannot go unnoticed."""
-    return tiny_model(seed, **{"vocab_size": GPT2_VOCAB, **config}).eval()
+    """A tiny model that reads GPT-2's ids (the tokenizer an export ships), its priors, SSMax scales, sinks and
+    QK-norm gains moved off their init as trained ones would be, so that a value lost on the way cannot go
+    unnoticed."""
+    model = tiny_model(seed, **{"vocab_size": GPT2_VOCAB, **config})
+    with torch.no_grad():  # tiny_model leaves the QK-norm gains at 1 (tests/test_qk_norm.py checks that init)
+        for name, p in model.named_parameters():
+            if ".q_norm." in name or ".k_norm." in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
 
 
 def export_case(tmp_path, name, **kw):

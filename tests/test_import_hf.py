@@ -2,7 +2,9 @@
 with a tokenizer trained here (no Hub), imported as run directories whose model computes what transformers
 computes on every attention path (fp32 logits, greedy tokens, a KV-cache decode), exported back by export_hf.py
 to the same logits, and refused in one line where model.py cannot honour a setting. One test takes an import
-through the evaluators, a fine-tune with SSMax added (train.init_from) and the export."""
+through the evaluators, a fine-tune with SSMax added (train.init_from) and the export; another a Qwen3 import
+through the evaluators to transformers' greedy text. Qwen3-0.6B's and 1.7B's published configs are checked on
+the meta device, and 0.6B's widths imported from the format of a download (sharded bf16 safetensors)."""
 
 import json
 import os
@@ -11,7 +13,8 @@ import shutil
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
+                          SmolLM3ForCausalLM)
 
 import export_hf
 import import_hf
@@ -24,7 +27,7 @@ from bam.config import load_config
 from local_tokenizers import bpe_folder, training_text
 from planted import NOTES, checkout_like
 from tiny_models import relative_error
-from model import KVCache
+from model import KVCache, ModelConfig
 
 pytestmark = pytest.mark.slow  # transformers models imported, evaluated, fine-tuned and exported again
 
@@ -33,7 +36,8 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
             num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-5,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-            "qwen2": (Qwen2Config, Qwen2ForCausalLM), "smollm3": (SmolLM3Config, SmolLM3ForCausalLM)}
+            "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+            "smollm3": (SmolLM3Config, SmolLM3ForCausalLM)}
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64, rope_theta=500_000.0)
 CASES = {  # name: (family, config, what the import must make of it)
@@ -67,6 +71,17 @@ CASES = {  # name: (family, config, what the import must make of it)
     "qwen2_max_window_layers": ("qwen2", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8,
                                               max_window_layers=2),
                                 dict(layer_pattern="rope@full*2 rope@8*2", attn_window=0, qkv_bias=True)),
+    # Qwen3 as published: QK-norm (its gains moved off 1 as every norm here), no biases, tied embeddings, a head
+    # width that is not hidden / heads (16 x 4 heads from 32 wide, as Qwen3-0.6B's 128 x 16 from 1024: the flex
+    # kernels of the first case); 256 positions for the evaluators' prompts
+    "qwen3_qk_norm": ("qwen3", dict(hidden_size=32, head_dim=16, tie_word_embeddings=True,
+                                    max_position_embeddings=256),
+                      dict(qk_norm=True, qkv_bias=False, attn_head_dim=16, n_embd=32, n_kv_head=2,
+                           tie_embeddings=True, block_size=256)),
+    # Qwen3's windows by layer_types, with lm_head a weight of its own
+    "qwen3_windows": ("qwen3", dict(num_hidden_layers=4, head_dim=16, use_sliding_window=True, sliding_window=8,
+                                    layer_types=["full_attention", "sliding_attention"] * 2),
+                      dict(qk_norm=True, layer_pattern="rope@full rope@8", attn_window=0, tie_embeddings=False)),
 }
 PATHS = ("eager", "sdpa", "flex")
 # flex compiles one kernel per shape on a CPU (10-20 s each): every case shares the first one's (GQA, head width
@@ -78,6 +93,12 @@ MEASURED = {}  # (case, path) -> max relative logit difference, printed at the e
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return bpe_folder(str(tmp_path_factory.mktemp("tok") / "bpe"), vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer(tmp_path_factory):
+    """As Qwen's tokenizers are: no BOS, <|endoftext|> after each document."""
+    return bpe_folder(str(tmp_path_factory.mktemp("tok") / "qwen"), vocab_size=300, bos=None, eos="<|endoftext|>")
 
 
 def hf_folder(folder, family, tokenizer=None, seed=0, v4_layout=False, **config):
@@ -105,11 +126,12 @@ def hf_folder(folder, family, tokenizer=None, seed=0, v4_layout=False, **config)
 
 
 @pytest.fixture(scope="module")
-def imported(tokenizer, tmp_path_factory):
+def imported(tokenizer, qwen_tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("imported")
     made = {}
     for name, (family, config, _) in CASES.items():
-        model, src = hf_folder(root / f"{name}_hf", family, tokenizer, **config)
+        model, src = hf_folder(root / f"{name}_hf", family, qwen_tokenizer if family == "qwen3" else tokenizer,
+                               **config)
         out = str(root / name)
         import_hf.main([src, out])
         made[name] = (model, src, out)
@@ -169,7 +191,9 @@ def test_the_scalings_and_the_window_change_the_logits_here(imported):
                           ("smollm3_windows", dict(layer_pattern="rope@9 rope@full*2 nope@9")),  # W + 1 keys
                           ("smollm3_windows", dict(layer_pattern="rope@8 rope@full*2 rope@8")),
                           ("qwen2_max_window_layers", dict(layer_pattern="rope@full*2 rope@7*2")),  # W - 1 keys
-                          ("qwen2_max_window_layers", dict(layer_pattern="rope@full*2 rope@9*2"))):
+                          ("qwen2_max_window_layers", dict(layer_pattern="rope@full*2 rope@9*2")),
+                          ("qwen3_windows", dict(layer_pattern="rope@full rope@7")),
+                          ("qwen3_windows", dict(layer_pattern="rope@full rope@9"))):
         hf_model, _, out = imported[name]
         with torch.no_grad():
             wrong = load_model(out, **setting).eval()(x)[0]
@@ -222,6 +246,8 @@ def config_folder(folder, family, architecture=None, **config):
 REFUSED = {  # name: (family, config, the words of the one line)
     "gelu": ("llama", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
     "o_proj_bias": ("llama", dict(attention_bias=True), "attention_bias = True"),
+    # Qwen3's attention_bias puts a bias on o_proj too (Qwen2's q, k, v biases have none there)
+    "qwen3_o_proj_bias": ("qwen3", dict(attention_bias=True), "attention_bias = True"),
     "mlp_bias": ("llama", dict(mlp_bias=True), "mlp_bias = True"),
     "yarn": ("llama", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10_000.0)),
              "rope_parameters.rope_type = 'yarn'"),
@@ -276,6 +302,9 @@ LAYER_SETTINGS = [  # (family, config, attn_window, layer_pattern): what transfo
     ("qwen2", dict(num_hidden_layers=4, sliding_window=8, max_window_layers=2), 0, ""),  # use_sliding_window off
     ("qwen2", dict(num_hidden_layers=6, use_sliding_window=True, sliding_window=8,
                    layer_types=["sliding_attention", "full_attention"] * 3), 0, "rope@8 rope@full"),
+    ("qwen3", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2), 0,
+     "rope@full*2 rope@8*2"),
+    ("qwen3", dict(num_hidden_layers=4, sliding_window=4096, max_window_layers=2), 0, ""),  # as published
     # SmolLM3's use_sliding_window windows its NoPE layers
     ("smollm3", dict(num_hidden_layers=8, use_sliding_window=True, sliding_window=8), 0, "rope@full*3 nope@8"),
     ("smollm3", dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 1]), 0, ""),
@@ -401,18 +430,16 @@ def test_overwrite_replaces_only_an_import_holding_nothing_else(tmp_path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT", "checkout", "download"]
 
 
-def test_import_evaluate_fine_tune_with_ssmax_and_export(imported, tmp_path, capsys):
-    """The whole road: an imported model through eval.passkey, eval.attention, eval.niah, eval.perplexity and
-    sample.py with its own tokenizer and context, fine-tuned
-    by train.py from its own config.toml with SSMax added (new parameters from the config's init), exported,
-    loaded in transformers."""
+def run_the_evaluators(out, tmp_path, capsys):
+    """eval.passkey, eval.attention, eval.niah, eval.perplexity and sample.py on an imported run of a 256-token
+    context, with its own tokenizer and context; returns the shards of its tokenizer that niah and perplexity
+    read."""
     from eval.attention import evaluate_attention
     from eval.niah import evaluate_niah
     from eval.options import EvalOptions
     from eval.passkey import evaluate_passkey
     from eval.perplexity import evaluate_perplexity
 
-    _, _, out = imported["llama_tied_gqa"]
     options = EvalOptions(out=str(tmp_path / "eval"), verbose=False, progress=False, device="cpu")
     passkey = evaluate_passkey(out, options=options, lengths=[256, 512], samples=2)
     assert [(r["length"], r["factor"]) for r in passkey["results"]] == [(256, 1.0), (512, 2.0)]  # 1x = its context
@@ -432,7 +459,14 @@ def test_import_evaluate_fine_tune_with_ssmax_and_export(imported, tmp_path, cap
     capsys.readouterr()
     sample.main([out, "--prompt", "The", "--max_new_tokens", "4", "--temperature", "0"])
     assert capsys.readouterr().out.startswith("The")
+    return shards
 
+
+def test_import_evaluate_fine_tune_with_ssmax_and_export(imported, tmp_path, capsys):
+    """The whole road: an imported model through the evaluators and sample.py, fine-tuned by train.py from its
+    own config.toml with SSMax added (new parameters from the config's init), exported, loaded in transformers."""
+    _, _, out = imported["llama_tied_gqa"]
+    shards = run_the_evaluators(out, tmp_path, capsys)
     config = os.path.join(out, "config.toml")
     short = [f"--data.data_dir={shards}", "--train.max_steps=2", "--train.compile=false", "--train.dtype=float32",
              "--train.val_tokens=256", "--log.log_every=1"]
@@ -460,3 +494,118 @@ def test_import_evaluate_fine_tune_with_ssmax_and_export(imported, tmp_path, cap
     x = tokens()
     with torch.no_grad():
         assert relative_error(back(x).logits, model(x)[0], norm="max") < 1e-5
+
+
+def test_a_qwen3_import_through_the_evaluators_and_greedy_text_as_transformers(imported, tmp_path, capsys):
+    """Qwen3 (QK-norm) with a tokenizer as Qwen's (no BOS: a document opens with <|endoftext|>) through every
+    evaluator, and sample.py's greedy text equal to what transformers' tokenizer decodes from its model's greedy
+    tokens after the same prompt."""
+    from transformers import AutoTokenizer
+
+    hf_model, src, out = imported["qwen3_qk_norm"]
+    run_the_evaluators(out, tmp_path, capsys)
+    hf_model.set_attn_implementation("eager")
+    tok = AutoTokenizer.from_pretrained(src)
+    assert tok.bos_token_id is None  # the case this test is for
+    prompt = "The value of"
+    ids = torch.tensor([[tok.eos_token_id] + tok.encode(prompt, add_special_tokens=False)])
+    want = hf_model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    text = tok.decode(want[0, 1:])
+    assert len(text) > len(prompt) + 4  # it generated text, not only separators
+    capsys.readouterr()
+    sample.main([out, "--prompt", prompt, "--max_new_tokens", "12", "--temperature", "0"])
+    assert capsys.readouterr().out == text.replace("<|endoftext|>", "\n<|endoftext|>\n") + "\n"
+
+
+# Qwen3-0.6B's and Qwen3-1.7B's config.json as published (written by transformers 4.51: rope_theta at the top)
+QWEN3_SIZES = {"Qwen3-0.6B": dict(hidden_size=1024, intermediate_size=3072),
+               "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144)}
+
+
+def published_qwen3(folder, size, **changes):
+    raw = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+           "initializer_range": 0.02, "max_position_embeddings": 40960, "max_window_layers": 28,
+           "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+           "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+           "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+           "use_cache": True, "use_sliding_window": False, "vocab_size": 151936, **QWEN3_SIZES[size], **changes}
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    return folder
+
+
+def qwen3_settings(size, n_layer=28):
+    """What the import must make of it: 1.7B's heads fill its width (16 x 128 = 2048), 0.6B's are wider than its
+    1024 (attn_head_dim)."""
+    width = QWEN3_SIZES[size]["hidden_size"]
+    return dict(vocab_size=151936, n_layer=n_layer, n_head=16, n_kv_head=8,
+                attn_head_dim=0 if width == 16 * 128 else 128, head_dim=128, qk_norm=True,
+                qkv_bias=False, tie_embeddings=True, rope_theta=1e6, block_size=40960, norm_eps=1e-6, pe="rope",
+                attn_window=0, layer_pattern="", n_embd=width, mlp_hidden=QWEN3_SIZES[size]["intermediate_size"])
+
+
+@pytest.mark.parametrize("size", list(QWEN3_SIZES))
+def test_qwen3_at_its_published_shapes_maps_every_weight(size, tmp_path):
+    """All 28 layers, on the meta device (no memory): the published config.json gives model.py the model whose
+    state dict is transformers' renamed, name for name and shape for shape, with as many parameters."""
+    from model import Transformer
+
+    src = published_qwen3(tmp_path / size, size)
+    arch, hf, _ = import_hf.read_hf_config(str(src))
+    cfg = import_hf.model_config(arch, hf, "config.json")
+    for key, value in qwen3_settings(size).items():
+        assert getattr(cfg, key) == value, key
+    with torch.device("meta"):
+        theirs, ours = Qwen3ForCausalLM(hf), Transformer(cfg)
+    ours.lm_head.weight = ours.tok_emb.weight  # as import_hf.build_model ties them
+    renamed = {import_hf.our_name(name): tuple(t.shape) for name, t in theirs.state_dict().items()}
+    assert renamed == {name: tuple(t.shape) for name, t in ours.state_dict().items()}
+    assert renamed["blocks.27.attn.q_norm.weight"] == (128,) and renamed["blocks.0.attn.wq.weight"] == \
+        (16 * 128, QWEN3_SIZES[size]["hidden_size"])
+    assert sum(p.numel() for p in ours.parameters()) == theirs.num_parameters()
+
+
+def test_qwen3_at_its_published_widths_imports_from_sharded_bf16(tmp_path, qwen_tokenizer):
+    """A download's format at Qwen3-0.6B's widths and vocabulary, one layer of its 28: random bf16 weights saved
+    by transformers in shards with model.safetensors.index.json, tied embeddings (no lm_head.weight in the files).
+    Imported, every weight is the file's exactly, and the logits are transformers' (fp32). About 2 GB at its
+    peak and 10 s of CPU; 1.7B's widths would double both and add nothing the meta-device test above does not
+    check (what differs is the width, and that its heads fill it)."""
+    from safetensors.torch import load_file
+
+    size = "Qwen3-0.6B"
+    src = published_qwen3(tmp_path / size, size, num_hidden_layers=1)
+    hf = Qwen3Config.from_pretrained(src)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM._from_config(hf, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(src, max_shard_size="200MB")
+    del model
+    for name in os.listdir(qwen_tokenizer):
+        shutil.copy(os.path.join(qwen_tokenizer, name), src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1 and "lm_head.weight" not in index and not (src / "model.safetensors").exists()
+
+    out = str(tmp_path / "run")
+    import_hf.main([str(src), out])
+    state = load_checkpoint(out)[1]["model"]
+    for shard in sorted(set(index.values())):
+        for name, tensor in load_file(str(src / shard)).items():
+            assert tensor.dtype == torch.bfloat16 and torch.equal(state[import_hf.our_name(name)], tensor.float())
+    cfg = ModelConfig.from_dict(load_checkpoint(out)[1]["model_config"])
+    for key, value in qwen3_settings(size, n_layer=1).items():
+        assert getattr(cfg, key) == value, key
+    # load_model's way, less the random initialisation it overwrites (seconds at this vocabulary)
+    ours = import_hf.build_model(state, cfg).eval()
+
+    x = torch.randint(0, 151936, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = ours(x)[0]
+        del ours, state
+        theirs = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, attn_implementation="eager")
+        want = theirs.eval()(x).logits
+    assert relative_error(got, want, norm="max") < 1e-5

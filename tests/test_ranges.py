@@ -135,10 +135,11 @@ def command_mains():
     for name in eval_package.EVALUATORS:
         module = __import__(name, fromlist=["main"])
         mains[name] = module.main
-    for name in ("bench.attention", "bench.data_bench", "bench.gpu_check", "bench.train_bench"):
+    for name in ("bench.attention", "bench.data_bench", "bench.gpu_check.cli", "bench.gpu_check.prepare",
+                 "bench.train_bench"):
         main = __import__(name, fromlist=["main"]).main
-        # the benchmarks read sys.argv themselves (all but gpu_check); the parser is caught before they run
-        mains[name] = main if name == "bench.gpu_check" else (lambda argv, main=main: main())
+        # the benchmarks read sys.argv themselves (all but gpu_check's); the parser is caught before they run
+        mains[name] = main if name.startswith("bench.gpu_check") else (lambda argv, main=main: main())
     return mains
 
 

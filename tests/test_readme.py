@@ -1,8 +1,9 @@
 """Every command in README.md runs as written: each bash block's commands are read as a user would copy them,
 and each is held to what it calls. A Python command's script or module must exist and accept every option the
 command gives it (its own --help, run for real, lists them); a config file, script or requirements file it
-names must exist (a glob must match); `RUNS` names configs that exist; the test command is exactly what .ci/run
-runs, and the fast lane's `-m "not slow"` leaves out tests of a registered marker. The
+names must exist (a glob must match); `RUNS` names configs that exist, also where scripts/quickstart.sh holds
+them; the test command is exactly what .ci/run runs and ends in the suite, and the fast lane's `-m "not slow"`
+leaves out tests of a registered marker. The
 commands that train or evaluate for minutes are run end to end by their own tests (tests/test_repro.py runs
 configs/repro/run.sh; the evaluators' tests run each evaluator), not again here."""
 
@@ -75,18 +76,23 @@ def python_target(argv):
 
 def test_the_readme_has_commands_and_each_is_checked_here():
     kinds = {split_env(argv)[1][0] for _, argv in COMMANDS}
-    assert {"python", "bash", "pip", "torchrun"} <= kinds, kinds
+    assert {"python", "bash", "torchrun"} <= kinds, kinds
     assert kinds <= {"python", "bash", "pip", "torchrun"}, f"a kind of command this test does not check: {kinds}"
 
 
-TEST_COMMANDS = [argv for _, argv in COMMANDS if argv[:3] == ["python", "-m", "pytest"]]
+TEST_COMMAND = ["bash", "scripts/test.sh"]  # scripts/setup.sh, then python -m pytest
 FAST_LANE = ["python", "-m", "pytest", "-m", "not slow"]
 
 
+def script_lines(path):
+    return [line.strip() for line in open(os.path.join(ROOT, path)) if line.strip() and not line.startswith("#")]
+
+
 def test_the_test_command_is_what_ci_runs_and_the_fast_lane_leaves_out_the_slow_tests():
-    assert sorted(TEST_COMMANDS) == [["python", "-m", "pytest"], FAST_LANE]
-    ci = [line.strip() for line in open(os.path.join(ROOT, ".ci", "run")) if line.strip() and not line.startswith("#")]
-    assert ci[-1] == "python -m pytest"
+    assert TEST_COMMAND in [argv for _, argv in COMMANDS]
+    assert {tuple(argv) for _, argv in COMMANDS if argv[:3] == ["python", "-m", "pytest"]} == {tuple(FAST_LANE)}
+    assert script_lines(".ci/run")[-1] == " ".join(TEST_COMMAND)
+    assert script_lines("scripts/test.sh")[-2:] == ["bash scripts/setup.sh", 'exec python -m pytest "$@"']
     # the marker it leaves out is registered (an unknown one would select everything) and marks tests
     markers = configparser.ConfigParser()
     markers.read(os.path.join(ROOT, "pytest.ini"))
@@ -105,6 +111,14 @@ def test_the_fast_lane_runs_as_written_and_selects_tests_and_leaves_some_out():
     assert summary and int(summary[1]) > 0 and int(summary[3]) > 0, collected.stdout[-500:]
 
 
+def script_runs(argv):
+    """The runs a script of the README's (scripts/quickstart.sh) gives configs/repro/run.sh by default."""
+    if argv[0] != "bash" or not argv[1].startswith("scripts/"):
+        return []
+    found = re.search(r'RUNS=\$\{RUNS:-"([^"]*)"\}', open(os.path.join(ROOT, argv[1]), encoding="utf-8").read())
+    return found[1].split() if found else []
+
+
 def test_every_file_a_command_names_exists():
     missing = []
     for number, argv in COMMANDS:
@@ -116,7 +130,7 @@ def test_every_file_a_command_names_exists():
                 continue  # what the commands write, or the user's own run
             if not glob.glob(os.path.join(ROOT, word)):  # a glob names at least one file, as the shell needs
                 missing.append(f"README.md:{number}: {word}")
-        for name in env.get("RUNS", "").split():
+        for name in env.get("RUNS", "").split() + script_runs(argv):
             if not os.path.isfile(os.path.join(ROOT, "configs", "repro", name.split("@")[0] + ".toml")):
                 missing.append(f"README.md:{number}: RUNS names {name}, no configs/repro/{name}.toml")
     assert not missing, "\n".join(missing)

@@ -127,7 +127,7 @@ def test_grid5_keeps_finished_runs_and_skips_kept_ones(tmp_path):
                RUNS="nope@1")
     proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "grid5.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-    assert f"== nope@1: kept in {results}" in proc.stdout, proc.stdout + proc.stderr
+    assert f"== nope@1: kept in {results}" in proc.stderr, proc.stdout + proc.stderr
     assert "started" not in proc.stdout  # nothing trained
     assert "rope_seed1: not finished by the grid" in proc.stdout and "== fine-tune" not in proc.stdout
     assert json.loads((results / "rope_yarn_ft_seed1" / "eval" / "passkey.json").read_text())["written_in"] == "OUT"
@@ -175,7 +175,7 @@ def test_grid5_at_another_budget_keeps_its_runs_apart_and_reports_them_beside_th
                REPORT=str(tmp_path / "report.md"), RUNS="nope@1")
     proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "grid5.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and f"== nope@1: kept in {results}" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0 and f"== nope@1: kept in {results}" in proc.stderr, proc.stdout + proc.stderr
     report = (tmp_path / "report.md").read_text()
     assert "| nope, 10,000 steps |" in report and "| nope, 2,000 steps |" in report, report
     assert "10,000 steps against the grid's 2,000" in report

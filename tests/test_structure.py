@@ -28,7 +28,7 @@ FLOORS = [
     ["bam.checkpoint"],  # run directories, checkpoints, the model's load and save
     ["bam.recovery", "bam.parallel", "bam.sizing", "bam.retrieval"],  # what training needs beside them
     ["eval", "eval.*", "bench", "bench.*", "train", "prepare_fineweb", "sample", "export_hf", "import_hf",
-     "modeling_bam"],  # the commands, the evaluators and the benchmarks
+     "modeling_bam", "bam.fetch"],  # the commands (the set-up step among them), the evaluators and the benchmarks
 ]
 
 # Function-level imports of our own modules that stay, each with its reason: (importing module pattern,

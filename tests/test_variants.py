@@ -96,3 +96,20 @@ def test_settings_of_another_encoding_and_derived_ones_stay_out_of_a_name():
     assert names(["nope", "rope + YaRN x4"], configs, schema_defaults()) == ["nope", "rope + YaRN x4"]
     yarn = repro("rope_yarn_ft", "--model.yarn_beta_fast=16")  # a setting of the scaling it uses: named
     assert names(["rope + YaRN x4"], [yarn], schema_defaults()) == ["rope + YaRN x4, yarn beta fast 16"]
+
+
+def test_a_run_that_changed_its_encoding_after_pretraining_is_named_drope_and_compared_with_its_own_kind():
+    """train.init_from with train.init_change_pe (DroPE's recipe): "DroPE", its recalibration schedule (train.*)
+    part of that name and its peers the runs recalibrated alike, so a NoPE run from scratch at another budget keeps
+    the plain name of its budget, and a plain fine-tune stays "fine-tuned"."""
+    drope = dict(train__init_from="runs/rope_seed1", train__init_change_pe=True, train__max_steps=200,
+                 train__lr=1e-3, train__weight_decay=0.0)
+    configs = [config(model__pe="nope", model__ssmax=False, **drope),
+               config(model__pe="nope", model__ssmax=False, train__max_steps=2200),
+               config(model__pe="nope", model__ssmax=False),
+               config(**drope), config(train__prior_lr=1e-2, **drope),
+               config(model__pe="rope", model__ssmax=False, train__init_from="runs/rope_seed1")]
+    labels = ["nope", "nope", "nope", "bam + ssmax", "bam + ssmax", "rope"]
+    assert names(labels, configs, DEFAULTS) == ["nope, DroPE", "nope, 2,200 steps", "nope, 2,000 steps",
+                                                 "bam + ssmax, DroPE", "bam + ssmax, prior lr x10, DroPE",
+                                                 "rope, fine-tuned"]

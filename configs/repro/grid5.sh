@@ -35,13 +35,15 @@ GRID=${GRID:-docs/repro/runs5}   # the 2,000-step grid's results: its NoPE, RoPE
 # evaluate at them, and a run is kept (or skipped) when its passkey is complete at them.
 export LENGTHS=128,256,512,1024,2048,4096,8192 SAMPLES=20
 CORE="nope rope alibi bam_ssmax bam_ssmax_prior_lr"   # four seeds each
-OTHERS="sinusoidal alibi_ssmax bam bam_uniform bam_ssmax_uniform"   # two seeds each
+OTHERS="sinusoidal alibi_ssmax bam bam_uniform bam_ssmax_uniform nope_ssmax"   # two seeds each
 RIVALS=""                                              # the learnable-bias rivals, two seeds each
 # Issue 47's designs, two seeds each (docs/repro.md, "Per-layer designs"): a global layer after two RoPE layers
 # with a 64-token window and with a 32-token one (NoPE, NoPE + SSMax, BAM + SSMax), partial RoPE, learned
 # sinks, gated attention
 NEWER="rnope_swa bam_ssmax_global nope_ssmax_global rnope_swa_w32 bam_ssmax_global_w32 nope_ssmax_global_w32
        bam_ssmax_global_w32_prior_lr rope_partial25 rope_partial50 nope_sinks bam_ssmax_gated"
+# Issue 58's QK-norm (docs/training.md "QK-norm"), two seeds each; DroPE has its own script, drope.sh
+NEWER+=" nope_qk_norm rope_qk_norm bam_ssmax_qk_norm"
 for name in fox fox_ssmax fire fire_ssmax t5 t5_ssmax; do
   [[ -f configs/repro/$name.toml ]] && RIVALS+=" $name"
 done
@@ -62,36 +64,7 @@ if [[ -z ${RUNS:-} ]]; then  # seed by seed, so that a grid stopped early is bal
 fi
 # A run already kept in $RESULTS is done: leave it out (its checkpoints may be on another machine)
 source configs/repro/passkey.sh
-diverged() {  # RUN: train.py's divergence guard stopped it (the last row of its metrics.jsonl says so)
-  [[ $(tail -n 1 "$1/metrics.jsonl" 2>/dev/null) == *'"diverged"'* ]]
-}
-todo=""
-for run in $RUNS; do
-  name=${run%@*}; seed=1; [[ $run == *@* ]] && seed=${run#*@}
-  passkey_done "$RESULTS/${name}_seed$seed/eval/passkey.json" \
-    && { echo "== $run: kept in $RESULTS"; continue; }
-  diverged "$RESULTS/${name}_seed$seed" \
-    && { echo "== $run: diverged, kept in $RESULTS (its metrics.jsonl says where)"; continue; }
-  todo+=" $run"
-done
-export RUNS=${todo# }
-
-collect() {  # copy every finished run's small files to $RESULTS: a run is finished when its passkey is, or
-  # when train.py's divergence guard stopped it (the last row of its metrics.jsonl): that is a result too,
-  # which the report's training section shows with its loss curve
-  source configs/repro/passkey.sh
-  local dir name file
-  for dir in "$OUT"/*_seed*/; do
-    dir=${dir%/}; name=${dir##*/}
-    passkey_done "$dir/eval/passkey.json" || diverged "$dir" || continue
-    mkdir -p "$RESULTS/$name/eval"
-    cp "$dir/config.toml" "$dir/metrics.jsonl" "$RESULTS/$name/"
-    for file in "$dir"/eval/*.json; do
-      [[ ${file##*/} == passkey* ]] && ! passkey_done "$file" && continue  # incomplete: not the grid's yet
-      cp "$file" "$RESULTS/$name/eval/"
-    done
-  done
-}
+export RUNS=$(to_run "$RESULTS" $RUNS)
 
 # (run.sh with an empty RUNS would run its own default list.) A failed or diverged run does not stop the
 # others being kept: the status is returned at the end.
@@ -110,7 +83,7 @@ if (( ${#trained[@]} )); then  # RoPE runs trained here: PI and YaRN on each, th
   FINE_TUNE=${FINE_TUNE:-$fine_tune} METHODS="linear yarn" \
       bash configs/repro/rope_extensions.sh
 fi
-collect
+collect "$OUT" "$RESULTS"
 # The comparisons the report makes, each a pair of the report's variant names (the README and docs/repro.md
 # cite them). A pair is compared when both its variants have a result in $RESULTS, so a grid stopped early, or
 # one of RUNS only, still reports what it has.
@@ -144,7 +117,10 @@ pairs=(# the core (four seeds each)
        "bam, $global bam+ssmax@full" "bam + ssmax"
        "nope, $global nope@full" "rope"
        "rope, fraction 0.25" "rope" "rope, fraction 0.5" "rope" "rope, fraction 0.25" "rope, fraction 0.5"
-       "nope, attn sink true" "nope" "bam + ssmax, attn gate true" "bam + ssmax")
+       "nope, attn sink true" "nope" "bam + ssmax, attn gate true" "bam + ssmax"
+       # QK-norm, each against the same encoding without it; SSMax on NoPE
+       "nope, qk norm true" "nope" "rope, qk norm true" "rope" "bam + ssmax, qk norm true" "bam + ssmax"
+       "nope + ssmax" "nope")
 declare -A config_of=(  # each variant name above -> its configs/repro/<name>.toml
   ["nope"]=nope ["rope"]=rope ["rope + YaRN auto"]=rope ["alibi"]=alibi ["alibi + ssmax"]=alibi_ssmax
   ["sinusoidal"]=sinusoidal ["bam"]=bam ["bam, init uniform"]=bam_uniform ["bam + ssmax"]=bam_ssmax
@@ -156,7 +132,8 @@ declare -A config_of=(  # each variant name above -> its configs/repro/<name>.to
   ["bam, $global bam+ssmax@full"]=bam_ssmax_global ["nope, $global nope@full"]=rnope_swa
   ["nope, $global nope+ssmax@full"]=nope_ssmax_global ["rope, fraction 0.25"]=rope_partial25
   ["rope, fraction 0.5"]=rope_partial50 ["nope, attn sink true"]=nope_sinks
-  ["bam + ssmax, attn gate true"]=bam_ssmax_gated)
+  ["bam + ssmax, attn gate true"]=bam_ssmax_gated ["nope, qk norm true"]=nope_qk_norm
+  ["rope, qk norm true"]=rope_qk_norm ["bam + ssmax, qk norm true"]=bam_ssmax_qk_norm ["nope + ssmax"]=nope_ssmax)
 has() { local found=("$@"); (( ${#found[@]} )); }  # GLOB...: some file matches (a variant with a result)
 has_result() {  # VARIANT: some run of it has a passkey result in $RESULTS (RoPE's YaRN: its own file)
   local file=passkey.json

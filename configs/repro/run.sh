@@ -29,6 +29,7 @@ RUNS=${RUNS:-"nope rope rope@2 sinusoidal alibi alibi_ssmax bam bam@2 bam_ssmax 
 JOBS=${JOBS:-2}
 DIGITS=${DIGITS:-2}                 # pass key digits, in training and evaluation alike (docs/repro.md)
 TRAIN_ARGS=${TRAIN_ARGS:-}          # more train.py options for every run, e.g. "--train.spike_threshold=0"
+INIT_FROM=${INIT_FROM:-}            # train.init_from of every run, {seed} its seed: DroPE's recalibration (drope.sh)
 for run in $RUNS; do  # every name checked before any work starts
   [[ -f configs/repro/${run%@*}.toml ]] || { echo "error: no configs/repro/${run%@*}.toml (a name in RUNS)" >&2; exit 1; }
 done
@@ -47,6 +48,7 @@ one_run() {  # name seed dir: train, then passkey and the learned priors; stops 
   local name=$1 seed=$2 dir=$3
   local extra=(--data.data_dir="$DATA" --train.seed="$seed" --log.out_dir="$dir")
   [[ -n $STEPS ]] && extra+=(--train.max_steps="$STEPS")
+  [[ -n $INIT_FROM ]] && extra+=(--train.init_from="${INIT_FROM//\{seed\}/$seed}")
   local more; read -r -a more <<< "$TRAIN_ARGS"
   extra+=(${more[@]+"${more[@]}"})
   [[ -n $STEPS ]] && (( STEPS < 100 )) && extra+=(--train.warmup_steps=0)  # a smoke run: no warmup

@@ -8,8 +8,8 @@ import torch.nn as nn
 
 import model as model_module
 from model import (ATTENTION, PRIORS, AdditivePrior, AttnContext, ModelConfig, alibi_bias, alibi_slopes, dense_mask,
-                   distance_table, positional_scores, positions_in_documents, ssmax_log_n, ssmax_table,
-                   table_bias, tabled_scores)
+                   distance_table, kernel_scores, positional_scores, positions_in_documents, ssmax_log_n, ssmax_table,
+                   table_bias)
 from tiny_models import VOCAB, batch, tiny_model
 
 DISTANCE_PRIORS = [name for name, enc in PRIORS.items() if enc.DISTANCE_ONLY]
@@ -84,9 +84,9 @@ def prior_grads(prior, scale, loss):
 
 @pytest.mark.parametrize("pe,ssmax", [(pe, ssmax) for pe in DISTANCE_PRIORS for ssmax in (False, True)])
 def test_table_scores_equal_formula_with_every_prior_gradient(pe, ssmax):
-    """The flex table kernel's score function (tabled_scores) on the whole grid, against positional_scores (the
-    formula kernel's): the same logits and the same gradient for every prior and SSMax parameter, which on the
-    table path reaches them through the tables by ordinary autograd."""
+    """The flex kernel's score function (kernel_scores) reading the prior and SSMax's factor from their tables, on
+    the whole grid, against positional_scores (the formula): the same logits and the same gradient for every prior
+    and SSMax parameter, which on the table path reaches them through the tables by ordinary autograd."""
     prior, scale, pos, doc_ids, log_n = dense_case(pe, ssmax)
     B, H, T = 2, 4, len(pos)
     g = torch.Generator().manual_seed(2)
@@ -100,9 +100,9 @@ def test_table_scores_equal_formula_with_every_prior_gradient(pe, ssmax):
     formula_loss, formula = loss(positional_scores(scores, head, pos[:, None], pos[None, :],
                                                    None if log_n is None else log_n[:, None, :, None],
                                                    (prior.bias_fn, prior.tensors()), scale))
-    tables = (distance_table((prior.bias_fn, prior.tensors()), H, T, pos.device),
-              None if scale is None else ssmax_table(scale, log_n, B))
-    table_loss, table = loss(tabled_scores(scores, b, head, pos[:, None], pos[None, :], *tables))
+    tabled = (table_bias, (distance_table((prior.bias_fn, prior.tensors()), H, T, pos.device),))
+    factors = None if scale is None else ssmax_table(scale, log_n, B)
+    table_loss, table = loss(kernel_scores(scores, b, head, pos[:, None], pos[None, :], tabled, factors))
     torch.testing.assert_close(table, formula, atol=1e-6, rtol=1e-6)
     params, want = prior_grads(prior, scale, formula_loss)
     _, got = prior_grads(prior, scale, table_loss)
@@ -166,22 +166,19 @@ def recorded_kernels(monkeypatch):
     called, tables = [], []
     real_table = model_module.distance_table
 
-    def fake(kind):
-        def make(*variant):
-            def kernel(q, *args):
-                if (kind, variant) not in called:
-                    called.append((kind, variant))
-                return torch.zeros_like(q)
-            return kernel
-        return make
+    def make(*key):  # a FlexKernelKey's fields: the score_mod's bias function, SSMax, static shapes, sink
+        def kernel(q, *args):
+            if key not in called:
+                called.append(key)
+            return torch.zeros_like(q)
+        return kernel
 
     def counting_table(*args):
         tables.append(real_table(*args))
         return tables[-1]
 
     monkeypatch.setattr(model_module, "_FLEX_KERNELS", {})
-    monkeypatch.setattr(model_module, "_make_flex_kernel", fake("formula"))
-    monkeypatch.setattr(model_module, "_make_flex_table_kernel", fake("table"))
+    monkeypatch.setattr(model_module, "_make_flex_kernel", make)
     monkeypatch.setattr(model_module, "distance_table", counting_table)
     monkeypatch.setitem(model_module.ENCODINGS, "not_distance_only", NotDistanceOnlyPrior)
     return called, tables
@@ -199,13 +196,13 @@ def flex_forward(model, flex_prior="table"):
 def test_a_prior_that_is_not_distance_only_is_not_routed_to_a_table(recorded_kernels, ssmax):
     called, tables = recorded_kernels
     flex_forward(tiny_model(pe="not_distance_only", ssmax=ssmax, bam_train_loc=True))
-    # True: its token features are gathered by query, so on a CPU its kernel has static shapes too
-    # (..., True, None): static shapes on a CPU, no sink
-    assert called == [("formula", (NotDistanceOnlyPrior.bias_fn, ssmax, True, None))] and tables == []
+    # (..., True, None): its token features are gathered by query, so on a CPU its kernel has static shapes
+    # too; no sink
+    assert called == [(NotDistanceOnlyPrior.bias_fn, ssmax, True, None)] and tables == []
     called.clear()
     flex_forward(tiny_model(pe="alibi", ssmax=ssmax, bam_train_loc=True))
     # the control above: the same formula, distance-only, is tabulated
-    assert called == [("table", (True, ssmax, True, None))] and len(tables) == 1
+    assert called == [(table_bias, ssmax, True, None)] and len(tables) == 1
 
 
 @pytest.mark.slow
@@ -232,7 +229,7 @@ def test_a_table_is_built_once_per_forward_and_prior_module(recorded_kernels, mo
     tables.clear()
     flex_forward(model, "formula")  # the formula path builds none
     assert tables == []
-    assert [kind for kind, _ in called] == ["table", "formula"]
+    assert [key[0] for key in called] == [table_bias, model.priors[0].bias_fn]
 
 
 @pytest.mark.slow

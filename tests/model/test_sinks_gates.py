@@ -23,7 +23,7 @@ import torch
 import model as model_module
 from model import (PE_CHOICES, AttnContext, BAMPrior, ModelConfig, Transformer, attention_context, dense_mask, ggd_bias,
                    positions_in_documents, ssmax_log_n)
-from flex_on_cpu import take_flex, trace_flex_as_a_gpu
+from flex_on_cpu import flex_backward_as_inductor_lowers_it, take_flex, trace_flex_as_a_gpu
 from tiny_models import batch, generated_equals_recomputed, logits_with, tiny_config, tiny_model
 
 REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference", "default_models.pt")
@@ -291,15 +291,16 @@ def test_flex_with_sinks_and_gates_equals_eager_forward_and_backward(pe, ssmax, 
 def test_a_model_with_sinks_and_gates_compiles_to_one_graph_and_trains_as_eager(monkeypatch):
     """torch.compile(fullgraph) of the whole model on flex (a GPU's path, traced on the CPU with the aot_eager
     backend as tests/test_compile.py does), in the GPU's form of the sink: one graph, and the logits and gradients of
-    eager. SSMax by formula: as
-    test_compile notes, aot_eager's flex backward in plain torch fails on the gradient of SSMax's table."""
+    eager. SSMax from its table, built inside the compiled graph: flex's backward gives it the gradient the traced
+    joint graph asks for, as inductor's does (flex_on_cpu.flex_backward_as_inductor_lowers_it)."""
     import copy
     import torch.nn.attention.flex_attention as flex_module
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    flex_backward_as_inductor_lowers_it(monkeypatch)
     monkeypatch.setattr(model_module, "_FLEX_KERNELS", {})
     monkeypatch.setattr(model_module, "sink_form", lambda cpu: "lse")  # the GPU's form (with_sink)
     torch._dynamo.reset()
-    model = sink_gate_model("bam", True, flex_prior="formula")
+    model = sink_gate_model("bam", True, flex_prior="table")
     reference = copy.deepcopy(model)
     reference.config.attn_impl = "eager"
     take_flex(monkeypatch, model)

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from model import (KVCache, ModelConfig, Transformer, fire_bias, fire_mlp, fire_piecewise, fire_segments, fox_bias,
-                   positions_in_documents, t5_bias, t5_bucket)
+from model import (KVCache, ModelConfig, Transformer, fire_bias, fire_kernel_bias, fire_mlp, fire_piecewise,
+                   fire_segments, fox_bias, positions_in_documents, t5_bias, t5_bucket)
 from tiny_models import VOCAB, batch, logits_with, tiny_config, tiny_model
 
 RIVALS = ("t5", "fire", "fox")
@@ -154,6 +154,44 @@ def test_fires_piecewise_form_equals_its_mlp_in_values_and_gradients(dtype, tole
     upstream = torch.randn(w2.shape[0], len(x), generator=torch.Generator().manual_seed(1), dtype=dtype)
     for got, expected in zip(*fire_forms(x, w1, b1, w2, upstream)[::-1]):
         torch.testing.assert_close(got, expected, rtol=0, atol=tolerance * float(expected.abs().max()))
+
+
+def test_fires_kernel_form_equals_its_formula_in_values_and_gradients():
+    """What flex's score_mod reads (fire_kernel_bias: psi(d) from a table by distance and 1 / psi(max(L, i)) a
+    token feature, so that no score reads c or L) against fire_bias: in training (the MLP's piecewise form, which
+    broadcasts, on the whole grid) the same biases and the same gradient in c, L and the MLP's weights, which reach
+    c and L through the tables by ordinary autograd (issue 57 point 7); in inference (the MLP, one score at a time,
+    as in the kernel) the same biases at sampled scores."""
+    torch.manual_seed(0)
+    prior = tiny_model(pe="fire", n_layer=1, fire_mlp_width=8).priors[0]
+    with torch.no_grad():
+        prior.log_threshold.fill_(math.log(17.0))  # a threshold inside the sequence: both branches of max(L, i)
+    T, H = 40, prior.w2.shape[0]
+    pos = torch.cat([torch.arange(25), torch.arange(15)])[None]  # two documents
+    dist = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).float()
+    head = torch.arange(H).view(H, 1, 1)
+    features = tuple(t[0, 0][:, None] for t in prior.token_features(None, pos))  # at the queries, (T, 1) each
+    formula = fire_bias(dist, head, features, features, *prior.tensors())
+    kernel = fire_kernel_bias(dist, head, features, features, *prior.kernel_tensors(T, torch.device("cpu")))
+    torch.testing.assert_close(kernel, formula, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(H, T, T, generator=torch.Generator().manual_seed(1)) * (dist >= 0)
+    params = {"log_c": prior.log_c, "log_threshold": prior.log_threshold, "w1": prior.w1, "b1": prior.b1,
+              "w2": prior.w2}
+    want = torch.autograd.grad((formula * upstream).sum(), list(params.values()))
+    got = torch.autograd.grad((kernel * upstream).sum(), list(params.values()))
+    for name, g, w in zip(params, got, want):
+        assert w.abs().sum() > 0, name
+        # sums over 6,400 scores in another order (the MLP as a matmul, or by segments): fp32 rounding, relative
+        # to the largest gradient
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5 * float(w.abs().max()), msg=name)
+    with torch.no_grad():  # inference: the MLP itself, evaluated per score
+        features = prior.token_features(None, pos)
+        tensors = prior.kernel_tensors(T, torch.device("cpu"))
+        for q, k, h in torch.randint(0, T, (60, 3)).tolist():
+            q, k, h = max(q, k), min(q, k), h % H
+            one = fire_kernel_bias(torch.tensor(float(q - k)), torch.tensor(h), tuple(t[0, 0, q] for t in features),
+                                   None, *tensors)
+            torch.testing.assert_close(one, formula[h, q, k].detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_fire_reads_a_checkpoint_whose_scalars_are_0d():
