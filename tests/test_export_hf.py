@@ -47,7 +47,7 @@ def exported_model(seed=0, **config):
     QK-norm gains moved off their init as trained ones would be, so that a value lost on the way cannot go
     unnoticed."""
     model = tiny_model(seed, **{"vocab_size": GPT2_VOCAB, **config})
-    with torch.no_grad():  # tiny_model leaves the QK-norm gains at 1 (tests/test_qk_norm.py checks that init)
+    with torch.no_grad():  # tiny_model leaves the QK-norm gains at 1 (tests/model/test_qk_norm.py checks that init)
         for name, p in model.named_parameters():
             if ".q_norm." in name or ".k_norm." in name:
                 p.add_(0.3 * torch.randn_like(p))
