@@ -1,6 +1,9 @@
 """The small training runs the CPU tests share: a config for a 2-layer model whose step takes a few ms, and
 readers of what a run leaves behind (metrics rows, the newest checkpoint). The synthetic shards they train on
-are the `synthetic` fixture of tests/conftest.py."""
+are the `synthetic` fixture of tests/conftest.py.
+
+Used by test_drope.py, test_fsdp.py, test_io_errors.py, test_robustness.py, test_tokenizer.py and
+test_train.py (tests/test_structure.py holds this list to the imports)."""
 
 import glob
 import json
@@ -11,7 +14,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCUM = 2  # micro-batches per step in one process (tokens_per_step = 2 x batch 2 x 32)
-
 
 
 def small_config(tmp_path, data_dir):

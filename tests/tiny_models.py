@@ -2,7 +2,12 @@
 the comparisons of two models' numbers use: a 2-layer, 4-head, 32-wide config at 97 tokens, a seeded model
 whose prior, SSMax and sink parameters are moved off their initial values, and a batch of several documents
 per row. A test asks for what it needs beyond that by the ModelConfig fields it passes. The small training
-runs are tests/small_runs.py's."""
+runs are tests/small_runs.py's.
+
+Used by every file of tests/model/ and by test_checkpoint.py, test_compile.py, test_downstream.py,
+test_eval.py, test_eval_attention.py, test_eval_contract.py, test_export_hf.py, test_fsdp.py,
+test_import_hf.py, test_io_errors.py, test_outputs.py and test_train.py (tests/test_structure.py holds this
+list to the imports)."""
 
 import torch
 
