@@ -25,7 +25,7 @@ from bam.checkpoint import load_checkpoint, load_model, step_checkpoints
 from bam.cli import run_cli
 from bam.config import load_config
 from local_tokenizers import bpe_folder, training_text
-from planted import NOTES, checkout_like
+from planted import NOTES, checkout_like, snapshot
 from tiny_models import relative_error
 from model import KVCache, ModelConfig
 
@@ -341,17 +341,6 @@ def test_another_architecture_remote_code_and_a_foreign_weight_are_one_line(tmp_
     bare = tmp_path / "no_tokenizer"  # a new folder: load_tokenizer keeps what it loaded by name
     _, src = hf_folder(bare, "llama")
     assert "tokenizer" in refusal(tmp_path, capsys, src)
-
-
-def snapshot(folder):
-    """Every file under `folder` with its bytes, links as where they point: what must not change."""
-    found = {}
-    for root, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            path = os.path.join(root, name)
-            found[os.path.relpath(path, folder)] = os.readlink(path) if os.path.islink(path) else \
-                open(path, "rb").read() if os.path.isfile(path) else None
-    return found
 
 
 def test_an_out_that_is_holds_or_lies_in_src_is_refused_with_nothing_written(tmp_path, capsys, tokenizer):
