@@ -819,8 +819,8 @@ class Encoding:
     # in-document positions
     embedding = None
     # Settings that take another code path inside this encoding, each {ModelConfig field: value}:
-    # the correctness grids (tests/test_model.py, bench/gpu_check) check each of them beside the
-    # defaults, through CHECKED_SETTINGS
+    # the correctness grids (tests/model/test_attention_paths.py, bench/gpu_check) check each of
+    # them beside the defaults, through CHECKED_SETTINGS
     checked_settings = ()
     # The encoding's options are ModelConfig fields named after it (as bam_init); RANGES gives each
     # numeric one its range (CORE_RANGES' notation; model_ranges() is the union), and check refuses
@@ -932,7 +932,7 @@ def rope_frequencies(cfg, length, device=None):
     YaRN's ramp ends at the turning width. `length` is how many positions the current forward
     reaches (its last query + 1); only dynamic NTK reads it. Built where the positions are: a table
     built on the host and copied would cost a CPU kernel and a blocking host-to-device copy in
-    every forward (tests/test_baselines.py holds the forward to one device).
+    every forward (tests/model/test_attention_paths.py holds the forward to one device).
 
       linear       position interpolation (Chen et al. 2023): every frequency / s
       ntk          NTK-aware (bloc97 2023): base theta * s^(d / (r - 2)), d = head_dim, r = 2 x
@@ -1379,7 +1379,7 @@ def fire_kernel_bias(dist, head, query, key, psi, w1, b1, w2, *segments):
     it on to c and L. `segments` (fire_segments, given under autograd) have the kernel read the MLP
     as the piecewise-linear function it is: inductor's flex backward refuses a score_mod that indexes
     a tensor with a gradient more than once, as the sum over hidden units does. Equal to fire_bias up
-    to fp32 rounding (a product with 1 / psi for a quotient: tests/test_rivals.py)."""
+    to fp32 rounding (a product with 1 / psi for a quotient: tests/model/test_t5_fire_fox.py)."""
     x = psi[dist.clamp(min=0).long()] * query[1]
     return fire_piecewise(x, head, *segments) if segments else fire_mlp(x, head, w1, b1, w2)
 
@@ -1393,7 +1393,8 @@ def fire_mlp(x, head, w1, b1, w2):
     """FIRE's MLP, output `head`: sum_u w2_hu relu(w1_u x + b1_u). On FlexAttention's scalars it is
     a sum over the W hidden units, so that score_mod stays elementwise; on a vector of inputs (head
     None) the same sum is a matmul of the (head-independent) hidden layer with w2, every head at
-    once (x's shape + (H,)); test_model's flex == eager holds the two to each other."""
+    once (x's shape + (H,)); tests/model/test_attention_paths.py's flex == eager holds the two to
+    each other."""
     if x.dim() == 0:
         bias = torch.zeros_like(x)
         for unit in range(w1.shape[0]):
@@ -1430,7 +1431,7 @@ def fire_segments(w1, b1, w2):
 
 def fire_piecewise(x, head, breaks, slope, intercept):
     """fire_mlp of one scalar x from fire_segments' tables, each indexed once: equal to the MLP up
-    to fp32 rounding (tests/test_rivals.py)."""
+    to fp32 rounding (tests/model/test_t5_fire_fox.py)."""
     segment = torch.zeros_like(x, dtype=torch.int64)
     for unit in range(breaks.shape[0]):  # the breakpoints carry no gradient: indexing them is free
         segment = segment + (x > breaks[unit])
@@ -1882,7 +1883,7 @@ ATTENTION.update(eager=eager_attention, sdpa=sdpa_attention)
 # Instead the table is built outside the kernel in plain torch, once per forward and prior module
 # (flex_prior_tables), the kernel only gathers from it, and autograd takes the table's gradient back
 # to the parameters. SSMax's factor s_h log n_i is tabulated alike by query.
-# tests/test_prior_tables.py holds the tables to the formulas.
+# tests/model/test_prior_tables.py holds the tables to the formulas.
 
 
 def flex_prior_tables(model, length, device):
@@ -1918,8 +1919,8 @@ def ssmax_table(ssmax_scale, log_n, batch):
 def flex_captured(t):
     """`t` as a tensor of its own in contiguous memory, for a score_mod to capture. Not
     `contiguous()`, which returns a view where `t` already is: torch 2.11's and 2.13's AOT autograd
-    drop the gradient of a view captured by flex's score_mod (tests/test_flex_backward.py: SSMax's
-    scales and FoX's gates went untrained on flex; 2.15's keeps it)."""
+    drop the gradient of a view captured by flex's score_mod (tests/model/test_flex_backward.py:
+    SSMax's scales and FoX's gates went untrained on flex; 2.15's keeps it)."""
     return t.clone(memory_format=torch.contiguous_format)
 
 

@@ -30,6 +30,12 @@ with one line that names the command. $BAM_GPT2_TIKTOKEN is set here to the rank
 before any test module is imported, so that this process and every process a test starts read that file and
 never take bam.tokenizer's routes that download on first use (a test of those routes sets its own).
 
+The suite runs in parallel (pytest.ini: pytest-xdist, one worker per core, each test file on one worker so
+that a module's fixtures are built once). Each worker, and every process it starts, gets its share of the
+cores as torch's thread count: with two workers on two cores each running torch's two threads, OpenMP's
+threads wait on each other and a file of the model's tests took 4-7x as long as on one worker. `-n 0` runs
+the suite in this process alone (for a debugger).
+
 The shared fixtures live here too; the shared helpers (tiny models and batches, small training runs) are
 plain modules beside this file, so no test file imports from another.
 """
@@ -53,6 +59,12 @@ VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 GPT2_RANKS = tokenizer.gpt2_tiktoken_cache_path()
 os.environ["BAM_GPT2_TIKTOKEN"] = GPT2_RANKS
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    THREADS = max(1, CORES // WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)  # the processes a test starts (train.py, torchrun's ranks)
+    torch.set_num_threads(THREADS)
 
 
 def pytest_sessionstart(session):

@@ -1,4 +1,4 @@
-"""Flex's training path, which only a GPU runs, traced on the CPU (tests/test_flex_backward.py says how): the
+"""Flex's training path, which only a GPU runs, traced on the CPU (tests/model/test_flex_backward.py says how): the
 model's flex kernels compiled by AOT autograd with each flex backward's score_mod graphs put through inductor's
 own check, as a GPU's torch.compile would; and flex's dense backward, which runs that backward on the CPU, giving
 a gradient to the captured tensors the GPU's kernel gives one to (flex_backward_as_inductor_lowers_it)."""

@@ -1,6 +1,9 @@
 """The small training runs the CPU tests share: a config for a 2-layer model whose step takes a few ms, and
 readers of what a run leaves behind (metrics rows, the newest checkpoint). The synthetic shards they train on
-are the `synthetic` fixture of tests/conftest.py."""
+are the `synthetic` fixture of tests/conftest.py.
+
+Used by test_drope.py, test_fsdp.py, test_io_errors.py, test_robustness.py, test_tokenizer.py and
+test_train.py (tests/test_structure.py holds this list to the imports)."""
 
 import glob
 import json
@@ -13,9 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCUM = 2  # micro-batches per step in one process (tokens_per_step = 2 x batch 2 x 32)
 
 
-
-def small_config(tmp_path, data_dir, extra=""):
-    """A 2-layer BAM + SSMax model small enough that a step takes a few ms."""
+def small_config(tmp_path, data_dir):
+    """The path of a TOML config (written into tmp_path) that trains a 2-layer BAM + SSMax model, small enough
+    that a step takes a few ms, on the shards in data_dir. A test changes it as a user would, by
+    --section.key=value overrides after the path."""
     path = tmp_path / "small.toml"
     path.write_text(textwrap.dedent(f"""\
         [model]
@@ -40,7 +44,7 @@ def small_config(tmp_path, data_dir, extra=""):
         dtype = "float32"
         [log]
         log_every = 1
-        """) + extra)
+        """))
     return str(path)
 
 
@@ -51,7 +55,3 @@ def rows(run_dir):
 
 def newest(run_dir):
     return torch.load(sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*.pt")))[-1], weights_only=True)
-
-
-def relative_difference(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

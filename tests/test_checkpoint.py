@@ -15,7 +15,7 @@ from bam import checkpoint
 from bam.checkpoint import (best_path, checkpoint_dict, find_checkpoint, keep_last, save_atomic, step_checkpoints,
                             step_path)
 from bam.outputs import atomic_file, remove_temp_files, write_bytes, write_text
-from model import ModelConfig, Transformer
+from tiny_models import tiny_config, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -190,11 +190,6 @@ def test_an_incomplete_or_damaged_sharded_folder_is_refused_and_skipped(tmp_path
 # A run read while it trains: the chosen checkpoint pruned (keep_last) or replaced during the read
 
 
-def tiny(seed):
-    torch.manual_seed(seed)
-    return Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=8))
-
-
 def trainer_saves_during_the_first_read(monkeypatch, save, times=1):
     """Wrap the reader of a .pt file so that its first `times` calls run `save(file)` (what a live run does between
     the reader's choice and its read: a new step saved and the older ones pruned, or best.pt replaced) before
@@ -213,17 +208,17 @@ def trainer_saves_during_the_first_read(monkeypatch, save, times=1):
 def test_a_run_pruned_during_the_read_is_read_again_at_its_newest_checkpoint(tmp_path, monkeypatch, capsys):
     run = str(tmp_path / "run")
     for step in (1, 2):
-        checkpoint.save_model(tiny(step), step_path(run, step))
+        checkpoint.save_model(tiny_model(seed=step), step_path(run, step))
 
     def next_save(file):  # steps 3 and 4 saved, keep_last = 2: the chosen step 2 is gone
         for step in (3, 4):
-            checkpoint.save_model(tiny(step), step_path(run, step))
+            checkpoint.save_model(tiny_model(seed=step), step_path(run, step))
         keep_last(run, 2)
     calls = trainer_saves_during_the_first_read(monkeypatch, next_save)
     capsys.readouterr()
     model = checkpoint.load_model(run)
     assert calls == [step_path(run, 2), step_path(run, 4)]
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), tiny(4).state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), tiny_model(seed=4).state_dict().values()))
     assert capsys.readouterr().err.splitlines() == [
         f"warning: {step_path(run, 2)} was removed during the read (a training run's keep_last or its next save); "
         f"reading the newest checkpoint of {run} again"]
@@ -231,7 +226,7 @@ def test_a_run_pruned_during_the_read_is_read_again_at_its_newest_checkpoint(tmp
     # A run that saves and prunes during every read: a bounded number of tries, then one line
     def prune_newest(file):
         step = checkpoint.checkpoint_step(file) + 1
-        checkpoint.save_model(tiny(step), step_path(run, step))
+        checkpoint.save_model(tiny_model(seed=step), step_path(run, step))
         keep_last(run, 1)
     trainer_saves_during_the_first_read(monkeypatch, prune_newest, times=checkpoint.READ_TRIES)
     with pytest.raises(checkpoint.CheckpointError, match=f"changed under each of {checkpoint.READ_TRIES} reads"):
@@ -243,7 +238,7 @@ def test_a_named_checkpoint_removed_during_the_read_is_one_line_saying_so(tmp_pa
 
     run = str(tmp_path / "run")
     for step in (1, 2):
-        checkpoint.save_model(tiny(step), step_path(run, step))
+        checkpoint.save_model(tiny_model(seed=step), step_path(run, step))
     trainer_saves_during_the_first_read(monkeypatch, os.remove)
     capsys.readouterr()
     with pytest.raises(SystemExit) as info:
@@ -255,11 +250,11 @@ def test_a_named_checkpoint_removed_during_the_read_is_one_line_saying_so(tmp_pa
     assert not os.path.exists(tmp_path / "out.pt")
 
     # best.pt replaced whole during the read (a new best saved): read again, the new one
-    checkpoint.save_model(tiny(5), best_path(run))
-    trainer_saves_during_the_first_read(monkeypatch, lambda file: checkpoint.save_model(tiny(6), file))
+    checkpoint.save_model(tiny_model(seed=5), best_path(run))
+    trainer_saves_during_the_first_read(monkeypatch, lambda file: checkpoint.save_model(tiny_model(seed=6), file))
     warned = []
     file, ckpt = checkpoint.load_checkpoint(best_path(run), warn=warned.append)
-    assert torch.equal(ckpt["model"]["tok_emb.weight"], tiny(6).tok_emb.weight)
+    assert torch.equal(ckpt["model"]["tok_emb.weight"], tiny_model(seed=6).tok_emb.weight)
     assert warned == [f"warning: {best_path(run)} was replaced during the read (a training run's keep_last or its "
                       "next save); reading it again"]
 
@@ -307,11 +302,11 @@ def test_dcp_quiet_drops_torch_distributed_checkpoint_records_on_every_logger_it
 def test_added_parameters_names_what_init_from_adds_and_what_it_would_drop():
     """train.init_from's shape check: a model with SSMax adds one scale per layer to a checkpoint without it (named
     once, as a pattern); a wider model would reshape every trained tensor but the prior's (one per head)."""
-    base = ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=64)
-    state = Transformer(base).state_dict()
+    base = tiny_config()
+    state = tiny_model().state_dict()
     assert checkpoint.added_parameters(base, state) == ([], [])
     assert checkpoint.added_parameters(dataclasses.replace(base, ssmax=True), state) == (
         ["blocks.*.attn.ssmax_scale (2 tensors)"], [])
-    added, lost = checkpoint.added_parameters(dataclasses.replace(base, n_embd=32), state)
+    added, lost = checkpoint.added_parameters(dataclasses.replace(base, n_embd=64), state)
     kept = [name for name in state if name not in lost]
     assert added == [] and all(name.startswith("priors.") for name in kept) and "tok_emb.weight" in lost, kept

@@ -12,18 +12,17 @@ import train
 from bam import parallel
 from bam.config import TrainConfig
 from flex_on_cpu import flex_backward_as_inductor_lowers_it, take_flex
-from model import ModelConfig, Transformer, check_doc_ids
+from model import Transformer, check_doc_ids
+from tiny_models import VOCAB, tiny_config
 
 pytestmark = pytest.mark.slow  # every test compiles (dynamo's explain, torch.compile, flex kernels)
 
-VOCAB = 97
 PROCESS = train.Processes(distributed=False, rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 
-def tiny(pe, ssmax, **kw):
-    cfg = dict(vocab_size=VOCAB, n_layer=3, n_head=4, n_embd=32, block_size=64, pe=pe, ssmax=ssmax)
-    cfg.update(kw)
-    return ModelConfig(**cfg)
+def tiny(pe, ssmax, **fields):
+    """tests/tiny_models.py's tiny_config, 3 layers deep and as long as this file's batch (64 tokens)."""
+    return tiny_config(pe, ssmax, **{"n_layer": 3, "block_size": 64, **fields})
 
 
 def batch(B=2, T=64, seed=0):

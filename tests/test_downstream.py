@@ -19,19 +19,13 @@ from bam.tokenizer import load_tokenizer
 from eval import downstream, report
 from eval.loading import autocast
 from eval.options import EvalOptions
-from model import ModelConfig, Transformer
+from tiny_models import GPT2_VOCAB, tiny_model
 
 pytestmark = pytest.mark.slow  # lm-eval end to end, also from its command line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("river stone lamp orange quietly seven market winter glass thunder copper violin meadow "
          "sailor yellow whisper garden harbor number ancient").split()
-
-
-def tiny_model(**kw):
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(**{**dict(n_layer=2, n_head=4, n_embd=32, block_size=32, pe="bam",
-                                             ssmax=True, bam_init="sampled"), **kw})).eval()
 
 
 def documents(n=24, seed=0):
@@ -71,7 +65,7 @@ def task(tmp_path_factory):
         "doc_to_choice: choices\n"
         "doc_to_target: answer\n"
         "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
-    model = tiny_model()
+    model = tiny_model(vocab_size=GPT2_VOCAB, block_size=32, ssmax=True, bam_init="sampled").eval()
     save_model(model, str(root / "model.pt"))
     return root, docs, model
 

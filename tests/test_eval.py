@@ -28,11 +28,12 @@ from eval.runs import load_runs
 from eval.stats import binomial_interval
 from eval.sweep import parse_lengths, sweep
 from model import ModelConfig, Transformer, ggd_bias
+from tiny_models import GPT2_VOCAB, tiny_model
 
 pytestmark = pytest.mark.slow  # every evaluator end to end on checkpoints made here, and their command lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 50257  # prompts are GPT-2 text
+VOCAB = GPT2_VOCAB  # prompts are GPT-2 text
 
 
 class CopyModel(nn.Module):
@@ -70,12 +71,10 @@ def quiet(**options):
     return EvalOptions(progress=False, verbose=False, **options)
 
 
-def tiny_model(pe="bam", ssmax=True, seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, block_size=64, pe=pe, ssmax=ssmax)
-    if pe == "bam":
-        cfg["bam_init"] = "sampled"  # shapes ~ N(0, 1): heads in all three groups
-    return Transformer(ModelConfig(**{**cfg, **kw})).eval()
+def random_model(pe="bam", **fields):
+    """A random BAM + SSMax model that reads GPT-2's ids, its BAM shapes ~ N(0, 1): heads in all three groups."""
+    evaluated = dict(pe=pe, vocab_size=VOCAB, block_size=64, ssmax=True, bam_init="sampled")
+    return tiny_model(**{**evaluated, **fields}).eval()
 
 
 def assert_png(path):
@@ -103,7 +102,7 @@ def workspace(tmp_path_factory):
     for name, pe in (("bam", "bam"), ("rope", "rope")):
         run = root / name
         (run / "checkpoints").mkdir(parents=True)
-        model = tiny_model(pe)
+        model = random_model(pe)
         save_model(model, str(run / "checkpoints" / "step_00000001.pt"))
         if pe == "bam":
             with open(run / "metrics.jsonl", "w") as f:
@@ -226,18 +225,18 @@ def test_copying_model_scores_100_percent(given, tmp_path):
 
 @pytest.mark.parametrize("given", [0, 1])
 def test_random_model_scores_chance(given):
-    res = passkey.evaluate_passkey(tiny_model(), options=quiet(), lengths=[128, 512], samples=16, given_tokens=given,
+    res = passkey.evaluate_passkey(random_model(), options=quiet(), lengths=[128, 512], samples=16, given_tokens=given,
                                    stop_after_zero=0)
     assert all(r["accuracy"] <= 1 / 16 for r in res["results"])  # chance of 2+ exact tokens is ~1e-9
 
 
 def test_runs_are_reproducible_and_stop_after_zero(tmp_path):
     kw = dict(lengths=[100, 200, 300, 400], samples=4)
-    first = passkey.evaluate_passkey(tiny_model(), options=quiet(), stop_after_zero=0, **kw)
-    second = passkey.evaluate_passkey(tiny_model(), options=quiet(), stop_after_zero=0, **kw)
+    first = passkey.evaluate_passkey(random_model(), options=quiet(), stop_after_zero=0, **kw)
+    second = passkey.evaluate_passkey(random_model(), options=quiet(), stop_after_zero=0, **kw)
     strip = lambda res: [{k: v for k, v in r.items() if k != "seconds"} for r in res["results"]]  # noqa: E731
     assert strip(first) == strip(second)
-    stopped = passkey.evaluate_passkey(tiny_model(), options=quiet(out=str(tmp_path)), stop_after_zero=2, **kw)
+    stopped = passkey.evaluate_passkey(random_model(), options=quiet(out=str(tmp_path)), stop_after_zero=2, **kw)
     assert [r["length"] for r in stopped["results"]] == [100, 200]
     assert stopped["stopped"]["length"] == 300 and not stopped["complete"]
 
@@ -248,14 +247,14 @@ def test_niah_copying_model_retrieves_single_needles_and_random_model_does_not(t
     good = niah.evaluate_niah(CopyModel(), options=quiet(out=str(tmp_path)), **kw)
     assert {(r["haystack"], r["task"]) for r in good["results"]} == {(h, t) for h in niah.HAYSTACKS for t in tasks}
     assert all(r["score"] == 1.0 for r in good["results"])
-    bad = niah.evaluate_niah(tiny_model(), options=quiet(), stop_after_zero=0, **kw)
+    bad = niah.evaluate_niah(random_model(), options=quiet(), stop_after_zero=0, **kw)
     assert all(r["score"] <= 0.25 for r in bad["results"])
     assert_png(str(tmp_path / "niah.png"))
 
 
 def test_a_16k_token_passkey_prompt_runs_on_cpu():
     # BAM + SSMax: `auto` attention takes FlexAttention past 2K tokens; 1 layer of 2 heads keeps it quick
-    model = tiny_model(n_layer=1, n_head=2, n_embd=16)
+    model = random_model(n_layer=1, n_head=2, n_embd=16)
     assert memory.forward_bytes(model, 1, 16384, 3) < 2**30
     res = passkey.evaluate_passkey(model, options=quiet(), lengths=[16384], samples=1)
     assert res["results"][0]["length"] == 16384 and res["results"][0]["samples"] == 1
@@ -309,7 +308,7 @@ def test_evaluators_take_their_options_by_keyword_only():
 
 
 def test_a_length_that_does_not_fit_stops_cleanly_and_keeps_the_results(tmp_path, monkeypatch, capsys):
-    model = tiny_model()
+    model = random_model()
     small, big = 128, 9000
     fits = memory.forward_bytes(model, 1, small, 3)
     assert memory.forward_bytes(model, 1, big, 3) > 2 * fits
@@ -337,7 +336,7 @@ def test_out_of_memory_during_a_forward_keeps_the_results(tmp_path):
 
 
 def test_batches_shrink_to_fit(monkeypatch):
-    model = tiny_model()
+    model = random_model()
     one = memory.forward_bytes(model, 1, 9000, 3)  # past 8K: no dense block mask, all of it per sequence
     monkeypatch.setattr(memory, "available_bytes", lambda device: 2.5 * one / memory.SAFETY)
     assert memory.plan_batch(model, 8, 9000, 3, torch.device("cpu")) == 2
@@ -353,7 +352,7 @@ def test_batches_shrink_to_fit(monkeypatch):
 
 
 def test_windowed_loss_equals_the_full_cross_entropy(monkeypatch):
-    model = tiny_model(n_layer=1)
+    model = random_model(n_layer=1)
     torch.manual_seed(1)
     seqs = torch.randint(0, 1000, (2, 97))
     monkeypatch.setattr(perplexity, "HEAD_CHUNK", 16)  # several LM-head chunks
@@ -375,7 +374,7 @@ def test_validation_sequences(workspace):
 
 
 def test_prior_groups_and_curves_come_from_the_model():
-    model = tiny_model(n_layer=1)
+    model = random_model(n_layer=1)
     with torch.no_grad():
         model.priors[0].shape.copy_(torch.tensor([1.2, 0.0, -0.3, -1.0]))
         model.priors[0].log_scale.copy_(torch.tensor([-2.0, -1.0, 0.5, 0.0]))
@@ -391,7 +390,7 @@ def test_prior_groups_and_curves_come_from_the_model():
 
 def test_priors_of_a_layer_pattern_skip_the_layers_without_one():
     """RoPE-window layers have no prior and no SSMax: no rows; the BAM + SSMax layer's curve is its own prior's."""
-    model = tiny_model("rope", ssmax=False, n_layer=3, bam_init="sampled", layer_pattern="rope@16*2 bam+ssmax")
+    model = random_model("rope", ssmax=False, n_layer=3, layer_pattern="rope@16*2 bam+ssmax")
     res = priors.evaluate_priors(model, options=quiet(), max_distance=1000)
     assert {h["layer"] for h in res["heads"]} == {2} and sum(res["groups"].values()) == 4
     assert res["layer_pattern"] == "rope@16*2 bam+ssmax" and res["ssmax"] and not res["shared_across_layers"]
@@ -399,12 +398,12 @@ def test_priors_of_a_layer_pattern_skip_the_layers_without_one():
     for h in res["heads"]:
         expected = ggd_bias(torch.tensor(100.0), h["head"], shape, log_scale, loc).item()
         assert h["bias_at"]["100"] == pytest.approx(expected, rel=1e-5)
-        assert h["ssmax_scale"] == pytest.approx(1.0)
+        assert h["ssmax_scale"] == pytest.approx(model.blocks[2].attn.ssmax_scale[h["head"]].item())  # moved off 1
     assert "layer_pattern='rope@16*2 bam+ssmax'" in priors.format_table(res)
 
 
 def test_priors_of_a_model_without_one(capsys):
-    assert priors.evaluate_priors(tiny_model("rope", ssmax=False)) is None
+    assert priors.evaluate_priors(random_model("rope", ssmax=False)) is None
     assert "no learned positional prior" in capsys.readouterr().out
 
 
@@ -599,7 +598,7 @@ def test_attn_window_on_a_layer_pattern_reaches_only_words_without_a_window_and_
     args = ["--length", "2x", "--window", "64", "--attn_window", "4", "--num_seqs", "1", "--data_dir",
             workspace["data"], "--no_progress"]
     every = tmp_path / "every"
-    save_model(tiny_model(layer_pattern="rope@8 bam+ssmax@full"), str(every / "checkpoints" / "step_00000001.pt"))
+    save_model(random_model(layer_pattern="rope@8 bam+ssmax@full"), str(every / "checkpoints" / "step_00000001.pt"))
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         run_cli(perplexity.main, [str(every), *args])
@@ -610,7 +609,7 @@ def test_attn_window_on_a_layer_pattern_reaches_only_words_without_a_window_and_
     assert sorted(os.listdir(every)) == ["checkpoints"]
 
     some = tmp_path / "some"
-    save_model(tiny_model(layer_pattern="rope@8 bam+ssmax"), str(some / "checkpoints" / "step_00000001.pt"))
+    save_model(random_model(layer_pattern="rope@8 bam+ssmax"), str(some / "checkpoints" / "step_00000001.pt"))
     windowed = load_for_eval(str(some), quiet(model_overrides={"attn_window": 4})).model
     assert [kind.window for kind in windowed.config.layer_kinds] == [8, 4]
     assert perplexity.main([str(some), *args]) == 0

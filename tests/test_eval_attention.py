@@ -21,7 +21,8 @@ from eval import attention, report
 from eval.options import EvalOptions
 from eval.sweep import format_factor
 from eval.tables import length_label
-from model import ENCODINGS, ModelConfig, Transformer
+from model import ENCODINGS, Transformer
+from tiny_models import tiny_config, tiny_model
 
 pytestmark = pytest.mark.slow  # eval.attention end to end, its command and its report section
 
@@ -29,12 +30,12 @@ CONTEXT = 16  # the training context of the test models: distances from 16 on co
 
 
 def model_of(pe, ssmax=False, window=0, seed=0, **kw):
+    """A tiny model at its init (the claims below are about what an init shows), with grouped-query attention,
+    BAM's shapes sampled (heads in all three groups) and large weights: the content score matters as much as
+    the prior."""
+    cfg = dict(vocab_size=512, n_kv_head=2, block_size=CONTEXT, attn_window=window, init_std=0.3, bam_init="sampled")
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=CONTEXT, pe=pe, ssmax=ssmax,
-               attn_window=window, init_std=0.3)  # large weights: the content score matters as much as the prior
-    if pe == "bam":
-        cfg["bam_init"] = "sampled"
-    return Transformer(ModelConfig(**{**cfg, **kw})).eval()
+    return Transformer(tiny_config(pe, ssmax, **{**cfg, **kw})).eval()
 
 
 def dense_probabilities(attn, x, ctx, prior_module, window=None, sink_share=None):
@@ -55,7 +56,7 @@ def dense_probabilities(attn, x, ctx, prior_module, window=None, sink_share=None
         head = torch.arange(H).view(H, 1, 1)
         if prior_module.DISTANCE_ONLY:
             bias = prior_module.bias_fn((i - j).double(), head, *prior_module.tensors())
-        else:  # FIRE, FoX: their per-token values (the formulas are test_rivals.py's)
+        else:  # FIRE, FoX: their per-token values (the formulas are tests/model/test_t5_fire_fox.py's)
             at = prior_module.token_features(x, torch.arange(T)[None])
             bias = prior_module.bias_fn((i - j).double(), head, tuple(t[..., :, None] for t in at),
                                         tuple(t[..., None, :] for t in at), *prior_module.tensors())
@@ -223,8 +224,8 @@ def test_ssmax_keeps_the_entropy_of_a_matching_query_flat():
     """A query that matches one key (a needle, and itself) among filler: a plain softmax spreads its mass as the
     filler grows, SSMax's s log n sharpens the logits as fast as the keys come."""
     def needle_model(ssmax):
-        model = Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=1, n_embd=16, pe="nope", ssmax=ssmax,
-                                        block_size=CONTEXT)).eval()
+        model = tiny_model(vocab_size=64, n_layer=1, n_head=1, n_embd=16, pe="nope", ssmax=ssmax,
+                           block_size=CONTEXT).eval()
         with torch.no_grad():
             emb = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
             emb[:, 0] = 0.0

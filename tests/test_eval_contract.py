@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 import eval as eval_package
 from bam.checkpoint import save_model
@@ -17,7 +16,7 @@ from bam.cli import run_cli
 from eval import EvalError, passkey, report
 from eval.loading import load_for_eval
 from eval.options import EvalOptions
-from model import ModelConfig, Transformer
+from tiny_models import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,9 +94,8 @@ def test_a_new_evaluator_is_one_file_and_one_registry_line(tmp_path, monkeypatch
     monkeypatch.setattr(eval_package, "EVALUATORS", [*eval_package.EVALUATORS, "toy_evaluator"])  # the one line
     import toy_evaluator
 
-    torch.manual_seed(0)
     run = tmp_path / "run"
-    model = Transformer(ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16, block_size=64))
+    model = tiny_model(vocab_size=50257, block_size=64)  # GPT-2's ids: the passkey prompts below
     save_model(model, str(run / "checkpoints" / "step_00000001.pt"))
     assert toy_evaluator.main([str(run), "--scale", "2", "--window", "8"]) == 0
     assert "toy: " in capsys.readouterr().out
@@ -131,13 +129,8 @@ def test_importing_sample_or_an_evaluator_loads_no_plotting_library():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def tiny_rope():
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16, block_size=64, pe="rope")).eval()
-
-
 def test_overrides_are_checked_by_modelconfig_and_the_callers_model_is_left_alone():
-    model = tiny_rope()
+    model = tiny_model(pe="rope", block_size=64).eval()
     trained = dict(vars(model.config))
     evaluated = load_for_eval(model, EvalOptions(model_overrides={"attn_window": 16, "rope_scaling": "yarn",
                                                                   "rope_factor": "auto"}))
@@ -158,7 +151,8 @@ def test_overrides_are_checked_by_modelconfig_and_the_callers_model_is_left_alon
 
 
 def test_a_bad_override_from_the_command_line_is_one_line(tmp_path, capsys):
-    save_model(tiny_rope(), str(tmp_path / "run" / "checkpoints" / "step_00000001.pt"))
+    model = tiny_model(pe="rope", vocab_size=50257, block_size=64)  # GPT-2's ids: the evaluators feed them
+    save_model(model, str(tmp_path / "run" / "checkpoints" / "step_00000001.pt"))
     with pytest.raises(SystemExit):
         run_cli(passkey.main, [str(tmp_path / "run"), "--rope_scaling", "yarn", "--rope_factor", "0.5"])
     err = capsys.readouterr().err.strip()

@@ -19,7 +19,8 @@ from bam.checkpoint import save_model
 from planted import NOTES, checkout_like, snapshot
 from bam.data import EOT
 from bam.tokenizer import gpt2_encoding, load_tokenizer
-from model import PE_CHOICES, ModelConfig, Transformer
+from model import PE_CHOICES, ModelConfig
+from tiny_models import GPT2_VOCAB, batch, relative_error, tiny_model
 
 pytestmark = pytest.mark.slow  # exports loaded by transformers, in clean interpreters among them
 
@@ -29,13 +30,12 @@ CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16)
 CONFIG_FIELDS = {f.name for f in fields(ModelConfig)}
 CASES = {f"{pe}{'_ssmax' if ssmax else ''}": dict(pe=pe, ssmax=ssmax) for pe in PE_CHOICES for ssmax in (False, True)}
 CASES["bam_ssmax_gqa"] = dict(pe="bam", ssmax=True, n_kv_head=2, bam_per_layer=False)
-# learned sinks (their logits moved off 0 by tiny_model, as prior parameters) and gated attention (issue 47)
+# learned sinks (their logits moved off 0 by tests/tiny_models.py's tiny_model) and gated attention (issue 47)
 CASES["bam_ssmax_sink_gate"] = dict(pe="bam", ssmax=True, attn_sink=True, attn_gate=True)
-# QK-norm (its gains moved off 1 by tiny_model) under a prior and SSMax; Qwen3's, imported, in test_import_hf.py
+# QK-norm (its gains moved off 1 by exported_model) under a prior and SSMax; Qwen3's, imported, in test_import_hf.py
 CASES["bam_ssmax_qk_norm"] = dict(pe="bam", ssmax=True, qk_norm=True)
 # Config fields that model.py is gaining; the cases run as soon as it has them (until then: a visible skip).
 WINDOW_AND_SCALING = {"bam_ssmax_window": dict(pe="bam", ssmax=True, attn_window=8),
@@ -47,12 +47,12 @@ TEXT = ("The quick brown fox jumps over the lazy dog. It's 2024, isn't it?\n\n"
         "ending whitespace  ")
 
 
-def tiny_model(seed=0, **kw):
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig(**{**TINY, **kw}))
-    with torch.no_grad():  # trained-looking priors, SSMax scales and QK-norm gains: a lost value cannot go unnoticed
-        for p in model.prior_parameters():
-            p.add_(0.3 * torch.randn_like(p))
+def exported_model(seed=0, **config):
+    """A tiny model that reads GPT-2's ids (the tokenizer an export ships), its priors, SSMax scales, sinks and
+    QK-norm gains moved off their init as trained ones would be, so that a value lost on the way cannot go
+    unnoticed."""
+    model = tiny_model(seed, **{"vocab_size": GPT2_VOCAB, **config})
+    with torch.no_grad():  # tiny_model leaves the QK-norm gains at 1 (tests/model/test_qk_norm.py checks that init)
         for name, p in model.named_parameters():
             if ".q_norm." in name or ".k_norm." in name:
                 p.add_(0.3 * torch.randn_like(p))
@@ -60,7 +60,7 @@ def tiny_model(seed=0, **kw):
 
 
 def export_case(tmp_path, name, **kw):
-    model = tiny_model(**kw)
+    model = exported_model(**kw)
     ckpt = tmp_path / f"{name}.pt"
     save_model(model, str(ckpt))
     out = tmp_path / name
@@ -74,18 +74,14 @@ def exported(tmp_path_factory):
     return {name: export_case(root, name, **kw) for name, kw in CASES.items()}
 
 
-def tokens(batch=2, length=24, seed=1):
-    return torch.randint(0, 50257, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 def assert_same_model(model, hf_model):
-    x = tokens()
+    x, _ = batch(T=24, vocab=GPT2_VOCAB)
     with torch.no_grad():
         want, _ = model(x)
         got = hf_model(x).logits
-    rel = ((got - want).abs().max() / want.abs().max()).item()
+    rel = relative_error(got, want, norm="max")
     assert rel < 1e-5, rel
-    prompt = tokens(1, 7, seed=2)
+    prompt, _ = batch(B=1, T=7, seed=2, vocab=GPT2_VOCAB)
     want_ids = model.generate(prompt, 20, temperature=0)
     got_ids = hf_model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     assert torch.equal(got_ids, want_ids)
@@ -134,10 +130,10 @@ def test_loaded_in_bf16_the_priors_and_ssmax_stay_fp32(name, exported):
     kept = {id(p) for p in bf16.model.prior_parameters()}
     assert kept and all(p.dtype == torch.float32 for p in bf16.model.prior_parameters())
     assert all(p.dtype == torch.bfloat16 for p in bf16.parameters() if id(p) not in kept)
-    x = tokens()
+    x, _ = batch(T=24, vocab=GPT2_VOCAB)
     with torch.no_grad():
         want, got = fp32(x).logits, bf16(x).logits.float()
-    assert ((got - want).abs().max() / want.abs().max()).item() < 0.05
+    assert relative_error(got, want, norm="max") < 0.05
 
 
 def test_fox_gate_init_bias_is_exported(tmp_path):
@@ -152,7 +148,7 @@ def test_fox_gate_init_bias_is_exported(tmp_path):
 def test_the_cache_and_right_padding_give_the_full_forward_logits(exported):
     model, out = exported["bam_ssmax"]
     hf_model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
-    x = tokens(2, 12)
+    x, _ = batch(T=12, vocab=GPT2_VOCAB)
     with torch.no_grad():
         full = hf_model(x, use_cache=False).logits
         first = hf_model(x[:, :8], use_cache=True)
@@ -203,7 +199,7 @@ def test_tokenizer_gives_the_project_ids(exported):
 def test_folder_loads_without_the_repository(exported, tmp_path):
     """A clean interpreter in another folder, repository off sys.path: what a user of the folder has."""
     model, out = exported["bam_ssmax"]
-    x = tokens()
+    x, _ = batch(T=24, vocab=GPT2_VOCAB)
     with torch.no_grad():
         want, _ = model(x)
     torch.save({"x": x, "logits": want}, tmp_path / "want.pt")
@@ -241,7 +237,7 @@ def test_bad_inputs_are_one_clear_line_and_keep_existing_output(tmp_path, export
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     assert "no checkpoint" in export_error(capsys, tmp_path / "run", tmp_path / "out")
     assert "no checkpoint file or run directory" in export_error(capsys, tmp_path / "nothing", tmp_path / "out")
-    model = tiny_model()
+    model = exported_model()
     ckpt = {"model_config": {**vars(model.config), "pe": "fourier"}, "model": model.state_dict()}
     torch.save(ckpt, tmp_path / "foreign.pt")
     assert "unknown pe 'fourier'" in export_error(capsys, tmp_path / "foreign.pt", tmp_path / "out")
@@ -268,7 +264,7 @@ def test_overwrite_replaces_an_earlier_export(tmp_path):
     assert manifest["written_by"] == "export_hf.py"
     assert sorted(f.rstrip("/") for f in manifest["files"]) == sorted(set(snapshot(out)) - {"exported.json"})
     (out / "generation_config.json").unlink()
-    save_model(tiny_model(seed=5, pe="bam"), str(tmp_path / "second.pt"))
+    save_model(exported_model(seed=5, pe="bam"), str(tmp_path / "second.pt"))
     export_hf.main([str(tmp_path / "second.pt"), str(out), "--overwrite"])
     hf_model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert hf_model.config.bam_model["pe"] == "bam"
@@ -281,7 +277,7 @@ def test_overwrite_replaces_only_an_export_holding_nothing_else(tmp_path, capsys
     earlier export the user added notes and results to; an export of the version before exported.json, which
     nothing can tell apart from one the user added to: each refused in one line (the first naming the file it
     lacks, the second what was added), not a byte of the folder changed, nothing written beside it."""
-    save_model(tiny_model(), str(tmp_path / "model.pt"))
+    save_model(exported_model(), str(tmp_path / "model.pt"))
     checkout = tmp_path / "checkout"
     before = checkout_like(checkout)
     line = export_error(capsys, tmp_path / "model.pt", checkout, "--overwrite")
@@ -319,7 +315,7 @@ def test_an_out_dir_that_holds_or_lies_in_the_source_is_refused_with_nothing_wri
     _, out = export_case(tmp_path, "hf", pe="rope")
     shutil.copy(tmp_path / "hf.pt", out / "mine.pt")
     run = tmp_path / "run"
-    save_model(tiny_model(), str(run / "checkpoints" / "step_00000001.pt"))
+    save_model(exported_model(), str(run / "checkpoints" / "step_00000001.pt"))
     for args, words in (((out / "mine.pt", out, "--overwrite"), f"OUT_DIR {out} contains RUN_OR_CHECKPOINT {out}/"),
                         ((run, run / "hf"), f"OUT_DIR {run}/hf lies inside RUN_OR_CHECKPOINT {run}")):
         before = files_under(tmp_path)
@@ -347,7 +343,7 @@ def test_an_overwrite_killed_mid_swap_is_finished_by_the_next_export(tmp_path, m
     from bam import outputs
 
     first, out = export_case(tmp_path, "swap", pe="rope")
-    save_model(tiny_model(seed=5, pe="alibi"), str(tmp_path / "second.pt"))
+    save_model(exported_model(seed=5, pe="alibi"), str(tmp_path / "second.pt"))
 
     def kill(where):
         if where == point:
@@ -385,7 +381,7 @@ def test_a_write_that_fails_mid_export_is_one_line_and_the_earlier_export_stays(
     export says it in the one line the .pt checkpoints give, and the earlier export is whole."""
     first, out = export_case(tmp_path, "earlier", pe="rope")
     before = {p: open(os.path.join(out, p), "rb").read() for p in sorted(os.listdir(out))}
-    save_model(tiny_model(seed=5, pe="alibi", vocab_size=50257), str(tmp_path / "big.pt"))  # 13 MB of embeddings, as the earlier one
+    save_model(exported_model(seed=5, pe="alibi"), str(tmp_path / "big.pt"))  # 13 MB of embeddings, as the earlier one
     if limit == "file size":  # ulimit -f 2048 (in 512-byte blocks: 1 MiB)
         def set_limit():
             import resource

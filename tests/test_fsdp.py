@@ -27,7 +27,8 @@ from bam import checkpoint, cli, parallel
 from bam.checkpoint import load_model
 from bam.config import TrainConfig, load_config
 from model import ENCODINGS, ModelConfig, Transformer
-from small_runs import ROOT, relative_difference, rows, small_config
+from small_runs import ROOT, rows, small_config
+from tiny_models import batch, relative_error, tiny_config, tiny_model
 
 pytestmark = pytest.mark.slow  # torchrun launches, process groups and per-Block compiles
 
@@ -48,11 +49,6 @@ def torchrun(args, launcher=("--standalone", "--nproc_per_node=2"), script="trai
 def weights(run_dir):
     """The newest checkpoint's weights, whole, whichever kind it is."""
     return checkpoint.load_checkpoint(run_dir)[1]["model"]
-
-
-def max_relative_difference(a, b):
-    assert a.keys() == b.keys()
-    return max(relative_difference(a[name], b[name]) for name in a)
 
 
 def comparable(run_dir):  # every metric but the wall clock
@@ -102,7 +98,7 @@ def test_fsdp_equals_ddp_on_the_same_micro_batches_and_one_process_with_accumula
     # The same micro-batches on the same two ranks: FSDP reduce-scatters after each micro-batch where DDP
     # all-reduces once, so sums run in another order: measured 3.5e-9 relative (bitwise with fsdp_grad_sync
     # = "step", which accumulates as DDP does).
-    assert max_relative_difference(weights(fsdp2), weights(ddp2)) < 1e-6
+    assert relative_error(weights(fsdp2), weights(ddp2), norm="l2") < 1e-6
     for a, b in zip(rows(fsdp2), rows(ddp2)):
         assert a["step"] == b["step"]
         for key in ("loss", "val_loss"):
@@ -121,7 +117,7 @@ def test_fsdp_equals_ddp_on_the_same_micro_batches_and_one_process_with_accumula
     # One process, 4 accumulation steps of the same micro-batches: the same step, summed in another order.
     single = str(tmp_path / "single")
     train.main([config, f"--log.out_dir={single}", *STEP])
-    assert max_relative_difference(weights(fsdp2), weights(single)) < 1e-5
+    assert relative_error(weights(fsdp2), weights(single), norm="l2") < 1e-5
 
 
 SCRIPT = """
@@ -227,7 +223,7 @@ def test_resume_on_another_number_of_ranks_and_between_ddp_and_fsdp(fsdp2, ddp2,
         out = capsys.readouterr().out
         assert "resuming at step 5" in out, out
         assert ("train.parallel: 'fsdp' -> 'ddp'" in out) == (name == "fsdp_as_ddp")
-        assert max_relative_difference(weights(run), weights(source)) < 1e-6, name
+        assert relative_error(weights(run), weights(source), norm="l2") < 1e-6, name
         assert [r["step"] for r in rows(run)] == [r["step"] for r in rows(source)]
 
 
@@ -397,22 +393,13 @@ def test_a_sharded_run_is_evaluated_exported_converted_and_fine_tuned_like_a_ddp
     assert f"initialised from {checkpoint.step_path(fsdp2, 6, sharded=True)} (step 6)" in capsys.readouterr().out
 
 
-def tiny_model(**overrides):
-    cfg = dict(vocab_size=512, n_layer=3, n_head=4, n_embd=32, block_size=64, pe="bam", ssmax=True, attn_impl="sdpa")
-    return ModelConfig(**{**cfg, **overrides})
-
-
-def batch(seed=0, T=64):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, 512, (2, T + 1), generator=g)
-    doc_ids = torch.tensor([[0] * 20 + [1] * (T - 20), [0] * 41 + [1] * (T - 41)])
-    return x[:, :-1], x[:, 1:], doc_ids
+SHARDED = dict(n_layer=3, ssmax=True, attn_impl="sdpa")  # a Block per rank and one more, trained on sdpa
 
 
 def loss_and_gradients(model, steps=1):
     for seed in range(steps):
-        x, y, doc_ids = batch(seed)
-        loss = model(x, y, doc_ids=doc_ids)[1]
+        x, doc_ids = batch(T=64, seed=seed)
+        loss = model(x, torch.roll(x, -1, 1), doc_ids=doc_ids)[1]
         loss.backward()
     grads = {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()
              if p.requires_grad}  # BAM's location is frozen
@@ -426,8 +413,7 @@ def test_activation_checkpointing_leaves_loss_and_gradients_unchanged(pe, one_ra
     results = {}
     for parallelism in ("ddp", "fsdp"):
         for ac in ("none", "full"):
-            torch.manual_seed(0)
-            model = Transformer(tiny_model(pe=pe))
+            model = tiny_model(pe=pe, **SHARDED)
             t = TrainConfig(parallel=parallelism, activation_checkpointing=ac, compile=False)
             parallel.prepare(model, t, one_rank, bf16=False)
             results[parallelism, ac] = loss_and_gradients(model)
@@ -443,9 +429,8 @@ def test_activation_checkpointing_leaves_loss_and_gradients_unchanged(pe, one_ra
 @pytest.mark.parametrize("ssmax", [False, True])
 def test_fire_is_sharded_and_computes_what_it_computes_unsharded(ssmax, one_rank):
     """fully_shard refuses a 0-d parameter ("Change log_c to a 1D tensor"), which FIRE's log c and log L were."""
-    torch.manual_seed(0)
-    whole = Transformer(tiny_model(pe="fire", ssmax=ssmax))
-    sharded = Transformer(tiny_model(pe="fire", ssmax=ssmax))
+    whole = tiny_model(**{**SHARDED, "pe": "fire", "ssmax": ssmax})
+    sharded = tiny_model(**{**SHARDED, "pe": "fire", "ssmax": ssmax})
     sharded.load_state_dict(whole.state_dict())
     parallel.prepare(sharded, TrainConfig(parallel="fsdp", compile=False), one_rank, bf16=False)
     (loss, grads), (loss_sharded, grads_sharded) = loss_and_gradients(whole), loss_and_gradients(sharded)
@@ -453,18 +438,17 @@ def test_fire_is_sharded_and_computes_what_it_computes_unsharded(ssmax, one_rank
     assert grads.keys() == grads_sharded.keys() and grads["priors.0.log_c"].shape == (1,)
     # 1e-5, not tighter: with two threads the unsharded model's own FIRE gradients differ from one backward to
     # the next by up to 1.6e-6 (the CPU's parallel accumulation into the MLP's few parameters)
-    assert max(relative_difference(grads_sharded[k], grads[k]) for k in grads) < 1e-5
+    assert relative_error(grads_sharded, grads, norm="l2") < 1e-5
 
 
 def test_sinks_and_gates_are_sharded_and_compute_what_they_compute_unsharded(one_rank):
     """The sinks' logits (shape (n_head,): fully_shard refuses 0-d) and the gates' projections are sharded with
     their Block; the sharded model's loss, gradients and logged sink values are the unsharded model's."""
-    torch.manual_seed(0)
-    whole = Transformer(tiny_model(attn_sink=True, attn_gate=True))
+    whole = tiny_model(attn_sink=True, attn_gate=True, **SHARDED)
     with torch.no_grad():
         for block in whole.blocks:
             block.attn.sink_logit.copy_(torch.linspace(-1.0, 2.0, 4))
-    sharded = Transformer(tiny_model(attn_sink=True, attn_gate=True))
+    sharded = tiny_model(attn_sink=True, attn_gate=True, **SHARDED)
     sharded.load_state_dict(whole.state_dict())
     parallel.prepare(sharded, TrainConfig(parallel="fsdp", compile=False), one_rank, bf16=False)
     assert isinstance(sharded.blocks[0].attn.sink_logit, dist.tensor.DTensor)
@@ -472,7 +456,7 @@ def test_sinks_and_gates_are_sharded_and_compute_what_they_compute_unsharded(one
     assert torch.equal(loss, loss_sharded)
     assert grads.keys() == grads_sharded.keys() and grads["blocks.0.attn.sink_logit"].shape == (4,)
     assert {"blocks.0.attn.wg.weight", "blocks.2.attn.sink_logit"} <= set(grads)
-    assert max(relative_difference(grads_sharded[k], grads[k]) for k in grads) < 1e-5
+    assert relative_error(grads_sharded, grads, norm="l2") < 1e-5
     assert parallel.prior_summary(sharded)["sink_logit"] == whole.prior_summary()["sink_logit"]
 
 
@@ -481,15 +465,12 @@ def test_per_block_compile_under_fsdp_matches_eager(one_rank):
     AOT autograd trace forward and backward as on a GPU, without inductor's minutes of C++ on a CPU)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # reset() leaves the counters of earlier tests
-    torch.manual_seed(0)
-    eager = Transformer(tiny_model())
-    torch.manual_seed(0)
-    compiled = Transformer(tiny_model())
+    eager, compiled = tiny_model(**SHARDED), tiny_model(**SHARDED)
     t = TrainConfig(parallel="fsdp", activation_checkpointing="full", compile=True)
     parallel.prepare(compiled, t, one_rank, bf16=False, compile_backend="aot_eager")
     (loss, grads), (loss_c, grads_c) = loss_and_gradients(eager, steps=2), loss_and_gradients(compiled, steps=2)
     assert loss_c == pytest.approx(loss.item(), rel=1e-6)
-    assert max(relative_difference(grads_c[k], grads[k]) for k in grads) < 1e-5
+    assert relative_error(grads_c, grads, norm="l2") < 1e-5
     # one graph serves every Block (each has its own prior module and layer index)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
@@ -523,9 +504,9 @@ def test_dry_run_prints_the_memory_plan(capsys):
     table = {(line.split()[0], int(line.split()[1])): [float(v) for v in line.split()[2:]]
              for line in out.splitlines() if line.startswith(("  ddp", "  fsdp"))}
     assert set(table) == {("ddp", 8), ("fsdp", 8), ("ddp", 64), ("fsdp", 64)}
-    for world, batch in ((8, 16), (64, 9)):  # 64 x 16 x 512 tokens exceed a step: the largest batch that fits
+    for world, rows_per_rank in ((8, 16), (64, 9)):  # 64 x 16 x 512 tokens exceed a step: the largest batch that fits
         ddp, fsdp = table["ddp", world], table["fsdp", world]
-        assert ddp[:2] == fsdp[:2] == [batch, 589_824 // (batch * 512 * world)]
+        assert ddp[:2] == fsdp[:2] == [rows_per_rank, 589_824 // (rows_per_rank * 512 * world)]
         assert ddp[2] == pytest.approx(4 * params / 2**30, abs=0.01)  # fp32 weights, whole on every rank
         assert fsdp[2] == pytest.approx(4 * params / world / 2**30, abs=0.01)  # a 1/world shard
         assert fsdp[4] == pytest.approx(8 * params / world / 2**30, abs=0.01)  # AdamW's two moments, sharded
@@ -552,7 +533,7 @@ def test_a_dry_run_of_100000_layers_is_planned_per_distinct_layer():
 
     for pe in ENCODINGS:
         for extra in (dict(ssmax=True, n_kv_head=2), dict(bam_per_layer=False)):
-            mc = ModelConfig(n_layer=3, n_embd=32, n_head=4, block_size=32, vocab_size=100, pe=pe, **extra)
+            mc = tiny_config(n_layer=3, pe=pe, **extra)
             assert Sizes.of(mc) == built(mc), (pe, extra)
 
     proc = subprocess.run([sys.executable, "train.py", "configs/tiny.toml", "--dry_run", "--model.n_layer=100000",

@@ -26,7 +26,8 @@ from bam.checkpoint import load_checkpoint, load_model, step_checkpoints
 from bam.cli import run_cli
 from bam.config import load_config
 from local_tokenizers import bpe_folder, training_text
-from planted import NOTES, checkout_like
+from planted import NOTES, checkout_like, snapshot
+from tiny_models import relative_error
 from model import KVCache, ModelConfig
 
 pytestmark = pytest.mark.slow  # transformers models imported, evaluated, fine-tuned and exported again
@@ -92,10 +93,6 @@ PATHS = ("eager", "sdpa", "flex")
 # 16) but this one, whose other shapes (multi-head, head width 32) run on eager and sdpa only
 NO_FLEX = {"llama3_mha_head_dim"}
 MEASURED = {}  # (case, path) -> max relative logit difference, printed at the end (pytest -s)
-
-
-def relative(got, want):
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +162,7 @@ def test_imported_logits_equal_transformers_on_every_attention_path(name, path, 
     x = tokens()
     with torch.no_grad():
         want, got = hf_model(x).logits, ours(x)[0]
-    MEASURED[name, path] = relative(got, want)
+    MEASURED[name, path] = relative_error(got, want, norm="max")
     assert MEASURED[name, path] < 1e-5
 
 
@@ -184,7 +181,7 @@ def test_greedy_tokens_and_a_kv_cache_decode_equal_transformers(name, imported):
         cache = KVCache(ours.config, 2, 21, "cpu", torch.float32)
         ours(x[:, :20], kv_cache=cache)
         got = ours(x[:, 20:], kv_cache=cache, start_pos=20)[0]
-    assert relative(got, want) < 1e-5
+    assert relative_error(got, want, norm="max") < 1e-5
 
 
 def test_the_scalings_and_the_window_change_the_logits_here(imported):
@@ -204,7 +201,8 @@ def test_the_scalings_and_the_window_change_the_logits_here(imported):
                           ("qwen3_windows", dict(layer_pattern="rope@full rope@9"))):
         hf_model, _, out = imported[name]
         with torch.no_grad():
-            assert relative(load_model(out, **setting).eval()(x)[0], hf_model(x).logits) > 1e-3, name
+            wrong = load_model(out, **setting).eval()(x)[0]
+            assert relative_error(wrong, hf_model(x).logits, norm="max") > 1e-3, name
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -215,7 +213,7 @@ def test_export_of_an_import_gives_the_original_logits_in_transformers(name, imp
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
     x = tokens()
     with torch.no_grad():
-        assert relative(back(x).logits, hf_model(x).logits) < 1e-5
+        assert relative_error(back(x).logits, hf_model(x).logits, norm="max") < 1e-5
 
 
 def test_the_run_directory_is_like_any_other(imported, tokenizer):
@@ -348,17 +346,6 @@ def test_another_architecture_remote_code_and_a_foreign_weight_are_one_line(tmp_
     bare = tmp_path / "no_tokenizer"  # a new folder: load_tokenizer keeps what it loaded by name
     _, src = hf_folder(bare, "llama")
     assert "tokenizer" in refusal(tmp_path, capsys, src)
-
-
-def snapshot(folder):
-    """Every file under `folder` with its bytes, links as where they point: what must not change."""
-    found = {}
-    for root, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            path = os.path.join(root, name)
-            found[os.path.relpath(path, folder)] = os.readlink(path) if os.path.islink(path) else \
-                open(path, "rb").read() if os.path.isfile(path) else None
-    return found
 
 
 def test_an_out_that_is_holds_or_lies_in_src_is_refused_with_nothing_written(tmp_path, capsys, tokenizer):
@@ -500,7 +487,7 @@ def test_import_evaluate_fine_tune_with_ssmax_and_export(imported, tmp_path, cap
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
     x = tokens()
     with torch.no_grad():
-        assert relative(back(x).logits, model(x)[0]) < 1e-5
+        assert relative_error(back(x).logits, model(x)[0], norm="max") < 1e-5
 
 
 def test_a_qwen3_import_through_the_evaluators_and_greedy_text_as_transformers(imported, tmp_path, capsys):
@@ -615,4 +602,4 @@ def test_qwen3_at_its_published_widths_imports_from_sharded_bf16(tmp_path, qwen_
         del ours, state
         theirs = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, attn_implementation="eager")
         want = theirs.eval()(x).logits
-    assert relative(got, want) < 1e-5
+    assert relative_error(got, want, norm="max") < 1e-5

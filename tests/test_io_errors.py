@@ -23,8 +23,8 @@ from bam import checkpoint, data, outputs, tokenizer
 from bam.checkpoint import save_model
 from bam.cli import WriteError, describe_os_error, run_cli, user_errors
 from bam.tokenizer import load_tokenizer
-from model import ModelConfig, Transformer
 from small_runs import small_config
+from tiny_models import GPT2_VOCAB, tiny_model
 
 pytestmark = pytest.mark.slow  # every command's main end to end, with its input and output failing
 
@@ -150,11 +150,6 @@ def shards(tmp_path_factory):
     return str(path)
 
 
-def tiny_config(tmp_path, data_dir, out_dir):
-    """test_train's small config, checkpointing every step, no validation, writing to `out_dir`."""
-    return [small_config(tmp_path, data_dir), "--train.val_every=0", f"--log.out_dir={out_dir}"]
-
-
 @pytest.mark.parametrize("content,message", [
     (BINARY, "is not a UTF-8 text file"),
     (LATIN1, "is not a UTF-8 text file"),
@@ -180,7 +175,8 @@ def test_a_pattern_or_window_out_of_range_is_refused_before_the_run_folder_is_wr
     the first forward died with a MemoryError or OverflowError traceback."""
     import train
     run_dir = tmp_path / "run"
-    line, _ = one_error_line(train.main, tiny_config(tmp_path, shards, run_dir) + [setting])
+    args = [small_config(tmp_path, shards), "--train.val_every=0", f"--log.out_dir={run_dir}", setting]
+    line, _ = one_error_line(train.main, args)
     assert line.startswith("error: ") and ("does not divide" in line or "<= 2147483647" in line), line
     assert not run_dir.exists()
 
@@ -188,7 +184,8 @@ def test_a_pattern_or_window_out_of_range_is_refused_before_the_run_folder_is_wr
 def test_train_output_folder_under_a_file_is_one_line(tmp_path, shards):
     import train
     (tmp_path / "runs").write_text("a file, not a folder")
-    line, _ = one_error_line(train.main, tiny_config(tmp_path, shards, tmp_path / "runs" / "x"))
+    args = [small_config(tmp_path, shards), "--train.val_every=0", f"--log.out_dir={tmp_path / 'runs' / 'x'}"]
+    line, _ = one_error_line(train.main, args)
     assert f"{tmp_path / 'runs'} is a file, not a directory" in line
 
 
@@ -206,7 +203,8 @@ def test_disk_full_while_training_keeps_the_previous_checkpoint(tmp_path, shards
         real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", save)
-    line, _ = one_error_line(train.main, tiny_config(tmp_path, shards, run_dir))
+    args = [small_config(tmp_path, shards), "--train.val_every=0", f"--log.out_dir={run_dir}"]
+    line, _ = one_error_line(train.main, args)
     second = run_dir / "checkpoints" / "step_00000002.pt"
     assert line == (f"error: cannot write {second}: the disk is full (no space left on device); the previous checkpoint "
                     f"{run_dir / 'checkpoints' / 'step_00000001.pt'} is intact; make room and rerun with --resume")
@@ -363,8 +361,7 @@ def test_a_torn_manifest_is_one_line(tmp_path, prepare_main):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("io_eval")
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16, block_size=64, pe="bam"))
+    model = tiny_model(vocab_size=GPT2_VOCAB, block_size=64)
     save_model(model, str(root / "run" / "checkpoints" / "step_00000001.pt"))
     enc = load_tokenizer("gpt2")
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
@@ -483,11 +480,11 @@ def test_a_source_that_is_not_a_checkpoint(name, source, message, tmp_path, run_
     if source == "binary.pt":
         path.write_bytes(BINARY)
     elif source == "torn.pt":  # a checkpoint cut short: a zip archive without its end
-        save_model(Transformer(ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16)), str(path))
+        save_model(tiny_model(vocab_size=GPT2_VOCAB), str(path))
         whole = path.read_bytes()
         path.write_bytes(whole[:1000] + whole[-200:])
     elif source == "small_vocab":
-        save_model(Transformer(ModelConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=16)), str(path / "step_1.pt"))
+        save_model(tiny_model(vocab_size=1000), str(path / "step_1.pt"))
         path = path / "step_1.pt"
     elif source == "empty_dir":
         path.mkdir()

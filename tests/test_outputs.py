@@ -197,9 +197,9 @@ def test_an_evaluator_removes_what_a_killed_one_left_and_refuses_a_concurrent_on
     from eval import EvalError
     from eval.options import EvalOptions
     from eval.passkey import evaluate_passkey
-    from model import ModelConfig, Transformer
+    from tiny_models import GPT2_VOCAB, tiny_model
 
-    save_model(Transformer(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, pe="rope")), str(tmp_path / "m.pt"))
+    save_model(tiny_model(pe="rope", vocab_size=GPT2_VOCAB, block_size=64), str(tmp_path / "m.pt"))
     out = tmp_path / "results"
     out.mkdir()
     (out / "passkey.json.tmp-4242").write_text("{half")

@@ -273,7 +273,7 @@ def test_a_moved_run_directory_resumes_where_it_is_now(tmp_path, synthetic, caps
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, synthetic, capsys):
-    cfg = small_config(tmp_path, synthetic, "")
+    cfg = small_config(tmp_path, synthetic)
     straight, damaged = str(tmp_path / "straight"), str(tmp_path / "damaged")
     train.main([cfg, f"--log.out_dir={straight}", "--train.max_steps=5"])
     train.main([cfg, f"--log.out_dir={damaged}", "--train.max_steps=4"])

@@ -3,8 +3,9 @@ importing only modules on its own floor or below (docs/INTERFACES.md, "Layout"),
 module imports our own modules at its top, never inside a function (that only hides a cycle), except for the
 few reasons in ALLOWED_LATE_IMPORTS; the root holds the commands and the model, the library lives in bam/;
 nothing edits sys.path at module level; the evaluators stay small, and no two modules of one eval/ folder have
-names that a reader could take for each other. The fast lane starts no process and compiles nothing: read from
-the test files, and seen from tests/conftest.py's guard (the one test here that imports what it checks)."""
+names that a reader could take for each other; a shared helper of tests/ names the test files that use it. The
+fast lane starts no process and compiles nothing: read from the test files, and seen from tests/conftest.py's
+guard (the one test here that imports what it checks)."""
 
 import ast
 import os
@@ -171,7 +172,7 @@ def module_level_nodes(tree):
         stack.extend(ast.iter_child_nodes(node))
 
 
-@pytest.mark.parametrize("folder", ["bench", "tests", "eval", "bam", "."])
+@pytest.mark.parametrize("folder", ["bench", "tests", "tests/model", "eval", "bam", "."])
 def test_nothing_edits_sys_path_at_module_level(folder):
     edits = []
     for name in sorted(os.listdir(os.path.join(ROOT, folder))):
@@ -183,6 +184,39 @@ def test_nothing_edits_sys_path_at_module_level(folder):
             if re.fullmatch(r"sys\.path\.(insert|append|extend)\(.*\)|sys\.path = .*", text, re.S):
                 edits.append(f"{path}:{node.lineno}")
     assert not edits, edits
+
+
+def importers(module):
+    """The test files (paths from tests/, subfolders' too) that import `module`, a helper of tests/."""
+    found = set()
+    for root, dirs, names in os.walk(os.path.join(ROOT, "tests")):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+        for name in names:
+            if name.startswith("test_") and name.endswith(".py"):
+                path = os.path.join(root, name)
+                tree = ast.parse(open(path, encoding="utf-8").read())
+                if any(isinstance(node, ast.ImportFrom) and node.module == module or isinstance(node, ast.Import)
+                       and any(alias.name == module for alias in node.names) for node in ast.walk(tree)):
+                    found.add(os.path.relpath(path, os.path.join(ROOT, "tests")))
+    return found
+
+
+@pytest.mark.parametrize("helper", ["tiny_models", "small_runs"])
+def test_a_shared_test_helpers_header_names_every_file_that_uses_it(helper):
+    """So that a reader finds its examples (issue 56: tiny_models' header named three of its six users): every
+    test_*.py file its docstring names imports it, and every one that imports it is named there, or lies in
+    tests/model/ when the docstring says every file there does."""
+    doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "tests", f"{helper}.py"), encoding="utf-8").read()))
+    users = importers(helper)
+    in_model = {user for user in users if user.startswith("model" + os.sep)}
+    if "every file of tests/model/" in doc:
+        model_tests = {os.path.join("model", name) for name in os.listdir(os.path.join(ROOT, "tests", "model"))
+                       if name.startswith("test_") and name.endswith(".py")}
+        assert in_model == model_tests, sorted(model_tests - in_model)
+        users -= in_model
+    named = set(re.findall(r"(?<![\w/])test_\w+\.py", doc))  # not a cited path (this checker)
+    assert named == users, f"named, not importing it: {sorted(named - users)}; importing it, not named: " \
+        f"{sorted(users - named)}"
 
 
 def test_one_module_renames_files_into_place():
@@ -300,16 +334,20 @@ def slow_functions(trees):
 
 
 def unmarked_slow_tests(folder):
-    """{file: {test: slow work}} of the tests that do slow work without the `slow` marker."""
+    """{file: {test: slow work}} of the tests under `folder` (its subfolders' too: tests/model/) that do slow work
+    without the `slow` marker; a file is named by its path from `folder`."""
     trees = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                trees[name] = ast.parse(f.read(), name)
-    shared = [tree for name, tree in trees.items() if not name.startswith("test_")]
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with open(path, encoding="utf-8") as f:
+                    trees[os.path.relpath(path, folder)] = ast.parse(f.read(), name)
+    shared = [tree for name, tree in trees.items() if not os.path.basename(name).startswith("test_")]
     found = {}
     for name, tree in trees.items():
-        if not name.startswith("test_") or any(
+        if not os.path.basename(name).startswith("test_") or any(
                 isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
                 and marked_slow([node.value]) for node in tree.body):
             continue
@@ -329,7 +367,7 @@ def test_the_fast_lane_starts_no_process_and_compiles_nothing():
 
 def test_the_fast_lane_scan_sees_a_process_a_compile_and_a_mark(tmp_path):
     """The reader itself: a planted test that starts a process through a helper, one that compiles through a
-    fixture, are found; marked (one by its decorator, a file by pytestmark) they are not."""
+    fixture, are found, in a subfolder too; marked (one by its decorator, a file by pytestmark) they are not."""
     (tmp_path / "helpers.py").write_text("import subprocess\n\ndef launch():\n    subprocess.run(['true'])\n")
     body = ("import pytest, re, torch\nfrom helpers import launch\n\n{mark}def test_a():\n    launch()\n\n"
             "@pytest.fixture\ndef compiled():\n    return torch.compile(lambda x: x)\n\n"
@@ -341,6 +379,9 @@ def test_the_fast_lane_scan_sees_a_process_a_compile_and_a_mark(tmp_path):
     assert unmarked_slow_tests(tmp_path) == {"test_planted.py": {"test_b": ["torch.compile"]}}
     (tmp_path / "test_planted.py").write_text("import pytest\npytestmark = pytest.mark.slow\n" + body.format(mark=""))
     assert unmarked_slow_tests(tmp_path) == {}
+    (tmp_path / "model").mkdir()  # a test in a subfolder (tests/model/), through the shared helper above
+    (tmp_path / "model" / "test_deep.py").write_text(body.format(mark="@pytest.mark.slow\n"))
+    assert unmarked_slow_tests(tmp_path) == {os.path.join("model", "test_deep.py"): {"test_b": ["torch.compile"]}}
 
 
 def test_the_fast_lane_refuses_a_process_and_the_flex_path_to_an_unmarked_test():

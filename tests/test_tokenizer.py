@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from bam.cli import UserError
 from bam.config import load_config
 from bam.tokenizer import GPT2_IDENTITY, TokenizerError, load_run_tokenizer, load_tokenizer
 from local_tokenizers import bpe_folder
+from small_runs import small_config
 
 pytestmark = pytest.mark.slow  # tokenizers trained here, then runs that train, evaluate and export with them
 
@@ -216,34 +216,6 @@ def test_hub_name_that_cannot_be_fetched_is_one_line(tmp_path, capfd):
 # ----------------------------------------------------------------------------------------------
 # A run with a locally trained tokenizer, end to end
 
-def tiny_config(tmp_path, data_dir, tokenizer, extra=""):
-    path = tmp_path / "tiny.toml"
-    path.write_text(textwrap.dedent(f"""\
-        [model]
-        n_layer = 2
-        n_embd = 32
-        n_head = 4
-        block_size = 64
-        ssmax = true
-        attn_impl = "sdpa"
-        [data]
-        data_dir = "{data_dir}"
-        tokenizer = "{tokenizer}"
-        batch_size = 2
-        [train]
-        tokens_per_step = 256
-        max_steps = 4
-        val_every = 2
-        val_tokens = 256
-        ckpt_every = 2
-        compile = false
-        dtype = "float32"
-        [log]
-        log_every = 1
-        """) + extra)
-    return str(path)
-
-
 def test_vocab_size_follows_the_tokenizer_and_must_hold_its_ids(small, tmp_path):
     cfg = load_config(overrides=[f"--data.tokenizer={small}"])
     assert cfg.model.vocab_size == 2002
@@ -263,12 +235,14 @@ def test_a_run_with_a_local_tokenizer_trains_resumes_evaluates_and_exports(small
     enc = load_tokenizer(small)
     source, _ = corpus(tmp_path / "docs.jsonl", n=60)
     shards = prepare(tmp_path / "shards", source, small, shard_size=4096)
-    cfg = tiny_config(tmp_path, shards, small)
+    # checkpoints at steps 2 and 4, so that a resume from step 2 replays two steps
+    cfg = [small_config(tmp_path, shards), f"--data.tokenizer={small}", "--train.max_steps=4", "--train.ckpt_every=2",
+           "--train.val_every=2"]
     straight, run = str(tmp_path / "straight"), str(tmp_path / "run")
-    train.main([cfg, f"--log.out_dir={straight}"])
+    train.main([*cfg, f"--log.out_dir={straight}"])
     shutil.copytree(straight, run)
     os.remove(os.path.join(run, "checkpoints", "step_00000004.pt"))
-    train.main([cfg, f"--log.out_dir={run}", "--resume"])  # from step 2, as after a crash
+    train.main([*cfg, f"--log.out_dir={run}", "--resume"])  # from step 2, as after a crash
     ckpt = torch.load(os.path.join(run, "checkpoints", "step_00000004.pt"), weights_only=False)
     assert ckpt["config"]["data"]["tokenizer"] == small and ckpt["tokenizer"] == enc.identity.to_dict()
     assert ckpt["model_config"]["vocab_size"] == 2002
@@ -328,7 +302,7 @@ def test_shards_of_another_tokenizer_are_refused(small, large, tmp_path):
     with pytest.raises(SystemExit):  # prepare_fineweb.py into it with another tokenizer: one line, nothing lost
         prepare(shards, source, "gpt2")
     assert json.load(open(os.path.join(shards, "manifest.json")))["tokenizer"]["name"] == small
-    done = subprocess.run([sys.executable, "train.py", tiny_config(tmp_path, shards, "gpt2"),
+    done = subprocess.run([sys.executable, "train.py", small_config(tmp_path, shards), "--data.tokenizer=gpt2",
                            f"--log.out_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and done.stderr.strip().count("\n") == 0, done.stderr
     assert "made with the tokenizer" in done.stderr and "data.tokenizer" in done.stderr
@@ -361,8 +335,8 @@ def test_an_export_refuses_a_tokenizer_whose_files_changed_since_training(small,
     source, _ = corpus(tmp_path / "docs.jsonl", n=30)
     shards = prepare(tmp_path / "shards", source, folder, shard_size=4096)
     run = str(tmp_path / "run")
-    train.main([tiny_config(tmp_path, shards, folder), f"--log.out_dir={run}", "--train.max_steps=2",
-                "--train.val_every=0"])
+    train.main([small_config(tmp_path, shards), f"--data.tokenizer={folder}", f"--log.out_dir={run}",
+                "--train.max_steps=2", "--train.val_every=0"])
     path = os.path.join(folder, "tokenizer.json")
     spec = json.load(open(path))
     vocab = spec["model"]["vocab"]

@@ -21,8 +21,9 @@ from bam.checkpoint import load_model
 from bam.cli import UserError
 from bam.config import load_config, to_dict
 from bam.tokenizer import GPT2_IDENTITY, load_tokenizer
-from model import ModelConfig, Transformer
-from small_runs import ACCUM, ROOT, newest, relative_difference, rows, small_config
+from model import Transformer
+from small_runs import ACCUM, ROOT, newest, rows, small_config
+from tiny_models import relative_error, tiny_model
 
 pytestmark = pytest.mark.slow  # python train.py and torchrun launches, and whole training runs
 
@@ -178,7 +179,7 @@ def test_save_best_writes_best_pt_only_on_a_new_lowest_validation_loss_and_atomi
     other layout (a sharded best/ from before a change of train.parallel)."""
     cfg = load_config(None, [f"--log.out_dir={tmp_path}"])
     run = SimpleNamespace(cfg=cfg, procs=train.Processes(False, 0, 0, 1, torch.device("cpu")), sharded=False,
-                          raw_model=Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16)),
+                          raw_model=tiny_model(),
                           train_loader=SimpleNamespace(tokenizer=GPT2_IDENTITY), state=train.TrainState())
     best, folder = checkpoint.best_path(str(tmp_path)), checkpoint.checkpoint_dir(str(tmp_path))
     os.makedirs(checkpoint.best_path(str(tmp_path), sharded=True))
@@ -284,7 +285,7 @@ def test_ddp_with_gloo_matches_gradient_accumulation(tmp_path, synthetic):
                 assert abs(a[key] - b[key]) / abs(a[key]) < 1e-5, (a["step"], key, a[key], b[key])
     a, b = newest(single)["model"], newest(ddp)["model"]
     for name in a:
-        assert relative_difference(b[name], a[name]) < 1e-5, name
+        assert relative_error(b[name], a[name], norm="l2") < 1e-5, name
 
 
 KILLER = """
@@ -475,7 +476,7 @@ def test_passkey_answer_loss_counts_every_target_once(tmp_path, passkey_corpus):
     assert rows(one)[-1]["loss"] == pytest.approx(rows(two)[-1]["loss"], rel=1e-5)
     a, b = newest(one)["model"], newest(two)["model"]
     for name in a:
-        assert relative_difference(b[name], a[name]) < 1e-5, name
+        assert relative_error(b[name], a[name], norm="l2") < 1e-5, name
 
 
 def test_init_from_loads_weights_only_and_refuses_other_shapes(tmp_path, synthetic, monkeypatch, capsys):

@@ -52,9 +52,10 @@ def order(pe):
 
 
 def grid_cases(s, dtypes):
-    """Document masking first (the training configuration). --quick: document masking on only (tests/test_model.py
-    covers the rest). Every encoding, and each of its checked_settings (partial RoPE), from the registry; every
-    encoding also runs with the ATTENTION_SWITCHES on (with SSMax and documents, the richest case)."""
+    """Document masking first (the training configuration). --quick: document masking on only
+    (tests/model/test_attention_paths.py covers the rest). Every encoding, and each of its checked_settings
+    (partial RoPE), from the registry; every encoding also runs with the ATTENTION_SWITCHES on (with SSMax
+    and documents, the richest case)."""
     grid = [(pe, ssmax, docs, dtype, settings, ()) for pe, settings in model_module.CHECKED_SETTINGS
             for ssmax in (True, False) for docs in ((True,) if s.quick else (True, False)) for dtype in dtypes]
     grid += [(pe, True, True, dtype, {}, ATTENTION_SWITCHES) for pe in model_module.ENCODINGS for dtype in dtypes]

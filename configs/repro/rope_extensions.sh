@@ -11,7 +11,7 @@
 #   METHODS="linear yarn" FINE_TUNE=0 ... bash configs/repro/rope_extensions.sh   # PI and YaRN only (grid5.sh)
 #
 # Only runs the grid has finished are evaluated (their passkey result is complete), so this may run while
-# run.sh still trains other seeds.
+# run.sh still trains other seeds. JOBS evaluations run side by side (2 by default, as run.sh trains).
 # Each evaluation writes its own file (RUN/eval/passkey_yarn_auto.json, ...), so eval.report over the
 # runs gives every method a row of its own.
 set -euo pipefail
@@ -28,6 +28,7 @@ FT_TOKENS=${FT_TOKENS:-2097152}                       # more than 400 steps x 4,
 FT_STEPS=${FT_STEPS:-}                                # override rope_yarn_ft.toml's train.max_steps
 METHODS=${METHODS:-"window linear ntk yarn dynamic_ntk"}  # window: RoPE-local; linear = PI; *_auto factors
 FINE_TUNE=${FINE_TUNE:-1}                             # 0: the evaluations only, no YaRN x4 fine-tune
+JOBS=${JOBS:-2}                                       # evaluations at a time, each on (cores / JOBS) threads
 for method in $METHODS; do
   [[ $method =~ ^(window|linear|ntk|yarn|dynamic_ntk)$ ]] || {
     echo "error: METHODS has $method; allowed: window linear ntk yarn dynamic_ntk" >&2; exit 1; }
@@ -39,7 +40,22 @@ rope_runs=("$OUT"/rope_seed*/)
 (( ! FINE_TUNE )) || [[ -d $FT_FROM ]] || { echo "error: FT_FROM=$FT_FROM is not a run directory" >&2; exit 1; }
 
 source configs/repro/passkey.sh  # grid_passkey: eval.passkey at the grid's settings, kept when complete
+CORES=$(python -c "import os; print(len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count())")
+THREADS=$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))
 
+evaluate() {  # DIR METHOD: the run's passkey evaluation with the method, RUN/eval/passkey_<method>.json
+  local dir=$1 method=$2
+  case $method in
+    window) grid_passkey "$dir" "passkey_window$CONTEXT" --window "$CONTEXT" --no_progress ;;
+    # factor 1: the scale is (length / CONTEXT), per forward
+    dynamic_ntk) grid_passkey "$dir" passkey_dynamic_ntk --rope_scaling dynamic_ntk --no_progress ;;
+    *) grid_passkey "$dir" "passkey_${method}_auto" --rope_scaling "$method" --rope_factor auto --no_progress ;;
+  esac
+}
+
+# JOBS evaluations side by side, each printing to its own log (RUN/eval/passkey_<method>.log), shown whole
+# when it ends, so that two evaluations' tables do not interleave
+logs=() pids=() failed=0
 for dir in "${rope_runs[@]}"; do
   dir=${dir%/}
   if ! passkey_done "$dir/eval/passkey.json"; then
@@ -48,14 +64,17 @@ for dir in "${rope_runs[@]}"; do
   fi
   echo "== $dir: $METHODS"
   for method in $METHODS; do
-    case $method in
-      window) grid_passkey "$dir" "passkey_window$CONTEXT" --window "$CONTEXT" --no_progress ;;
-      # factor 1: the scale is (length / CONTEXT), per forward
-      dynamic_ntk) grid_passkey "$dir" passkey_dynamic_ntk --rope_scaling dynamic_ntk --no_progress ;;
-      *) grid_passkey "$dir" "passkey_${method}_auto" --rope_scaling "$method" --rope_factor auto --no_progress ;;
-    esac
+    while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n || failed=1; done
+    logs+=("$dir/eval/passkey_$method.log")
+    { export OMP_NUM_THREADS=$THREADS; evaluate "$dir" "$method"; } > "${logs[-1]}" 2>&1 &
+    pids+=($!)
   done
 done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || failed=1
+  cat "${logs[$i]}" && rm "${logs[$i]}"
+done
+(( failed )) && { echo "error: an evaluation failed (its output above)" >&2; exit 1; }
 (( FINE_TUNE )) || { echo "done: results in $OUT/rope_seed*/eval"; exit 0; }
 
 echo "== fine-tune $FT_FROM at $(( 4 * CONTEXT )) tokens with YaRN x4"

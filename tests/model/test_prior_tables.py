@@ -7,30 +7,12 @@ import torch
 import torch.nn as nn
 
 import model as model_module
-from model import (ATTENTION, PRIORS, AdditivePrior, AttnContext, ModelConfig, Transformer, alibi_bias, alibi_slopes,
-                   dense_mask, distance_table, kernel_scores, positional_scores, positions_in_documents, ssmax_log_n,
-                   ssmax_table, table_bias)
+from model import (ATTENTION, PRIORS, AdditivePrior, AttnContext, ModelConfig, alibi_bias, alibi_slopes, dense_mask,
+                   distance_table, kernel_scores, positional_scores, positions_in_documents, ssmax_log_n, ssmax_table,
+                   table_bias)
+from tiny_models import VOCAB, batch, tiny_model
 
-VOCAB = 97
 DISTANCE_PRIORS = [name for name, enc in PRIORS.items() if enc.DISTANCE_ONLY]
-
-
-def make_model(pe, ssmax, seed=0, **kw):
-    cfg = dict(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, block_size=16, pe=pe, ssmax=ssmax,
-               bam_train_loc=True)
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig(**{**cfg, **kw}))
-    # every prior and SSMax parameter off its init, so no case passes by a special value (ALiBi's shape 1)
-    with torch.no_grad():
-        for p in model.prior_parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    return model
-
-
-def documents(T, B=2):
-    """Row 0: three documents, row 1: two; no boundary on flex's 128-token blocks."""
-    a, b, c = T // 4 + 1, T // 2 + 1, 5 * T // 8
-    return torch.tensor([[0] * a + [1] * b + [2] * (T - a - b), [0] * c + [1] * (T - c)][:B])
 
 
 def logits(model, flex_prior, idx, doc_ids, window):
@@ -49,7 +31,7 @@ def test_only_a_prior_of_the_head_and_distance_is_called_distance_only():
 # the formula path compiles one kernel per prior as well, so the whole grid against the compiled formula kernels
 # would be ~70 compilations. The grid is therefore held to the eager path (the same formulas on the dense grid, the
 # reference every flex test uses), and the compiled formula kernel to the table kernel at the training setting
-# (documents), at the shapes of test_model's flex tests, whose kernels a suite run has compiled already.
+# (documents), at the shapes of test_attention_paths.py's flex tests, whose kernels a suite run has compiled already.
 # On CPU both grid lengths run at 256 (flex_mask_length pads to whole 128-token blocks); 200 ends inside a
 # block, so padded queries and keys and the table's last entries are exercised; on a GPU they are two shapes.
 @pytest.mark.slow
@@ -57,16 +39,16 @@ def test_only_a_prior_of_the_head_and_distance_is_called_distance_only():
 def test_flex_table_equals_formula_forward(ssmax):
     g = torch.Generator().manual_seed(1)
     for pe in DISTANCE_PRIORS:
-        idx, doc_ids = torch.randint(0, VOCAB, (2, 40), generator=g), documents(40)
-        model = make_model(pe, ssmax)
+        idx, doc_ids = torch.randint(0, VOCAB, (2, 40), generator=g), batch(T=40)[1]
+        model = tiny_model(pe=pe, ssmax=ssmax, bam_train_loc=True)
         torch.testing.assert_close(logits(model, "table", idx, doc_ids, 0), logits(model, "formula", idx, doc_ids, 0),
                                    atol=1e-6, rtol=1e-6, msg=lambda m: f"{pe} ssmax={ssmax}, table vs formula: {m}")
         # Every pair of settings (head layout, length, documents, window) meets in one of these four cases, at
         # half the compilations of their full product: n_kv_head 0 = multi-head, 2 = grouped-query.
         for n_kv_head, T, docs, window in ((0, 256, False, 0), (0, 200, True, 50), (2, 256, True, 0), (2, 200, False, 50)):
-            model = make_model(pe, ssmax, n_kv_head=n_kv_head)
+            model = tiny_model(pe=pe, ssmax=ssmax, n_kv_head=n_kv_head, bam_train_loc=True)
             idx = torch.randint(0, VOCAB, (2, T), generator=g)
-            doc_ids = documents(T) if docs else None
+            doc_ids = batch(T=T)[1] if docs else None
             table = logits(model, "table", idx, doc_ids, window)
             model.config.attn_impl = "eager"
             with torch.no_grad():
@@ -85,7 +67,7 @@ def dense_case(pe, ssmax, T=29, H=4):
     for buffer in prior.buffers():  # ALiBi's fixed slopes: their gradient is compared too, as if they were learned
         buffer.requires_grad_(True)
     scale = nn.Parameter(1 + 0.2 * torch.randn(H)) if ssmax else None
-    doc_ids = documents(T)
+    doc_ids = batch(T=T)[1]
     pos = torch.arange(T)
     log_n = ssmax_log_n(positions_in_documents(doc_ids)) if ssmax else None
     return prior, scale, pos, doc_ids, log_n
@@ -206,19 +188,20 @@ def flex_forward(model, flex_prior="table"):
     model.config.attn_impl, model.config.flex_prior = "flex", flex_prior
     idx = torch.randint(0, VOCAB, (2, 40))
     with torch.no_grad():
-        model(idx, doc_ids=documents(40))
+        model(idx, doc_ids=batch(T=40)[1])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ssmax", [False, True])
 def test_a_prior_that_is_not_distance_only_is_not_routed_to_a_table(recorded_kernels, ssmax):
     called, tables = recorded_kernels
-    flex_forward(make_model("not_distance_only", ssmax))
+    flex_forward(tiny_model(pe="not_distance_only", ssmax=ssmax, bam_train_loc=True))
     # (..., True, None): its token features are gathered by query, so on a CPU its kernel has static shapes
     # too; no sink
     assert called == [(NotDistanceOnlyPrior.bias_fn, ssmax, True, None)] and tables == []
     called.clear()
-    flex_forward(make_model("alibi", ssmax))  # the control: the same formula, distance-only, is tabulated
+    flex_forward(tiny_model(pe="alibi", ssmax=ssmax, bam_train_loc=True))
+    # the control above: the same formula, distance-only, is tabulated
     assert called == [(table_bias, ssmax, True, None)] and len(tables) == 1
 
 
@@ -239,7 +222,7 @@ def test_a_table_is_built_once_per_forward_and_prior_module(recorded_kernels, mo
         return real_flex(q, k, v, ctx, prior, *rest)
 
     monkeypatch.setitem(model_module.ATTENTION, "flex", recording_flex)
-    model = make_model(pe, True, n_layer=3, **kw)
+    model = tiny_model(pe=pe, ssmax=True, n_layer=3, bam_train_loc=True, **kw)
     flex_forward(model)
     assert len(tables) == expected and len(seen) == 3
     assert all(any(t is s for t in tables) for s in seen)  # every layer reads one of the tables built

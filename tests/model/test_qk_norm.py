@@ -11,14 +11,14 @@ import torch
 
 from bam import checkpoint, sizing
 from bam.config import PARAMETER_ADDING_MODEL_KEYS, load_config
-from model import PE_CHOICES, ModelConfig, Transformer, apply_rope, attention_context
-from tiny_models import batch, generated_equals_recomputed, logits_with, make_model
+from model import PE_CHOICES, Transformer, apply_rope, attention_context
+from tiny_models import batch, generated_equals_recomputed, logits_with, tiny_config, tiny_model
 
 EVERY_ENCODING = [(pe, ssmax) for pe in PE_CHOICES for ssmax in (False, True)]
 
 
 def qk_model(pe="rope", ssmax=False, **kw):
-    model = make_model(pe=pe, ssmax=ssmax, qk_norm=True, **kw)
+    model = tiny_model(pe=pe, ssmax=ssmax, qk_norm=True, **kw)
     with torch.no_grad():  # gains off their initial 1, so that a test cannot pass for want of them
         for block in model.blocks:
             for norm in (block.attn.q_norm, block.attn.k_norm):
@@ -89,7 +89,7 @@ def test_generation_with_qk_norm_equals_recomputing_the_sequence(pe, pattern):
 def test_the_gains_start_at_one_are_1d_and_are_not_decayed():
     """1-D (FSDP2 shards no 0-d tensor), no weight decay (a norm's gain, as the others), counted in the sizes and
     in the memory plan's activations."""
-    plain, normed = make_model(pe="rope"), make_model(pe="rope", qk_norm=True)
+    plain, normed = tiny_model(pe="rope"), tiny_model(pe="rope", qk_norm=True)
     gains = [p for n, p in normed.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))]
     assert len(gains) == 2 * normed.config.n_layer
     assert all(p.dim() == 1 and p.shape == (normed.config.head_dim,) and torch.equal(p, torch.ones_like(p))
@@ -111,7 +111,7 @@ def test_a_config_turns_it_on_and_init_from_may_add_it():
     does (docs/training.md)."""
     cfg = load_config("configs/tiny.toml", ["--model.qk_norm=true"])
     assert cfg.model.qk_norm
-    base = ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=64, pe="rope")
+    base = tiny_config("rope")
     state = Transformer(base).state_dict()
     assert checkpoint.added_parameters(dataclasses.replace(base, qk_norm=True), state) == (
         ["blocks.*.attn.q_norm.weight (2 tensors)", "blocks.*.attn.k_norm.weight (2 tensors)"], [])

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import model as model_module
-from model import ENCODINGS, FLEX_PRIORS, AdditivePrior, ModelConfig, Transformer
-from flex_on_cpu import private_apis, trace_flex_as_a_gpu
-from tiny_models import VOCAB, batch
+from model import ENCODINGS, FLEX_PRIORS, AdditivePrior, Transformer
+from flex_on_cpu import private_apis, take_flex, trace_flex_as_a_gpu
+from tiny_models import batch, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,7 @@ def variants():
 
 
 def config(pe, ssmax, flex_prior, attn_impl):
-    return ModelConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, block_size=64, pe=pe, ssmax=ssmax,
-                       flex_prior=flex_prior, attn_impl=attn_impl, fire_mlp_width=6)
+    return tiny_config(pe, ssmax, n_head=2, block_size=64, flex_prior=flex_prior, attn_impl=attn_impl)
 
 
 def loss_and_grads(model, idx, doc_ids):
@@ -44,12 +43,11 @@ def loss_and_grads(model, idx, doc_ids):
 @pytest.mark.parametrize("pe,ssmax,flex_prior", list(variants()))
 def test_every_encodings_flex_backward_passes_inductors_check_and_equals_sdpa(pe, ssmax, flex_prior, monkeypatch):
     checked = trace_flex_as_a_gpu(monkeypatch)
-    # the GPU's choice: flex also for training (on the CPU, attention_path refuses it for lack of a backward)
-    monkeypatch.setattr(model_module, "attention_path", lambda model, T_q, T_k, has_docs: "flex")
     # 128 tokens, a whole flex block: on the CPU a shorter sequence is padded, a copy that would hide a view
     idx, doc_ids = batch(T=128)
     torch.manual_seed(0)
-    flex = Transformer(config(pe, ssmax, flex_prior, "flex"))
+    # the GPU's choice: flex also for training (on the CPU, attention_path refuses it for lack of a backward)
+    flex = take_flex(monkeypatch, Transformer(config(pe, ssmax, flex_prior, "flex")))
     reference = Transformer(config(pe, ssmax, flex_prior, "sdpa"))
     reference.load_state_dict(flex.state_dict())
     try:
@@ -112,10 +110,9 @@ def test_no_score_mod_captures_a_scalar_or_a_per_head_tensor_that_needs_a_gradie
     only: with flex_prior = "formula" a distance-only prior reads its per-head parameters per score by design
     (docs/benchmarks.md compares the two)."""
     captured = captured_by_score_mods(monkeypatch)
-    monkeypatch.setattr(model_module, "attention_path", lambda model, T_q, T_k, has_docs: "flex")
     idx, doc_ids = batch(T=128)
     torch.manual_seed(0)
-    model = Transformer(config(pe, ssmax, flex_prior, "flex"))
+    model = take_flex(monkeypatch, Transformer(config(pe, ssmax, flex_prior, "flex")))
     try:
         model(idx, targets=idx, doc_ids=doc_ids)
     finally:

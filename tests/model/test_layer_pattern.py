@@ -7,12 +7,12 @@ import torch
 
 import model as model_module
 from bam.sizing import Sizes
-from model import KVCache, LayerKind, Transformer
-from tiny_models import batch, generated_equals_recomputed, make_model, tiny
+from model import KVCache, LayerKind
+from tiny_models import batch, generated_equals_recomputed, tiny_config, tiny_model
 
 
 def kinds(pe="rope", ssmax=False, window=0, n_layer=4, **kw):
-    return tiny(pe, ssmax, n_layer=n_layer, attn_window=window, **kw).layer_kinds
+    return tiny_config(pe, ssmax, n_layer=n_layer, attn_window=window, **kw).layer_kinds
 
 
 def test_the_designs_of_issue_47_read_as_intended():
@@ -48,7 +48,7 @@ def test_a_pattern_with_every_layer_alike_is_the_model_wide_config_bitwise(model
     idx, doc_ids = batch(T=24)
     results = []
     for kw in (model_wide, pattern):
-        model = make_model(**kw)
+        model = tiny_model(**kw)
         grads = {}
         for impl in ("eager", "sdpa"):
             model.zero_grad(set_to_none=True)
@@ -75,11 +75,11 @@ def test_state_dict_keys_without_a_pattern_are_todays():
     expected = {"tok_emb.weight", "norm.weight", "lm_head.weight"}
     expected |= {f"blocks.{i}.{name}" for i in range(2) for name in per_layer}
     expected |= {f"priors.{i}.{name}" for i in range(2) for name in ("shape", "log_scale", "loc")}
-    assert set(make_model(pe="bam", ssmax=True).state_dict()) == expected
+    assert set(tiny_model(pe="bam", ssmax=True).state_dict()) == expected
 
 
 def test_each_layer_gets_its_own_prior_and_ssmax_and_a_layer_without_is_skipped():
-    model = make_model(pe="rope", n_layer=4, layer_pattern="rope@4 bam+ssmax alibi rope-ssmax@4")
+    model = tiny_model(pe="rope", n_layer=4, layer_pattern="rope@4 bam+ssmax alibi rope-ssmax@4")
     assert model.prior_index == (None, 0, 1, None)
     assert [type(p).__name__ for p in model.priors] == ["BAMPrior", "ALiBiPrior"]
     assert [b.attn.ssmax_scale is not None for b in model.blocks] == [False, True, False, False]
@@ -95,7 +95,7 @@ def test_each_layer_gets_its_own_prior_and_ssmax_and_a_layer_without_is_skipped(
 
 def test_one_attention_context_per_distinct_window(monkeypatch):
     """A forward builds one mask per window the layers use, not one per layer (on flex: one BlockMask each)."""
-    model = make_model(pe="rope", n_layer=6, attn_window=5, layer_pattern="rope*2 nope@full", attn_impl="eager")
+    model = tiny_model(pe="rope", n_layer=6, attn_window=5, layer_pattern="rope*2 nope@full", attn_impl="eager")
     built = []
     original = model_module.attention_context
 
@@ -116,7 +116,7 @@ def test_one_attention_context_per_distinct_window(monkeypatch):
 
 @pytest.mark.slow
 def test_flex_builds_one_block_mask_per_window_and_equals_eager(monkeypatch):
-    model = make_model(pe="bam", ssmax=True, n_layer=4, layer_pattern="rope-ssmax@129*3 bam@full")
+    model = tiny_model(pe="bam", ssmax=True, n_layer=4, layer_pattern="rope-ssmax@129*3 bam@full")
     calls = []
     real = model_module.make_block_mask
     monkeypatch.setattr(model_module, "make_block_mask",
@@ -139,7 +139,7 @@ def test_a_pattern_with_every_layer_alike_is_the_model_wide_config_bitwise_on_fl
     doc_ids = torch.tensor([[0] * 100 + [1] * 150 + [2] * 50])
     logits = []
     for kw in (dict(pe="bam", ssmax=True, attn_window=129), dict(pe="rope", layer_pattern="bam+ssmax@129")):
-        model = make_model(attn_impl="flex", **kw)
+        model = tiny_model(attn_impl="flex", **kw)
         with torch.no_grad():
             logits.append(model(idx, doc_ids=doc_ids)[0])
     assert torch.equal(*logits)
@@ -151,7 +151,7 @@ def test_a_pattern_with_every_layer_alike_is_the_model_wide_config_bitwise_on_fl
 def test_generation_with_a_pattern_equals_full_recompute(pe, ssmax, pattern, kv):
     """The cache keeps W - 1 positions in a windowed layer and every one in a full layer, and the tokens are
     those of recomputing the whole sequence at every step."""
-    model = make_model(pe=pe, ssmax=ssmax, n_kv_head=kv, layer_pattern=pattern)
+    model = tiny_model(pe=pe, ssmax=ssmax, n_kv_head=kv, layer_pattern=pattern)
     seq = generated_equals_recomputed(model)
     with torch.no_grad():
         cache = KVCache(model.config, 2, 22, "cpu", torch.float32)
@@ -161,7 +161,7 @@ def test_generation_with_a_pattern_equals_full_recompute(pe, ssmax, pattern, kv)
 
 
 def test_an_evaluators_attn_window_changes_the_layers_that_take_the_model_wide_one():
-    model = make_model(pe="rope", attn_window=4, layer_pattern="rope nope@full")
+    model = tiny_model(pe="rope", attn_window=4, layer_pattern="rope nope@full")
     assert model.config.layer_windows == (4, 0)
     model.config.attn_window = 9
     assert model.config.layer_windows == (9, 0)
@@ -182,7 +182,7 @@ def test_an_evaluators_attn_window_changes_the_layers_that_take_the_model_wide_o
 ])
 def test_bad_patterns_name_what_is_allowed(kw, match):
     with pytest.raises(ValueError, match=match) as error:
-        tiny(**kw)
+        tiny_config(**kw)
     assert "\n" not in str(error.value)
 
 
@@ -199,7 +199,7 @@ def test_a_pattern_is_refused_in_one_line_before_any_layer_is_listed(pattern, ma
     import tracemalloc
     tracemalloc.start()
     with pytest.raises(ValueError, match=match) as error:
-        tiny(layer_pattern=pattern)
+        tiny_config(layer_pattern=pattern)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert "\n" not in str(error.value) and len(str(error.value)) < 300
@@ -211,7 +211,7 @@ def test_partial_rope_turns_the_pattern_s_rope_layers_under_a_non_rotary_default
     idx, doc_ids = batch()
 
     def logits(**kw):
-        model = make_model(pe="nope", **kw)
+        model = tiny_model(pe="nope", **kw)
         with torch.no_grad():
             return model(idx, doc_ids=doc_ids)[0]
     assert torch.equal(logits(layer_pattern="rope nope", rope_fraction=0.0), logits(layer_pattern="nope nope"))

@@ -5,8 +5,9 @@ composed with SSMax and the priors; the gate is the paper's formula; generation 
 forward; flex's log-sum-exp form of the sink equals the materialised one, traced forward and backward as a GPU
 compiles it.
 
-tests/reference/default_models.pt was written by the model.py of commit d531d6e (before these fields existed):
-for each case below, `make_model(pe=..., ssmax=...)` of tiny_models, its state-dict keys, the sum of its weights
+tests/model/reference/default_models.pt was written by the model.py of commit d531d6e (before these fields existed):
+for each case below, `make_model(pe=..., ssmax=...)` of tests/tiny_models.py (today's `tiny_model`, which
+since moves the sinks' logits too, after every other draw), its state-dict keys, the sum of its weights
 and its logits at the last three positions of `batch(T=24)` with its documents:
 
     ref[name] = dict(keys=list(sd), logits=model(idx, doc_ids=doc_ids)[0][:, -3:],
@@ -23,7 +24,7 @@ import model as model_module
 from model import (PE_CHOICES, AttnContext, BAMPrior, ModelConfig, Transformer, attention_context, dense_mask, ggd_bias,
                    positions_in_documents, ssmax_log_n)
 from flex_on_cpu import flex_backward_as_inductor_lowers_it, take_flex, trace_flex_as_a_gpu
-from tiny_models import batch, generated_equals_recomputed, logits_with, make_model, tiny
+from tiny_models import batch, generated_equals_recomputed, logits_with, tiny_config, tiny_model
 
 REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference", "default_models.pt")
 
@@ -39,7 +40,7 @@ def with_sinks_off_init(model, seed=3):
 
 
 def sink_gate_model(pe="bam", ssmax=True, **kw):
-    return with_sinks_off_init(make_model(pe=pe, ssmax=ssmax, **{"attn_sink": True, "attn_gate": True, **kw}))
+    return with_sinks_off_init(tiny_model(pe=pe, ssmax=ssmax, **{"attn_sink": True, "attn_gate": True, **kw}))
 
 
 # -- off is today's model --------------------------------------------------------------------------------------
@@ -52,7 +53,8 @@ def test_both_off_is_the_model_before_they_existed(name):
     with other vector units may round the last bit of a sum differently, hence the 1e-6."""
     reference = torch.load(REFERENCE)[name]
     pe, ssmax = name.split("+")[0], name.endswith("+ssmax")
-    for model in (make_model(pe=pe, ssmax=ssmax), make_model(pe=pe, ssmax=ssmax, attn_sink=False, attn_gate=False)):
+    then = dict(pe=pe, ssmax=ssmax, fire_mlp_width=32)  # the reference's FIRE had model.py's default width
+    for model in (tiny_model(**then), tiny_model(**then, attn_sink=False, attn_gate=False)):
         state = model.state_dict()
         assert list(state) == reference["keys"]
         assert sum(float(v.double().sum()) for v in state.values()) == pytest.approx(reference["weights_sum"],
@@ -68,11 +70,15 @@ def test_a_sink_adds_one_parameter_and_draws_nothing_from_the_generator():
     at -inf takes no mass, so that model computes the sink-less one's logits on every path. (Without SSMax: with
     it, a document's first token, whose one key makes log n = 0, gives the sink e^0 whatever its logit, -inf x 0
     being NaN; model.sink_scores.)"""
-    plain, sunk = make_model(pe="bam"), make_model(pe="bam", attn_sink=True)
-    extra = set(sunk.state_dict()) - set(plain.state_dict())
+    initial = {}
+    for sink in (False, True):
+        torch.manual_seed(0)
+        initial[sink] = Transformer(tiny_config(attn_sink=sink)).state_dict()
+    extra = set(initial[True]) - set(initial[False])
     assert extra == {f"blocks.{i}.attn.sink_logit" for i in range(2)}
-    assert all(torch.equal(sunk.state_dict()[k], v) for k, v in plain.state_dict().items())
-    assert all(torch.equal(sunk.state_dict()[k], torch.zeros(4)) for k in extra)
+    assert all(torch.equal(initial[True][k], v) for k, v in initial[False].items())
+    assert all(torch.equal(initial[True][k], torch.zeros(4)) for k in extra)
+    plain, sunk = tiny_model(), tiny_model(attn_sink=True)  # the prior moved off its init, alike in both
     with torch.no_grad():
         for block in sunk.blocks:
             block.attn.sink_logit.fill_(-math.inf)
@@ -216,7 +222,7 @@ def test_on_the_cpu_flex_adds_the_sink_as_one_more_key_and_equals_eager(pe, ssma
 def test_the_gate_is_the_papers_formula():
     """Qiu et al. 2025, eq. (G1, elementwise): Y' = Y * sigmoid(X W_theta), X the layer's normalised input, Y each
     head's attention output, before the output projection; written here with plain matrices and softmax."""
-    model = make_model(pe="nope", attn_gate=True, attn_impl="eager")
+    model = tiny_model(pe="nope", attn_gate=True, attn_impl="eager")
     attn = model.blocks[0].attn
     B, T, C, H, hd = 2, 9, 32, 4, 8
     x = torch.randn(B, T, C, generator=torch.Generator().manual_seed(5))
@@ -234,7 +240,7 @@ def test_the_gate_is_the_papers_formula():
 def test_the_gate_starts_as_the_papers_near_one_half():
     """The paper's gate is more output columns of q's projection, initialised with it: N(0, init_std), so every
     gate starts near sigmoid(0) = 1/2 (the model does not start as the ungated one, as the paper's does not)."""
-    model = make_model(pe="nope", attn_gate=True, init_std=0.02)
+    model = tiny_model(pe="nope", attn_gate=True, init_std=0.02)
     weight = model.blocks[0].attn.wg.weight
     assert weight.shape == (4 * 8, 32) and abs(weight.std().item() - 0.02) < 0.004
     x = torch.nn.functional.rms_norm(torch.randn(64, 32), (32,))
@@ -243,7 +249,7 @@ def test_the_gate_starts_as_the_papers_near_one_half():
 
 
 def test_sinks_join_the_prior_group_and_gates_the_decayed_matrices():
-    model = Transformer(tiny("bam", ssmax=True, attn_sink=True, attn_gate=True))
+    model = Transformer(tiny_config("bam", ssmax=True, attn_sink=True, attn_gate=True))
     groups = {g["name"]: {id(p) for p in g["params"]} for g in model.optim_groups(0.1)}
     ids = [i for group in groups.values() for i in group]
     assert len(ids) == len(set(ids)) == sum(1 for p in model.parameters() if p.requires_grad)
@@ -261,7 +267,7 @@ def test_sinks_join_the_prior_group_and_gates_the_decayed_matrices():
 def test_flex_with_sinks_and_gates_equals_eager_forward_and_backward(pe, ssmax, flex_prior, monkeypatch):
     """out * sigmoid(lse - sink) from flex's log-sum-exp equals the materialised softmax with the sink's column:
     logits and the gradient of every parameter, the sinks' own included. The flex kernels are compiled as
-    tests/test_flex_backward.py compiles them (AOT autograd, inductor's check of the joint graph, flex's backward
+    tests/model/test_flex_backward.py compiles them (AOT autograd, inductor's check of the joint graph, flex's backward
     run by torch's dense reference of it), since the CPU's inductor kernel has no log-sum-exp and no backward:
     model.sink_form is made the GPU's, "lse", here."""
     checked = trace_flex_as_a_gpu(monkeypatch)

@@ -1,8 +1,8 @@
 """The learnable-bias rivals of BAM (model.py: T5Prior, FIREPrior, FoXPrior): each formula against a loop over
 i, j written out here from its paper, and what the widened prior contract must keep (token features that
 stay inside their document, a window, a KV cache that equals full recomputation). Every test of
-test_model.py parametrised over model.PE_CHOICES (flex == sdpa == eager, sdpa == eager gradients, causality,
-packed documents) and test_export_hf.py's export cases cover these encodings as well."""
+test_attention_paths.py and test_forward.py parametrised over model.PE_CHOICES (flex == sdpa == eager, sdpa == eager
+gradients, causality, packed documents) and tests/test_export_hf.py's export cases cover these encodings as well."""
 
 import math
 
@@ -11,7 +11,7 @@ import torch
 
 from model import (KVCache, ModelConfig, Transformer, fire_bias, fire_kernel_bias, fire_mlp, fire_piecewise,
                    fire_segments, fox_bias, positions_in_documents, t5_bias, t5_bucket)
-from tiny_models import VOCAB, batch, logits_with, make_model, tiny
+from tiny_models import VOCAB, batch, logits_with, tiny_config, tiny_model
 
 RIVALS = ("t5", "fire", "fox")
 
@@ -29,7 +29,7 @@ def test_t5_buckets_are_the_papers_and_transformers():
     from transformers.models.t5.modeling_t5 import T5Attention
 
     dist = torch.arange(-5, 3000)
-    prior = Transformer(tiny("t5")).priors[0]
+    prior = Transformer(tiny_config("t5")).priors[0]
     table, max_distance = prior.tensors()
     got = t5_bias(dist.float(), 1, table, max_distance)
     expected = torch.stack([table[1, t5_bucket_loop(int(d))] for d in dist])
@@ -90,7 +90,7 @@ def test_t5_bucket_through_the_model_matches_transformers_at_a_rounding_case():
     FlexAttention's score_mod calls the function."""
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    prior = Transformer(tiny("t5", t5_num_buckets=42, t5_max_distance=8192)).priors[0]
+    prior = Transformer(tiny_config("t5", t5_num_buckets=42, t5_max_distance=8192)).priors[0]
     table, max_distance = prior.tensors()
     dist = torch.arange(4600, 4700)
     theirs = T5Attention._relative_position_bucket(-dist, bidirectional=False, num_buckets=42, max_distance=8192)
@@ -103,7 +103,7 @@ def test_fire_bias_is_the_papers_formula():
     """f(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), f an MLP 1 -> W -> H with a ReLU (no output bias:
     softmax ignores a per-head constant)."""
     torch.manual_seed(0)
-    prior = make_model(pe="fire", n_layer=1).priors[0].double()
+    prior = tiny_model(pe="fire", n_layer=1).priors[0].double()
     log_c, log_L, w1, b1, w2 = (t.detach() for t in prior.tensors()[:5])  # the MLP's (fire_segments: below)
     c, L = math.exp(log_c), math.exp(log_L)
     T, H = 40, w2.shape[0]
@@ -163,7 +163,7 @@ def test_fires_kernel_form_equals_its_formula_in_values_and_gradients():
     c and L through the tables by ordinary autograd (issue 57 point 7); in inference (the MLP, one score at a time,
     as in the kernel) the same biases at sampled scores."""
     torch.manual_seed(0)
-    prior = make_model(pe="fire", n_layer=1, fire_mlp_width=8).priors[0]
+    prior = tiny_model(pe="fire", n_layer=1, fire_mlp_width=8).priors[0]
     with torch.no_grad():
         prior.log_threshold.fill_(math.log(17.0))  # a threshold inside the sequence: both branches of max(L, i)
     T, H = 40, prior.w2.shape[0]
@@ -197,7 +197,7 @@ def test_fires_kernel_form_equals_its_formula_in_values_and_gradients():
 def test_fire_reads_a_checkpoint_whose_scalars_are_0d():
     """Before log c and log L were shape (1,) (FSDP2 and flex's backward take no 0-d parameter) they were 0-d;
     such a state dict still loads, to the same values."""
-    model = make_model(pe="fire")
+    model = tiny_model(pe="fire")
     state = {k: v.reshape(()) if k.endswith(("log_c", "log_threshold")) else v for k, v in model.state_dict().items()}
     assert state["priors.0.log_c"].dim() == 0
     fresh = Transformer(model.config)
@@ -211,7 +211,7 @@ def test_fire_resumes_an_optimizer_whose_state_is_0d():
     step after the resume would fail (AdamW: "output with shape [] doesn't match the broadcast shape [1]")."""
     import train
 
-    model = make_model(pe="fire", n_layer=1)
+    model = tiny_model(pe="fire", n_layer=1)
     optimizer = torch.optim.AdamW(model.parameters())
     idx, doc_ids = batch()
     model(idx, targets=idx)[1].backward()
@@ -229,7 +229,7 @@ def test_fire_resumes_an_optimizer_whose_state_is_0d():
 def test_fox_bias_is_the_sum_of_log_forget_gates_inside_the_document():
     """Bias of (i, j) = sum over l = j+1..i of log sigmoid(w_h . x_l + b_h), with i, j in one document."""
     torch.manual_seed(0)
-    prior = make_model(pe="fox", n_layer=1).priors[0]
+    prior = tiny_model(pe="fox", n_layer=1).priors[0]
     idx, doc_ids = batch(B=2, T=30)
     x = torch.randn(2, 30, prior.gate.in_features)
     c, c_keys = prior.token_features(x, positions_in_documents(doc_ids))
@@ -250,7 +250,7 @@ def test_fox_gates_of_a_document_do_not_depend_on_the_documents_before_it():
     """After 3000 tokens of strongly forgetting documents (log f ~ -8 each: a running sum near -24000, where
     fp32 steps are 0.002 apart), the last document's cumulative gates are those it has alone, to fp32 rounding."""
     torch.manual_seed(0)
-    prior = make_model(pe="fox", n_layer=1).priors[0]
+    prior = tiny_model(pe="fox", n_layer=1).priors[0]
     with torch.no_grad():
         prior.gate.bias.fill_(-8.0)
     x = torch.randn(1, 3040, prior.gate.in_features)
@@ -260,15 +260,14 @@ def test_fox_gates_of_a_document_do_not_depend_on_the_documents_before_it():
     torch.testing.assert_close(packed[..., -40:], alone, rtol=1e-6, atol=1e-5)
 
 
-
 def test_fox_gate_init_bias_starts_the_gates_open_and_its_default_is_the_reference_init():
     """fox_gate_init_bias b sets every gate's bias to b, so the gates start near sigmoid(b) (5: ~0.993); it
     takes no random numbers, so every other weight is the same for a seed, and the default 0 is the reference
     code's (biases exactly 0, gates near 1/2): a default model's weights are what they were before the field."""
     torch.manual_seed(0)
-    default = Transformer(tiny("fox", ssmax=True))
+    default = Transformer(tiny_config("fox", ssmax=True))
     torch.manual_seed(0)
-    opened = Transformer(tiny("fox", ssmax=True, fox_gate_init_bias=5.0))
+    opened = Transformer(tiny_config("fox", ssmax=True, fox_gate_init_bias=5.0))
     assert ModelConfig().fox_gate_init_bias == 0.0
     a, b = default.state_dict(), opened.state_dict()
     biases = {k for k in a if k.endswith("gate.bias") and k.startswith("priors.")}
@@ -290,7 +289,7 @@ def test_fox_gate_init_bias_round_trips_through_a_checkpoint(tmp_path):
     from bam.checkpoint import load_model, save_model
 
     torch.manual_seed(0)
-    model = Transformer(tiny("fox", ssmax=True, fox_gate_init_bias=5.0))
+    model = Transformer(tiny_config("fox", ssmax=True, fox_gate_init_bias=5.0))
     save_model(model, str(tmp_path / "m.pt"))
     back = load_model(str(tmp_path / "m.pt"))
     assert back.config == model.config and back.config.fox_gate_init_bias == 5.0
@@ -313,7 +312,7 @@ def cached_logits(model, seq, prompt_len, window_steps=None):
 def test_cached_decoding_equals_full_recomputation(pe, ssmax, window):
     """Logits, not only tokens: FoX continues its cumulative gates from the cache, FIRE needs each query's
     absolute position, T5 its distance; with a window the cache keeps only the last W - 1 positions."""
-    model = make_model(pe=pe, ssmax=ssmax, attn_window=window).eval()
+    model = tiny_model(pe=pe, ssmax=ssmax, attn_window=window).eval()
     seq, _ = batch(B=2, T=24)
     with torch.no_grad():
         full = model(seq)[0][:, 9:-1]
@@ -329,9 +328,9 @@ def test_cached_decoding_equals_full_recomputation(pe, ssmax, window):
 @pytest.mark.parametrize("pe", RIVALS)
 def test_window_on_every_path(pe):
     """flex == sdpa == eager with a window cutting through documents; that the windowed eager path is the
-    crop of each query's last W keys is test_baselines.py's crop reference (T5, FoX: functions of the keys
+    crop of each query's last W keys is test_sliding_window.py's crop reference (T5, FoX: functions of the keys
     inside the window; FIRE's query position counts from the document's start, not the window's)."""
-    model = make_model(pe=pe, ssmax=True, attn_window=7)
+    model = tiny_model(pe=pe, ssmax=True, attn_window=7)
     idx, doc_ids = batch(T=40)
     with torch.no_grad():
         ref = logits_with(model, "eager", idx, doc_ids)
@@ -344,24 +343,24 @@ def test_window_on_every_path(pe):
 def test_fire_depends_on_the_query_position_and_t5_fox_do_not_on_a_shift():
     """FIRE's bias changes when both positions move by the same amount (past its threshold L); T5's does not."""
     head = torch.arange(4).view(4, 1, 1)
-    fire = make_model(pe="fire", n_layer=1).priors[0]
+    fire = tiny_model(pe="fire", n_layer=1).priors[0]
     with torch.no_grad():
         fire.log_threshold.fill_(math.log(4.0))
     i, j = torch.tensor([[10.0]]), torch.tensor([[3.0]])
     near = fire_bias(i - j, head, (i,), (j,), *fire.tensors())
     far = fire_bias(i - j, head, (i + 50,), (j + 50,), *fire.tensors())
     assert (near - far).abs().max() > 1e-3
-    t5 = make_model(pe="t5", n_layer=1).priors[0]
+    t5 = tiny_model(pe="t5", n_layer=1).priors[0]
     assert torch.equal(t5_bias(i - j, head, *t5.tensors()), t5_bias((i + 50) - (j + 50), head, *t5.tensors()))
 
 
 def test_rival_configs_build_and_their_parameters_train_in_the_prior_group():
     for pe in RIVALS:
-        model = Transformer(tiny(pe))
+        model = Transformer(tiny_config(pe))
         prior_ids = {id(p) for p in model.prior_parameters()}
         assert prior_ids and all(id(p) in prior_ids for prior in model.priors for p in prior.parameters())
         assert type(model.priors[0]).family == "learnable-bias rivals"
-    assert len(Transformer(tiny("t5", n_layer=3)).priors) == 1  # T5 shares one table across layers
+    assert len(Transformer(tiny_config("t5", n_layer=3)).priors) == 1  # T5 shares one table across layers
     with pytest.raises(ValueError, match="t5_num_buckets"):
         ModelConfig(pe="t5", t5_num_buckets=31)
     with pytest.raises(ValueError, match="fire_init_c"):
@@ -383,7 +382,7 @@ def test_eval_priors_shows_each_rivals_curves_and_foxs_gates(tmp_path):
     write_shard(str(data_dir / "demo_val_000000.bin"), np.random.default_rng(0).integers(0, VOCAB, 2000))
     options = EvalOptions(progress=False, verbose=False, out=str(tmp_path / "out"))
     for pe in RIVALS:
-        model = make_model(pe=pe, n_layer=2).eval()
+        model = tiny_model(pe=pe, n_layer=2).eval()
         if pe == "fox":  # layer 1's gates made constant: f = sigmoid(b_h), memory = -1 / log sigmoid(b_h)
             with torch.no_grad():
                 model.priors[1].gate.weight.zero_()
@@ -409,16 +408,6 @@ def test_eval_priors_shows_each_rivals_curves_and_foxs_gates(tmp_path):
                     assert h["bias_at"]["100"] == pytest.approx(float(expected[h["head"]]), rel=1e-4, abs=1e-5)
 
 
-def test_every_encoding_names_the_family_the_report_groups_it_by():
-    from model import ENCODINGS
-
-    expected = {"nope": "baselines", "sinusoidal": "baselines", "rope": "RoPE", "alibi": "fixed and kernel priors",
-                "kerple_log": "fixed and kernel priors", "kerple_power": "fixed and kernel priors", "bam": "BAM",
-                "t5": "learnable-bias rivals", "fire": "learnable-bias rivals", "fox": "learnable-bias rivals"}
-    assert {name: enc.family for name, enc in ENCODINGS.items()} == expected
-    assert [name for name, enc in ENCODINGS.items() if not getattr(enc, "DISTANCE_ONLY", True)] == ["fire", "fox"]
-
-
 @pytest.mark.slow
 def test_fox_ssmax_on_flex_compiles_for_a_sweep_of_batch_and_length_on_cpu():
     """An evaluation sweep calls flex at shapes that change batch and length together (passkey: a few prompts
@@ -427,7 +416,7 @@ def test_fox_ssmax_on_flex_compiles_for_a_sweep_of_batch_and_length_on_cpu():
     `cur_qSplitSize2`; the 5-digit grid's passkey at 8K tokens): on a CPU that kernel is compiled per shape
     (model._make_flex_kernel). These two shapes, batch 2 then 1, fail to compile without it; 4 x 1,024 then
     2 x 2,048 compiled either way. Flex must also agree with sdpa at both."""
-    model = make_model(pe="fox", ssmax=True, n_layer=1, n_head=6, n_embd=96, block_size=128).eval()
+    model = tiny_model(pe="fox", ssmax=True, n_layer=1, n_head=6, n_embd=96, block_size=128).eval()
     torch.manual_seed(1)
     with torch.no_grad():
         for B, T in [(2, 128), (1, 256)]:
