@@ -36,6 +36,7 @@ import ast
 import codecs
 import collections
 import contextlib
+import gc
 import glob
 import hashlib
 import html.parser
@@ -369,19 +370,27 @@ def parallel_map(fn, items, workers: int, chunk_size: int = CHUNK_DOCS, chunk_ch
     context = multiprocessing.get_context()
     processes, to_workers, from_workers = [], [], []
     try:
-        for _ in range(workers):
-            tasks, to_worker = context.Pipe(duplex=False)
-            from_worker, results = context.Pipe(duplex=False)
-            to_workers.append(to_worker)
-            from_workers.append(from_worker)
-            process = context.Process(target=_worker, args=(fn, tasks, results, to_workers + from_workers),
-                                      daemon=True)
-            try:
-                process.start()
-                processes.append(process)
-            finally:
-                tasks.close()
-                results.close()
+        # The garbage a worker inherits by fork is this process's to finalize, not the worker's: freed there,
+        # a process group an earlier caller left (a DDP model in a reference cycle) waited in its destructor
+        # for threads the worker does not have, for ever, and a buffered file would be written twice. Frozen
+        # objects are out of the collector's reach, in the workers too.
+        gc.freeze()
+        try:
+            for _ in range(workers):
+                tasks, to_worker = context.Pipe(duplex=False)
+                from_worker, results = context.Pipe(duplex=False)
+                to_workers.append(to_worker)
+                from_workers.append(from_worker)
+                process = context.Process(target=_worker, args=(fn, tasks, results, to_workers + from_workers),
+                                          daemon=True)
+                try:
+                    process.start()
+                    processes.append(process)
+                finally:
+                    tasks.close()
+                    results.close()
+        finally:
+            gc.unfreeze()
 
         def send(worker, chunk):
             try:

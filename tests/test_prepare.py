@@ -485,6 +485,37 @@ def test_parallel_map_ends_its_workers_however_it_stops(tmp_path):
     assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-3000:]
 
 
+LEFTOVER_CASE = """
+import gc, os, sys
+import prepare_fineweb as p
+
+class Leftover:  # garbage the caller left, as a DDP model in a reference cycle holds its process group
+    def __del__(self):
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+
+def collect(item):  # what a worker's allocations do sooner or later
+    gc.collect()
+    return item
+
+gc.disable()  # the leftover stays garbage until the workers have started and collected
+leftover = Leftover()
+leftover.cycle = leftover
+del leftover
+assert list(p.parallel_map(collect, list(range(8)), 2, chunk_size=1)) == list(range(8))
+gc.collect()
+print(open(sys.argv[1]).read().split() == [str(os.getpid())])
+"""
+
+
+def test_workers_leave_the_garbage_they_inherit_to_the_main_process(tmp_path):
+    """A worker is a fork of the main process; garbage collected there would be finalized there: a gloo process
+    group left in a reference cycle by an earlier test hung a worker for ever in its destructor (pytest-xdist,
+    torch 2.15), waiting for threads only the main process has."""
+    proc = run_python(f"import sys; sys.path.insert(0, {ROOT!r})\n" + LEFTOVER_CASE, str(tmp_path / "finalized"))
+    assert proc.returncode == 0 and proc.stdout == "True\n", proc.stdout + proc.stderr[-3000:]
+
+
 def worker_pids(pid):
     """The child processes of `pid` (its workers)."""
     with open(f"/proc/{pid}/task/{pid}/children") as f:
