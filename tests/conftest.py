@@ -52,6 +52,18 @@ from torch._dynamo.utils import counters
 import model
 from bam import data, tokenizer
 
+# pytest-xdist's workers are started by the main process after it has loaded this file, and would inherit the
+# emptied variable: the machine's value travels to them in MACHINE_DEVICES ("<pid of the main process>:<value>",
+# so that a pytest a test starts records its own) and is put back before they ask CUDA.
+MACHINE_DEVICES, UNSET = "BAM_TESTS_MACHINE_CUDA_VISIBLE_DEVICES", "<unset>"
+pid, _, machine = os.environ.get(MACHINE_DEVICES, "").partition(":")
+if os.environ.get("PYTEST_XDIST_WORKER") and pid == str(os.getppid()):  # a worker of the pytest that wrote it
+    if machine == UNSET:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = machine
+else:
+    os.environ[MACHINE_DEVICES] = f"{os.getpid()}:{os.environ.get('CUDA_VISIBLE_DEVICES', UNSET)}"
 # Asked before CUDA_VISIBLE_DEVICES is emptied below: the CUDA runtime reads the variable when it first counts
 # the devices, so this process keeps the GPUs it has.
 CUDA_PRESENT = torch.cuda.is_available()

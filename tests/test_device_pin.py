@@ -59,7 +59,7 @@ def test_precision_is_back_after_a_gpu_test():
 """
 
 
-def run_probe(tmp_path, pretend_gpu):
+def run_probe(tmp_path, pretend_gpu, workers="auto"):
     for name in ("conftest.py", "pytest.ini"):
         shutil.copy(os.path.join(ROOT, "tests" if name == "conftest.py" else "", name), tmp_path / name)
     (tmp_path / "pretend_gpu.py").write_text(PRETEND_GPU)
@@ -68,13 +68,16 @@ def run_probe(tmp_path, pretend_gpu):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": "0" if pretend_gpu else ""}
     args = ["-p", "pretend_gpu"] if pretend_gpu else []
-    return subprocess.run([sys.executable, "-m", "pytest", *args, "--strict-markers", "-rs",
+    # workers: pytest.ini's pytest-xdist workers, which the main process starts after loading conftest.py
+    # (the machine's CUDA_VISIBLE_DEVICES must reach them), or "0", the tests in the main process
+    return subprocess.run([sys.executable, "-m", "pytest", *args, "-n", workers, "--strict-markers", "-rs",
                            "-p", "no:cacheprovider", "test_probe.py"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_on_a_gpu_machine_only_marked_tests_see_the_gpu(tmp_path):
-    done = run_probe(tmp_path, pretend_gpu=True)
+@pytest.mark.parametrize("workers", ["auto", "0"])
+def test_on_a_gpu_machine_only_marked_tests_see_the_gpu(tmp_path, workers):
+    done = run_probe(tmp_path, pretend_gpu=True, workers=workers)
     assert done.returncode == 0 and "3 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
