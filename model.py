@@ -1873,7 +1873,7 @@ ATTENTION.update(eager=eager_attention, sdpa=sdpa_attention)
 # the BlockMasks (written down directly, the causal ones kept in a small cache), and the compiled
 # kernels, one per variant (built outside any trace by build_flex_kernels, where dynamo's recompile
 # budget is raised). The CPU workarounds of torch 2.11 to 2.15 live here too (static shapes for the
-# kernels that gather per-query tensors, sequences padded to whole blocks).
+# kernels that read a tensor, sequences padded to whole blocks).
 
 
 # Prior tables for flex (ModelConfig.flex_prior = "table"). A prior that depends on the head and i -
@@ -2130,16 +2130,16 @@ def window_block_mask(T, window, device, block=128):
 
 # The key of the compiled kernel that serves a layer: `prior` its score_mod's bias function
 # (table_bias for a prior read from its distance_table, a prior's kernel form, or None), `ssmax`,
-# `static_shapes` (the CPU's workaround for a score_mod that gathers per-query tensors,
-# _make_flex_kernel), and `sink`, None or sink_form's "lse" (the kernel also returns its
-# log-sum-exp) or "key" (the sink is a key).
+# `static_shapes` (the CPU's workaround for a score_mod that reads a tensor, _make_flex_kernel),
+# and `sink`, None or sink_form's "lse" (the kernel also returns its log-sum-exp) or "key" (the
+# sink is a key).
 FlexKernelKey = namedtuple("FlexKernelKey", "prior ssmax static_shapes sink")
 
 
 def flex_kernel_key(bias_fn, use_ssmax, has_features, cpu, sink=None):
     """The FlexKernelKey of a layer whose score_mod reads its prior through `bias_fn`."""
-    gathers = bias_fn is table_bias or use_ssmax or has_features or sink is not None
-    return FlexKernelKey(bias_fn, use_ssmax, cpu and gathers, sink)
+    reads_tensors = bias_fn is not None or use_ssmax or has_features or sink is not None
+    return FlexKernelKey(bias_fn, use_ssmax, cpu and reads_tensors, sink)
 
 
 def build_flex_kernels(model):
@@ -2194,11 +2194,13 @@ def _make_flex_kernel(bias_fn, use_ssmax, static_shapes, sink=None):
     SSMax's table are arguments, not captured from a module, so every layer (and every model of that
     variant) reuses one compiled kernel instead of recompiling per layer, and gradients flow to them
     as to q, k and v; each variant also gets its own recompile budget. `static_shapes` (the CPU, for
-    a score_mod that gathers per-query tensors or from a table): inductor's C++ flex template (torch
-    2.11 to 2.15) fails to compile these once dynamo has made the batch and length dynamic (an
-    undeclared `cur_qSplitSize2` for FoX + SSMax's gates and SSMax's table by query,
-    `cur_kvSplitSize` for a distance table's gather under a document-and-window mask), so on a CPU
-    each shape gets its own.
+    a score_mod that reads any tensor): inductor's C++ flex template (torch 2.11 to 2.15) fails to
+    compile these once dynamo has made a size dynamic (an undeclared `cur_qSplitSize2` for FoX +
+    SSMax's gates and SSMax's table by query after the batch and length, `cur_kvSplitSize` for a
+    distance table's gather under a document-and-window mask, `cur_qSplitSize5` for ALiBi's slopes
+    once a model of another head count, or on torch 2.11 another variant, ran the kernel: the
+    variants share this function's code, and with it dynamo's record of the sizes it has seen), so
+    on a CPU each shape gets its own.
     `sink`: "lse" returns (output, log-sum-exp), "key" scores the sink's key."""
 
     def kernel(q, k, v, block_mask, prior_tensors, features, factor_table, sink_table=None):

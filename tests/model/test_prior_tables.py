@@ -56,6 +56,22 @@ def test_flex_table_equals_formula_forward(ssmax):
             torch.testing.assert_close(table, reference, atol=1e-5, rtol=1e-5, msg=lambda m: (
                 f"{pe} ssmax={ssmax} kv={n_kv_head} T={T} docs={docs} window={window}: {m}"))
 
+@pytest.mark.slow
+def test_a_formula_kernel_serves_models_of_another_head_count_on_cpu():
+    """Every ALiBi model on flex shares one compiled formula kernel, whose score_mod reads the slopes by head.
+    Inductor's C++ flex template (torch 2.11 to 2.15) failed to compile it once a model of another head count had
+    made their size dynamic (`cur_qSplitSize5`), so on a CPU a kernel that reads a tensor has static shapes
+    (model.flex_kernel_key)."""
+    for n_head in (4, 6):
+        model = tiny_model(pe="alibi", n_head=n_head, n_embd=8 * n_head)
+        idx, doc_ids = batch()
+        flex = logits(model, "formula", idx, doc_ids, 0)
+        model.config.attn_impl = "eager"
+        with torch.no_grad():
+            reference = model(idx, doc_ids=doc_ids)[0]
+        torch.testing.assert_close(flex, reference, atol=1e-5, rtol=1e-5, msg=lambda m: f"{n_head} heads: {m}")
+
+
 def dense_case(pe, ssmax, T=29, H=4):
     """What a dense path needs to score one batch with documents: positions, mask, log n, prior, SSMax."""
     cfg = ModelConfig(n_head=H, n_embd=8 * H, pe=pe, ssmax=ssmax, bam_train_loc=True)
