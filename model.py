@@ -2193,14 +2193,14 @@ def _make_flex_kernel(bias_fn, use_ssmax, static_shapes, sink=None):
     """One compiled FlexAttention per FlexKernelKey. The prior's tensors, its token features and
     SSMax's table are arguments, not captured from a module, so every layer (and every model of that
     variant) reuses one compiled kernel instead of recompiling per layer, and gradients flow to them
-    as to q, k and v; each variant also gets its own recompile budget. `static_shapes` (the CPU, for
-    a score_mod that reads any tensor): inductor's C++ flex template (torch 2.11 to 2.15) fails to
-    compile these once dynamo has made a size dynamic (an undeclared `cur_qSplitSize2` for FoX +
-    SSMax's gates and SSMax's table by query after the batch and length, `cur_kvSplitSize` for a
-    distance table's gather under a document-and-window mask, `cur_qSplitSize5` for ALiBi's slopes
-    once a model of another head count, or on torch 2.11 another variant, ran the kernel: the
-    variants share this function's code, and with it dynamo's record of the sizes it has seen), so
-    on a CPU each shape gets its own.
+    as to q, k and v; the variants share this function's code, and so one recompile budget (which
+    flex_kernel raises). `static_shapes` (the CPU, for a score_mod that reads any tensor):
+    inductor's C++ flex template (torch 2.11 to 2.15) fails to compile these once dynamo has made a
+    size dynamic (an undeclared `cur_qSplitSize2` for FoX + SSMax's gates and SSMax's table by query
+    after the batch and length, `cur_kvSplitSize` for a distance table's gather under a
+    document-and-window mask, `cur_qSplitSize5` for ALiBi's slopes once a model of another head
+    count, or on torch 2.11 another variant, ran the kernel: dynamo's record of the sizes seen is
+    the code's too), so on a CPU each shape gets its own.
     `sink`: "lse" returns (output, log-sum-exp), "key" scores the sink's key."""
 
     def kernel(q, k, v, block_mask, prior_tensors, features, factor_table, sink_table=None):
