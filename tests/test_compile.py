@@ -13,7 +13,7 @@ from bam import parallel
 from bam.config import TrainConfig
 from flex_on_cpu import flex_backward_as_inductor_lowers_it, take_flex
 from model import Transformer, check_doc_ids
-from tiny_models import VOCAB, tiny_config
+from tiny_models import VOCAB, assert_grads_equal, tiny_config
 
 pytestmark = pytest.mark.slow  # every test compiles (dynamo's explain, torch.compile, flex kernels)
 
@@ -267,9 +267,7 @@ def test_checkpointed_per_block_compiled_flex_trains_as_eager_does(fresh_dynamo,
         loss_and_grads(reference, x, y, doc_ids)
     assert counter.frame_count == len(set(model.config.layer_kinds))
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-    assert grads.keys() == expected_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_grads_equal(grads, expected_grads)
 
 
 @needs_counter

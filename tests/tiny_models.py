@@ -59,6 +59,23 @@ def logits_with(model, impl, idx, doc_ids=None, **kw):
     return model(idx, doc_ids=doc_ids, **kw)[0]
 
 
+def logits_and_grads(model, impl, idx, doc_ids):
+    """The logits and every parameter's gradient of one training forward and backward on `impl`."""
+    model.zero_grad(set_to_none=True)
+    model.config.attn_impl = impl
+    logits, loss = model(idx, targets=idx, doc_ids=doc_ids)
+    loss.backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_equal(grads, expected):
+    """Two paths' gradients by parameter name: the same parameters, each within the tolerance every path
+    comparison of the model's tests uses (fp32 on a CPU)."""
+    assert grads.keys() == expected.keys(), sorted(set(grads) ^ set(expected))
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def generated_equals_recomputed(model, new_tokens=12):
     """Greedy generation with the KV cache from a (2, 10) prompt, asserted equal to recomputing the whole
     sequence at every step; returns that sequence."""

@@ -17,7 +17,7 @@ import torch
 import model as model_module
 from model import ENCODINGS, FLEX_PRIORS, AdditivePrior, Transformer
 from flex_on_cpu import private_apis, take_flex, trace_flex_as_a_gpu
-from tiny_models import batch, tiny_config
+from tiny_models import assert_grads_equal, batch, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -58,9 +58,7 @@ def test_every_encodings_flex_backward_passes_inductors_check_and_equals_sdpa(pe
     assert checked  # a flex backward was traced and checked (the layers share one compiled kernel)
     expected_loss, expected = loss_and_grads(reference, idx, doc_ids)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == expected.keys(), set(grads) ^ set(expected)
-    for name in grads:
-        torch.testing.assert_close(grads[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_grads_equal(grads, expected)
 
 
 @pytest.mark.parametrize("pe", [name for name, encoding in ENCODINGS.items() if issubclass(encoding, AdditivePrior)])
