@@ -56,7 +56,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bam import outputs
-from bam.cli import Parser, UserError, describe_os_error, os_reason, user_errors
+from bam.cli import Parser, UserError, describe_os_error, os_reason, usable_cores, user_errors
 from bam.data import MANIFEST, SHARD_FORMATS, ShardError, shard_num_tokens, shard_version, write_shard
 from bam.outputs import check_writable, write_bytes
 from bam.ranges import number
@@ -751,7 +751,7 @@ def parse_args(argv=None):
         print(f"warning: --shard_size {args.shard_size} is not a multiple of --retrieval_length "
               f"{args.retrieval_length}, so documents will not line up with training rows", file=sys.stderr)
     if args.workers is None:
-        args.workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        args.workers = usable_cores()
     return args
 
 

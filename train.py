@@ -123,8 +123,8 @@ def build_run(args, overrides, procs, held):
     init_distributed(procs, cfg.train.parallel)
     accum_steps = t.tokens_per_step // (cfg.data.batch_size * cfg.model.block_size * procs.world_size)
     run = TrainingRun(cfg, procs, bf16, accum_steps, train_loader, val_loader, val_batches,
-              *build_model(cfg, procs, bf16, ckpt, init_weights),
-              peak_flops=peak_flops(device, bf16, cfg.log.peak_tflops))
+                      *build_model(cfg, procs, bf16, ckpt, init_weights),
+                      peak_flops=peak_flops(device, bf16, cfg.log.peak_tflops))
     if ckpt:
         restore(run, path, ckpt)
     run.model = wrap(run.raw_model, t, procs)

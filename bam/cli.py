@@ -47,6 +47,12 @@ OS_REASONS = {
 }
 
 
+def usable_cores():
+    """The cores this process may run on (its affinity, which a container or taskset narrows), else the
+    machine's count: what a command's default number of workers or threads is divided from."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def os_reason(e):
     """Why an OSError happened, in words (no errno number, no path)."""
     if e.errno in (errno.ENOTDIR, errno.EEXIST) and e.filename is not None:

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 import prepare_fineweb
-from bam.cli import Parser
+from bam.cli import Parser, usable_cores
 from bam.data import ShardLoader, write_shard
 from bam.outputs import write_bytes
 from bam.ranges import number
@@ -80,13 +80,13 @@ def bench_loader(data_dir, batch_size, seq_len, batches):
 
 def main():
     parser = Parser(prog="python -m bench.data_bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=number(int, ">= 1, <= 1024"), default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--workers", type=number(int, ">= 1, <= 1024"), default=usable_cores())
     parser.add_argument("--repeats", type=number(int, ">= 1, <= 1000"), default=3)
     parser.add_argument("--copies", type=number(int, ">= 1, <= 1000"), default=8,
                         help="the demo corpus repeated this many times, so the pool has enough work")
     args = parser.parse_args()
     load_tokenizer("gpt2")
-    print(f"machine: {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores "
+    print(f"machine: {platform.processor() or platform.machine()}, {usable_cores()} cores "
           f"usable, python {platform.python_version()}")
     with tempfile.TemporaryDirectory() as tmp:
         import datasets.config

@@ -51,6 +51,7 @@ from torch._dynamo.utils import counters
 
 import model
 from bam import data, tokenizer
+from bam.cli import usable_cores
 
 # pytest-xdist's workers are started by the main process after it has loaded this file, and would inherit the
 # emptied variable: the machine's value travels to them in MACHINE_DEVICES ("<pid of the main process>:<value>",
@@ -73,8 +74,7 @@ GPT2_RANKS = tokenizer.gpt2_tiktoken_cache_path()
 os.environ["BAM_GPT2_TIKTOKEN"] = GPT2_RANKS
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
-    CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    THREADS = max(1, CORES // WORKERS)
+    THREADS = max(1, usable_cores() // WORKERS)
     os.environ["OMP_NUM_THREADS"] = str(THREADS)  # the processes a test starts (train.py, torchrun's ranks)
     torch.set_num_threads(THREADS)
 

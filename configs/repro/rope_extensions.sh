@@ -40,7 +40,7 @@ rope_runs=("$OUT"/rope_seed*/)
 (( ! FINE_TUNE )) || [[ -d $FT_FROM ]] || { echo "error: FT_FROM=$FT_FROM is not a run directory" >&2; exit 1; }
 
 source configs/repro/passkey.sh  # grid_passkey: eval.passkey at the grid's settings, kept when complete
-CORES=$(python -c "import os; print(len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count())")
+CORES=$(python -c "from bam.cli import usable_cores; print(usable_cores())")
 THREADS=$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))
 
 evaluate() {  # DIR METHOD: the run's passkey evaluation with the method, RUN/eval/passkey_<method>.json

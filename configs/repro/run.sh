@@ -33,7 +33,7 @@ INIT_FROM=${INIT_FROM:-}            # train.init_from of every run, {seed} its s
 for run in $RUNS; do  # every name checked before any work starts
   [[ -f configs/repro/${run%@*}.toml ]] || { echo "error: no configs/repro/${run%@*}.toml (a name in RUNS)" >&2; exit 1; }
 done
-CORES=$(python -c "import os; print(len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count())")
+CORES=$(python -c "from bam.cli import usable_cores; print(usable_cores())")
 THREADS=$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))
 
 # Documents of exactly 128 tokens, so every training row is one whole document. 4M tokens are more
