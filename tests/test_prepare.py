@@ -535,10 +535,35 @@ needs_proc = pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{o
                                 reason="finds the worker processes through Linux's /proc")
 
 
+# The CLI whose workers stop working (for ever) after their first 10 documents each: the run is still
+# going when a test kills or signals it, however fast the machine tokenizes the rest (with the real tokenizer a
+# loaded machine could let the run finish between the test's seeing two shards and its signal). The first 2 x 10
+# documents are ~160,000 tokens, 8 shards of 20,000.
+HELD_TOKENIZER = f"""
+import sys, time
+sys.path.insert(0, {ROOT!r})
+import prepare_fineweb
+
+real_tokenize = prepare_fineweb.tokenize
+done = 0
+
+def tokenize(text):
+    global done
+    done += 1
+    while done > 10:  # each forked worker counts its own
+        time.sleep(1)
+    return real_tokenize(text)
+
+prepare_fineweb.tokenize = tokenize  # the workers are forked after this: they run it too
+prepare_fineweb.main(sys.argv[1:])
+"""
+
+
 def start_and_wait_for_shards(argv, out, stderr, shards=2, **popen):
-    """The CLI started in a subprocess (its stderr to the file `stderr`), once it has finished `shards` shards."""
+    """The CLI started in a subprocess (its stderr to the file `stderr`), its workers held after their first
+    documents (HELD_TOKENIZER), once it has finished `shards` shards."""
     with open(stderr, "w") as f:
-        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare_fineweb.py"), *argv], cwd=out.parent,
+        proc = subprocess.Popen([sys.executable, "-c", HELD_TOKENIZER, *argv], cwd=out.parent,
                                 stdout=subprocess.DEVNULL, stderr=f, **popen)
     deadline = time.time() + SUBPROCESS_TIMEOUT
     while proc.poll() is None and time.time() < deadline:
