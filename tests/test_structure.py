@@ -219,6 +219,16 @@ def test_a_shared_test_helpers_header_names_every_file_that_uses_it(helper):
         f"{sorted(users - named)}"
 
 
+def test_the_longest_files_that_conftest_hands_out_first_are_test_files():
+    """tests/conftest.py's LONGEST_FILES orders the run; a renamed file would drop out of it silently. (Read from
+    its source: importing conftest.py a second time would run its set-up again.)"""
+    tree = ast.parse(open(os.path.join(ROOT, "tests", "conftest.py"), encoding="utf-8").read())
+    LONGEST_FILES = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                         and [ast.unparse(target) for target in node.targets] == ["LONGEST_FILES"])
+    missing = [name for name in LONGEST_FILES if not os.path.isfile(os.path.join(ROOT, "tests", name))]
+    assert not missing and len(set(LONGEST_FILES)) == len(LONGEST_FILES), missing
+
+
 def test_one_module_renames_files_into_place():
     """os.replace / os.rename (and the folder exchange) happen in bam/outputs.py only, the one writer."""
     renamers = []
