@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # DroPE on the 5-digit grid (docs/repro.md, "DroPE: RoPE dropped after pretraining"): RoPE runs trained as the
 # grid's are, recalibrated without RoPE (configs/repro/drope_*.toml: NoPE, NoPE + SSMax, BAM + SSMax at the ALiBi
-# init, and with its prior at 10x lr), each against RoPE + YaRN on the same RoPE runs and against the same
-# encoding trained from scratch for the same total steps (2,000 + 200).
+# init, with its prior at 10x lr, and with its prior started flat), each against RoPE + YaRN on the same RoPE runs
+# and against the same encoding trained from scratch for the same total steps (2,000 + 200).
 #
 #   bash configs/repro/drope.sh                          # everything; ~15 min per long run, ~3 per recalibration
 #   SEEDS=1 TARGETS=drope_nope SCRATCH=nope bash configs/repro/drope.sh     # a part of it
@@ -21,7 +21,7 @@ RESULTS=${RESULTS:-docs/repro/runs5_drope}
 REPORT=${REPORT:-docs/repro/report5_drope.md}
 SEEDS=${SEEDS:-"1 2"}
 PRETRAIN=2000                         # the grid's budget, which the RoPE runs train
-TARGETS=${TARGETS:-"drope_nope drope_nope_ssmax drope_bam_ssmax drope_bam_ssmax_prior_lr"}
+TARGETS=${TARGETS:-"drope_nope drope_nope_ssmax drope_bam_ssmax drope_bam_ssmax_prior_lr drope_bam_ssmax_uniform"}
 SCRATCH=${SCRATCH:-"nope nope_ssmax bam_ssmax"}   # configs/repro/<name>.toml from scratch at the same total steps
 export JOBS=${JOBS:-2}
 source configs/repro/passkey.sh
@@ -71,6 +71,7 @@ declare -A results_of=(  # each variant name below -> the glob of its results
   ["nope + ssmax, DroPE"]="$RESULTS/drope_nope_ssmax_seed*/eval/passkey.json"
   ["bam + ssmax, DroPE"]="$RESULTS/drope_bam_ssmax_seed*/eval/passkey.json"
   ["bam + ssmax, prior lr x10, DroPE"]="$RESULTS/drope_bam_ssmax_prior_lr_seed*/eval/passkey.json"
+  ["bam + ssmax, init uniform, DroPE"]="$RESULTS/drope_bam_ssmax_uniform_seed*/eval/passkey.json"
   ["nope, $steps"]="$scratch_dir/nope_seed*/eval/passkey.json"
   ["nope + ssmax, $steps"]="$scratch_dir/nope_ssmax_seed*/eval/passkey.json"
   ["bam + ssmax, $steps"]="$scratch_dir/bam_ssmax_seed*/eval/passkey.json")
@@ -80,7 +81,9 @@ pairs=("nope, DroPE" "rope + YaRN auto" "nope, DroPE" "nope, $steps" "nope, DroP
        "bam + ssmax, DroPE" "rope + YaRN auto" "bam + ssmax, DroPE" "bam + ssmax, $steps"
        "bam + ssmax, DroPE" "nope + ssmax, DroPE"
        "bam + ssmax, prior lr x10, DroPE" "rope + YaRN auto" "bam + ssmax, prior lr x10, DroPE" "bam + ssmax, $steps"
-       "bam + ssmax, prior lr x10, DroPE" "bam + ssmax, DroPE")
+       "bam + ssmax, prior lr x10, DroPE" "bam + ssmax, DroPE"
+       "bam + ssmax, init uniform, DroPE" "rope + YaRN auto" "bam + ssmax, init uniform, DroPE" "bam + ssmax, $steps"
+       "bam + ssmax, init uniform, DroPE" "nope + ssmax, DroPE" "bam + ssmax, init uniform, DroPE" "bam + ssmax, DroPE")
 compare=()
 for (( i = 0; i < ${#pairs[@]}; i += 2 )); do
   has ${results_of[${pairs[i]}]} && has ${results_of[${pairs[i + 1]}]} \
