@@ -158,6 +158,33 @@ def test_grid5_reports_the_kept_grid_with_every_comparison_of_the_committed_repo
     assert len(made) > 40 and made == comparisons(open(os.path.join(ROOT, "docs", "repro", "report5.md")).read())
 
 
+def test_drope_reports_the_kept_results_with_every_comparison_of_the_committed_report(tmp_path):
+    # drope.sh on a copy of its kept results, asked for exactly the runs kept there: nothing trains (the RoPE
+    # runs' checkpoints are not in git), and the report has the committed report's comparisons, each pair of
+    # variant names resolved by eval.report
+    kept = os.path.join(ROOT, "docs", "repro", "runs5_drope")
+    results = tmp_path / "results"
+    shutil.copytree(kept, results)
+
+    def names(folder):  # the configs of the runs kept in folder
+        return " ".join(sorted({n.rsplit("_seed", 1)[0] for n in os.listdir(folder) if "_seed" in n}))
+
+    scratch = [n for n in os.listdir(kept) if n.startswith("scratch_")]
+    env = dict(os.environ, RESULTS=str(results), REPORT=str(tmp_path / "report.md"), SRC=str(tmp_path / "src"),
+               OUT=str(tmp_path / "out"), TARGETS=" ".join(n for n in names(kept).split() if n.startswith("drope_")),
+               SCRATCH=names(os.path.join(kept, scratch[0])) if scratch else " ")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "configs", "repro", "drope.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (tmp_path / "src").exists() and not (tmp_path / "out").exists()  # nothing trained
+
+    def comparisons(text):
+        return [line for line in text.splitlines() if "** against **" in line]
+
+    made = comparisons((tmp_path / "report.md").read_text())
+    assert len(made) >= 8 and made == comparisons(open(os.path.join(ROOT, "docs", "repro", "report5_drope.md")).read())
+
+
 def test_grid5_at_another_budget_keeps_its_runs_apart_and_reports_them_beside_the_grids(tmp_path):
     # STEPS=10000 (the paper's budget): its own runs, results and report, the grid's 2,000-step runs of the same
     # variants beside them in that report, each variant named by its budget.
