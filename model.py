@@ -1176,6 +1176,7 @@ class BAMPrior(AdditivePrior):
     bias_fn = staticmethod(ggd_bias)
     METRICS_PREFIX = "bam"
     INITS = ("alibi", "uniform", "constant", "sampled", "linear")  # ModelConfig.bam_init
+    INIT_KEYS = ("bam_init", "bam_init_shape", "bam_init_log_scale")  # where the prior starts, nothing more
     # The shape is any finite number: b <= 0 is the paper's retrieval head and b = 0 NoPE
     # (docs/paper.md §2), and the paper puts no clamp on b
     RANGES = {"bam_init_shape": "", "bam_init_log_scale": ">= -30, <= 30"}

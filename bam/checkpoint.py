@@ -52,7 +52,8 @@ import torch
 
 from bam import outputs
 from bam.cli import Parser, UserError, WriteError, run_cli
-from bam.config import PARAMETER_ADDING_MODEL_KEYS, SHAPE_FREE_MODEL_KEYS, checkpoint_differences, upgrade
+from bam.config import (INITIALISATION_MODEL_KEYS, PARAMETER_ADDING_MODEL_KEYS, SHAPE_FREE_MODEL_KEYS,
+                        checkpoint_differences, upgrade)
 from bam.tokenizer import GPT2, GPT2_IDENTITY, TokenizerIdentity, tokenizer_identity
 from model import ModelConfig, Transformer
 
@@ -531,7 +532,8 @@ def load_init_weights(cfg, master):
     with checkpoints of its own resumes from them (recovery.load_resume_state), whatever init_from says.
     Model settings may differ from the checkpoint's where no parameter changes shape, and in
     PARAMETER_ADDING_MODEL_KEYS where that only adds parameters (SSMax's scales, a prior's), which then start
-    from this config's initialisation (train.py's build_model) and are named in one line."""
+    from this config's initialisation (train.py's build_model; INITIALISATION_MODEL_KEYS, which may always change,
+    say where) and are named in one line."""
     source = cfg.train.init_from
     if not source:
         return None
@@ -541,7 +543,7 @@ def load_init_weights(cfg, master):
         raise UserError(f"train.init_from = {source!r}: no usable checkpoint there ({e})") from None
     check_checkpoint_tokenizer(ckpt, cfg, f"train.init_from = {source!r}")
     saved, current = {"model": ckpt["model_config"]}, {"model": dataclasses.asdict(cfg.model)}
-    allowed = SHAPE_FREE_MODEL_KEYS + PARAMETER_ADDING_MODEL_KEYS
+    allowed = SHAPE_FREE_MODEL_KEYS + PARAMETER_ADDING_MODEL_KEYS + INITIALISATION_MODEL_KEYS
     forbidden, changed = checkpoint_differences(saved, current, {"model": allowed})
     added, lost = added_parameters(cfg.model, ckpt["model"])
     if lost:  # the change would drop or reshape trained parameters: only adding is allowed
@@ -553,7 +555,8 @@ def load_init_weights(cfg, master):
             forbidden.append(f"parameters {', '.join(lost[:3])}")
     if forbidden:
         raise UserError(f"train.init_from = {source!r} has other parameter shapes ({'; '.join(forbidden)}); only "
-                        f"these model settings may change: {', '.join(SHAPE_FREE_MODEL_KEYS)}, and "
+                        f"these model settings may change: {', '.join(SHAPE_FREE_MODEL_KEYS)}, "
+                        f"{', '.join(INITIALISATION_MODEL_KEYS)} (where added parameters start), and "
                         f"{', '.join(PARAMETER_ADDING_MODEL_KEYS)} where that only adds parameters")
     old_pe = ckpt["model_config"].get("pe", cfg.model.pe)
     if old_pe != cfg.model.pe and old_pe != "nope" and not cfg.train.init_change_pe:

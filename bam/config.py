@@ -26,7 +26,7 @@ from typing import Literal
 from bam import ranges
 from bam.cli import os_reason
 from bam.tokenizer import TokenizerError, load_tokenizer
-from model import ModelConfig
+from model import ENCODINGS, ModelConfig
 
 
 class ConfigError(ValueError):
@@ -64,6 +64,11 @@ SHAPE_FREE_MODEL_KEYS = tuple(CHECKPOINT_CHANGES["model"])
 # encoding the weights were trained with also needs train.init_change_pe). Never on resume, never an evaluator's
 # override.
 PARAMETER_ADDING_MODEL_KEYS = ("ssmax", "pe", "qk_norm")
+# Model settings that say only where a parameter starts (an encoding's INIT_KEYS: BAM's bam_init and the constant
+# init's values). train.init_from loads every parameter its checkpoint has, so these decide only the ones it adds
+# (DroPE's recipe with RoPE replaced by BAM, its prior started flat: bam_init = "uniform") and may always change.
+INITIALISATION_MODEL_KEYS = tuple(dict.fromkeys(key for encoding in ENCODINGS.values()
+                                                for key in getattr(encoding, "INIT_KEYS", ())))
 
 def checkpoint_differences(saved, current, allowed):
     """The settings of `current` that differ from `saved` (both as to_dict gives them: a checkpoint's "config"

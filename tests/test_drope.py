@@ -53,6 +53,9 @@ def rope_run(tmp_path_factory, synthetic):
      ["blocks.0.attn.q_norm.weight", "blocks.1.attn.k_norm.weight"]),
     ("bam_ssmax", ["--model.pe=bam", "--model.ssmax=true"], "bam + ssmax",
      ["priors.0.shape", "priors.1.log_scale", "blocks.0.attn.ssmax_scale"]),
+    # the prior started flat (bam.config.INITIALISATION_MODEL_KEYS: where added parameters start)
+    ("bam_ssmax_uniform", ["--model.pe=bam", "--model.ssmax=true", "--model.bam_init=uniform"], "bam + ssmax",
+     ["priors.0.shape", "priors.1.log_scale", "blocks.0.attn.ssmax_scale"]),
 ])
 def test_a_rope_run_is_recalibrated_without_rope_and_evaluated(rope_run, monkeypatch, capsys, name, change,
                                                                 replacement, added):
@@ -78,9 +81,11 @@ def test_a_rope_run_is_recalibrated_without_rope_and_evaluated(rope_run, monkeyp
     assert all(torch.equal(weights[k], v) for k, v in source.items())  # every RoPE-trained tensor carried over
     new = sorted(set(weights) - set(source))
     assert all(k in new for k in added) and (new == []) == (added == [])
-    for k in new:  # SSMax's scales, QK-norm's gains at 1; BAM's prior at ALiBi's init (shape 1)
+    flat = "--model.bam_init=uniform" in change
+    for k in new:  # SSMax's scales, QK-norm's gains at 1; BAM's prior at ALiBi's init (shape 1) or flat (shape 0)
         if k.endswith(("ssmax_scale", "norm.weight", ".shape")):
-            assert torch.equal(weights[k], torch.ones_like(weights[k])), k
+            start = 0.0 if flat and k.endswith(".shape") else 1.0
+            assert torch.equal(weights[k], torch.full_like(weights[k], start)), k
     recalibrated = newest(out)
     assert recalibrated["step"] == 2 and recalibrated["model_config"]["pe"] == change[0].split("=")[1]
     assert passkey.main([out, "--lengths", "64,128", "--samples", "2", "--digits", "2", "--no_progress"]) == 0
