@@ -400,6 +400,15 @@ def parallel_map(fn, items, workers: int, chunk_size: int = CHUNK_DOCS, chunk_ch
 
         def receive(worker):
             try:
+                # Waited for in slices: a signal (Ctrl-C, SIGTERM) goes to one of this process's threads, the
+                # kernel's choice (tqdm's monitor and torch's threads are candidates), and only on this one does it
+                # interrupt a blocked read; on another its handler waits for this thread to run Python again,
+                # which a read blocked on a worker busy with a long document would put off as long as it lasts.
+                # Between slices, the death of another worker than this one: its chunks will never come.
+                while not from_workers[worker].poll(0.1):
+                    dead = next((process for process in processes if not process.is_alive()), None)
+                    if dead is not None:
+                        raise WorkerError(_death(dead))
                 ok, value = from_workers[worker].recv()
             except (EOFError, OSError):  # the worker died, perhaps in the middle of its message
                 raise WorkerError(_death(processes[worker])) from None

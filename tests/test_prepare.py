@@ -537,12 +537,18 @@ needs_proc = pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{o
 
 # The CLI whose workers stop working (for ever) after their first 10 documents each: the run is still
 # going when a test kills or signals it, however fast the machine tokenizes the rest (with the real tokenizer a
-# loaded machine could let the run finish between the test's seeing two shards and its signal). The first 2 x 10
-# documents are ~160,000 tokens, 8 shards of 20,000.
+# loaded machine could let the run finish between the test's seeing two shards and its signal), and the main
+# process waits on a worker that will not answer. The first 2 x 10 documents are ~160,000 tokens, 8 shards.
 HELD_TOKENIZER = f"""
-import sys, time
+import signal, sys, threading, time
 sys.path.insert(0, {ROOT!r})
 import prepare_fineweb
+
+# A signal sent to the process goes to one of its threads, the kernel's choice, and a read the main thread is
+# blocked in is interrupted only if it is that one (tqdm's monitor and torch's threads are candidates): here
+# always another, as the main thread blocks the signals and a thread that does nothing takes them.
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT, signal.SIGTERM}})
 
 real_tokenize = prepare_fineweb.tokenize
 done = 0
@@ -561,14 +567,20 @@ prepare_fineweb.main(sys.argv[1:])
 
 def start_and_wait_for_shards(argv, out, stderr, shards=2, **popen):
     """The CLI started in a subprocess (its stderr to the file `stderr`), its workers held after their first
-    documents (HELD_TOKENIZER), once it has finished `shards` shards."""
+    documents (HELD_TOKENIZER), once it has finished `shards` shards and waits for more."""
     with open(stderr, "w") as f:
         proc = subprocess.Popen([sys.executable, "-c", HELD_TOKENIZER, *argv], cwd=out.parent,
                                 stdout=subprocess.DEVNULL, stderr=f, **popen)
     deadline = time.time() + SUBPROCESS_TIMEOUT
+    seen, since = None, time.time()
     while proc.poll() is None and time.time() < deadline:
         with contextlib.suppress(OSError, ValueError):  # not there yet
-            if len(json.loads((out / "manifest.json").read_text())["shards"]) >= shards:
+            manifest = (out / "manifest.json").read_text()
+            if manifest != seen:
+                seen, since = manifest, time.time()
+            # the main process has written all its held workers gave it (no new shard for a second): it is
+            # waiting on a worker, where a signal must still reach it
+            elif len(json.loads(manifest)["shards"]) >= shards and time.time() - since > 1:
                 return proc
         time.sleep(0.01)
     proc.kill()
