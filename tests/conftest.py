@@ -102,6 +102,13 @@ LONGEST_FILES = ["model/test_attention_paths.py", "test_repro.py", "test_fsdp.py
                  "test_export_hf.py", "model/test_sinks_gates.py", "test_prepare.py", "test_import_hf.py"]
 
 
+def pytest_configure(config):
+    # pytest-xdist 3.8+ hands the files out by their number of tests, most first, unless told not to
+    # (--no-loadscope-reorder, which older versions do not know): the order below is by seconds, not tests.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     """The LONGEST_FILES first (a stable sort: every file keeps its tests' order)."""
     rank = {os.path.join(os.path.dirname(__file__), name): i for i, name in enumerate(LONGEST_FILES)}
