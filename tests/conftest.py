@@ -43,6 +43,11 @@ plain modules beside this file, so no test file imports from another.
 import os
 import subprocess
 
+# datasets binds sys.stderr to its logger when it is first imported: first imported inside a test that captures
+# stderr (capsys: transformers and lm-eval import it lazily), it kept that test's stream, closed when the test
+# ended, and each later warning of datasets in the same worker printed "--- Logging error ---" into another test's
+# output (test_io_errors' torn JSONL after test_import_hf). Imported here, it binds the session's stream.
+import datasets  # noqa: F401
 import numpy as np
 import pytest
 import torch
