@@ -544,6 +544,9 @@ import signal, sys, threading, time
 sys.path.insert(0, {ROOT!r})
 import prepare_fineweb
 
+# Ctrl-C as at a shell prompt: a suite started in the background of a script (`nohup bash scripts/test.sh &`)
+# ignores SIGINT, and so would every process it starts.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 # A signal sent to the process goes to one of its threads, the kernel's choice, and a read the main thread is
 # blocked in is interrupted only if it is that one (tqdm's monitor and torch's threads are candidates): here
 # always another, as the main thread blocks the signals and a thread that does nothing takes them.
