@@ -63,6 +63,15 @@ collect "$OUT/scratch_$TOTAL" "$RESULTS/scratch_$TOTAL"
 shopt -s nullglob
 has() { local found=("$@"); (( ${#found[@]} )); }  # GLOB...: some file matches
 steps=$(python -c "print(f'{$TOTAL:,} steps')")
+grid_dir=${GRID:-docs/repro/runs5}
+scratch_name() {  # CONFIG LABEL: the report's name of CONFIG's runs from scratch. eval.report adds the budget to a
+  # variant's name only where runs of it at another budget are reported too: here the grid's, if it has that config
+  local found=("$grid_dir/$1"_seed*/)
+  if (( ${#found[@]} )); then echo "$2, $steps"; else echo "$2"; fi
+}
+nope_scratch=$(scratch_name nope "nope")
+nope_ssmax_scratch=$(scratch_name nope_ssmax "nope + ssmax")
+bam_ssmax_scratch=$(scratch_name bam_ssmax "bam + ssmax")
 scratch_dir=$RESULTS/scratch_$TOTAL
 declare -A results_of=(  # each variant name below -> the glob of its results
   ["rope"]="$RESULTS/rope_seed*/eval/passkey.json"
@@ -72,17 +81,17 @@ declare -A results_of=(  # each variant name below -> the glob of its results
   ["bam + ssmax, DroPE"]="$RESULTS/drope_bam_ssmax_seed*/eval/passkey.json"
   ["bam + ssmax, prior lr x10, DroPE"]="$RESULTS/drope_bam_ssmax_prior_lr_seed*/eval/passkey.json"
   ["bam + ssmax, init uniform, DroPE"]="$RESULTS/drope_bam_ssmax_uniform_seed*/eval/passkey.json"
-  ["nope, $steps"]="$scratch_dir/nope_seed*/eval/passkey.json"
-  ["nope + ssmax, $steps"]="$scratch_dir/nope_ssmax_seed*/eval/passkey.json"
-  ["bam + ssmax, $steps"]="$scratch_dir/bam_ssmax_seed*/eval/passkey.json")
-pairs=("nope, DroPE" "rope + YaRN auto" "nope, DroPE" "nope, $steps" "nope, DroPE" "rope"
-       "nope + ssmax, DroPE" "rope + YaRN auto" "nope + ssmax, DroPE" "nope + ssmax, $steps"
+  ["$nope_scratch"]="$scratch_dir/nope_seed*/eval/passkey.json"
+  ["$nope_ssmax_scratch"]="$scratch_dir/nope_ssmax_seed*/eval/passkey.json"
+  ["$bam_ssmax_scratch"]="$scratch_dir/bam_ssmax_seed*/eval/passkey.json")
+pairs=("nope, DroPE" "rope + YaRN auto" "nope, DroPE" "$nope_scratch" "nope, DroPE" "rope"
+       "nope + ssmax, DroPE" "rope + YaRN auto" "nope + ssmax, DroPE" "$nope_ssmax_scratch"
        "nope + ssmax, DroPE" "nope, DroPE"
-       "bam + ssmax, DroPE" "rope + YaRN auto" "bam + ssmax, DroPE" "bam + ssmax, $steps"
+       "bam + ssmax, DroPE" "rope + YaRN auto" "bam + ssmax, DroPE" "$bam_ssmax_scratch"
        "bam + ssmax, DroPE" "nope + ssmax, DroPE"
-       "bam + ssmax, prior lr x10, DroPE" "rope + YaRN auto" "bam + ssmax, prior lr x10, DroPE" "bam + ssmax, $steps"
+       "bam + ssmax, prior lr x10, DroPE" "rope + YaRN auto" "bam + ssmax, prior lr x10, DroPE" "$bam_ssmax_scratch"
        "bam + ssmax, prior lr x10, DroPE" "bam + ssmax, DroPE"
-       "bam + ssmax, init uniform, DroPE" "rope + YaRN auto" "bam + ssmax, init uniform, DroPE" "bam + ssmax, $steps"
+       "bam + ssmax, init uniform, DroPE" "rope + YaRN auto" "bam + ssmax, init uniform, DroPE" "$bam_ssmax_scratch"
        "bam + ssmax, init uniform, DroPE" "nope + ssmax, DroPE" "bam + ssmax, init uniform, DroPE" "bam + ssmax, DroPE")
 compare=()
 for (( i = 0; i < ${#pairs[@]}; i += 2 )); do
@@ -92,7 +101,7 @@ done
 kept=("$RESULTS"/*_seed*/ "$scratch_dir"/*_seed*/)
 (( ${#kept[@]} )) || { echo "error: nothing finished in $RESULTS yet" >&2; exit 1; }
 grid=()
-for name in $SCRATCH; do grid+=("${GRID:-docs/repro/runs5}/${name}"_seed*/); done  # the same at 2,000 steps
+for name in $SCRATCH; do grid+=("$grid_dir/${name}"_seed*/); done  # the same at 2,000 steps
 python -m eval.report "${kept[@]}" ${grid[@]+"${grid[@]}"} --out "$REPORT" --no_run_plots \
     ${compare[@]+"${compare[@]}"} \
     --title "DroPE at 5-digit keys: RoPE dropped after $PRETRAIN steps, recalibrated for $RECAL (CPU), seeds aggregated"
