@@ -51,6 +51,7 @@ import datasets  # noqa: F401
 import numpy as np
 import pytest
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
@@ -82,11 +83,10 @@ if WORKERS > 1:
     THREADS = max(1, usable_cores() // WORKERS)
     os.environ["OMP_NUM_THREADS"] = str(THREADS)  # the processes a test starts (train.py, torchrun's ranks)
     torch.set_num_threads(THREADS)
-    # Inductor's C++ compiles in this process, not in a pool of its own (by default one process per core, each
-    # importing torch): the workers already keep every core busy. The whole suite from a fresh clone, 2 cores:
-    # ~5% less time in the compile-heavy files.
+    # Inductor's C++ compiles in the process that asks, not in a pool of its own (by default one process per
+    # core, each importing torch): the workers already keep every core busy (the heaviest flex test from a cold
+    # cache: 66 s against 71 s). The variable for the processes a test starts; this one has read it already.
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    import torch._inductor.config  # noqa: E402 (after the variables above, which it reads at import)
     torch._inductor.config.compile_threads = 1
 
 

@@ -56,6 +56,7 @@ def test_flex_table_equals_formula_forward(ssmax):
             torch.testing.assert_close(table, reference, atol=1e-5, rtol=1e-5, msg=lambda m: (
                 f"{pe} ssmax={ssmax} kv={n_kv_head} T={T} docs={docs} window={window}: {m}"))
 
+
 @pytest.mark.slow
 def test_a_formula_kernel_serves_models_of_another_head_count_on_cpu():
     """Every ALiBi model on flex shares one compiled formula kernel, whose score_mod reads the slopes by head.
