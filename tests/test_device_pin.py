@@ -59,7 +59,7 @@ def test_precision_is_back_after_a_gpu_test():
 """
 
 
-def run_probe(tmp_path, pretend_gpu, workers="auto"):
+def run_probe(tmp_path, pretend_gpu, workers="1"):
     for name in ("conftest.py", "pytest.ini"):
         shutil.copy(os.path.join(ROOT, "tests" if name == "conftest.py" else "", name), tmp_path / name)
     (tmp_path / "pretend_gpu.py").write_text(PRETEND_GPU)
@@ -68,14 +68,16 @@ def run_probe(tmp_path, pretend_gpu, workers="auto"):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": "0" if pretend_gpu else ""}
     args = ["-p", "pretend_gpu"] if pretend_gpu else []
-    # workers: pytest.ini's pytest-xdist workers, which the main process starts after loading conftest.py
-    # (the machine's CUDA_VISIBLE_DEVICES must reach them), or "0", the tests in the main process
+    # workers: "1", a pytest-xdist worker, which the main process starts after loading conftest.py (the machine's
+    # CUDA_VISIBLE_DEVICES must reach it), or "0", the tests in the main process. One worker is what pytest.ini's
+    # `-n auto` gives the probe: --dist loadfile sends a file's tests to one worker, and the others (two more on
+    # 2 cores, each importing the conftest's torch, datasets and model: ~7 s of CPU) would start and idle.
     return subprocess.run([sys.executable, "-m", "pytest", *args, "-n", workers, "--strict-markers", "-rs",
                            "-p", "no:cacheprovider", "test_probe.py"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("workers", ["auto", "0"])
+@pytest.mark.parametrize("workers", ["1", "0"])
 def test_on_a_gpu_machine_only_marked_tests_see_the_gpu(tmp_path, workers):
     done = run_probe(tmp_path, pretend_gpu=True, workers=workers)
     assert done.returncode == 0 and "3 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
