@@ -827,6 +827,9 @@ class Encoding:
     # what a range cannot say. ModelConfig checks every registered encoding's options, whether a
     # layer uses it or not, so a typo in one is refused even where it would do nothing.
     RANGES = {}
+    # The options that say only where a parameter starts (BAM's bam_init): train.init_from loads the
+    # checkpoint's parameters over them, so they may always change there (bam.config)
+    INIT_KEYS = ()
 
     @classmethod
     def check(cls, cfg, kinds, bad):

@@ -67,8 +67,7 @@ PARAMETER_ADDING_MODEL_KEYS = ("ssmax", "pe", "qk_norm")
 # Model settings that say only where a parameter starts (an encoding's INIT_KEYS: BAM's bam_init and the constant
 # init's values). train.init_from loads every parameter its checkpoint has, so these decide only the ones it adds
 # (DroPE's recipe with RoPE replaced by BAM, its prior started flat: bam_init = "uniform") and may always change.
-INITIALISATION_MODEL_KEYS = tuple(dict.fromkeys(key for encoding in ENCODINGS.values()
-                                                for key in getattr(encoding, "INIT_KEYS", ())))
+INITIALISATION_MODEL_KEYS = tuple(dict.fromkeys(key for encoding in ENCODINGS.values() for key in encoding.INIT_KEYS))
 
 def checkpoint_differences(saved, current, allowed):
     """The settings of `current` that differ from `saved` (both as to_dict gives them: a checkpoint's "config"

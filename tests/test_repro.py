@@ -13,6 +13,11 @@ pytestmark = pytest.mark.slow  # the configs/repro shell scripts, run end to end
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def comparisons(report):
+    """The comparison lines of an eval.report report (a path): one per pair of variants it was asked for."""
+    return [line for line in open(report, encoding="utf-8").read().splitlines() if "** against **" in line]
+
+
 def test_repro_pipeline_smoke(tmp_path):
     # JOBS=2: the two runs train side by side, each logging to <run>.log
     env = dict(os.environ, OUT=str(tmp_path / "runs"), DATA=str(tmp_path / "data"), STEPS="2",
@@ -151,11 +156,8 @@ def test_grid5_reports_the_kept_grid_with_every_comparison_of_the_committed_repo
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
-    def comparisons(text):
-        return [line for line in text.splitlines() if "** against **" in line]
-
-    made = comparisons((tmp_path / "report.md").read_text())
-    assert len(made) > 40 and made == comparisons(open(os.path.join(ROOT, "docs", "repro", "report5.md")).read())
+    made = comparisons(tmp_path / "report.md")
+    assert len(made) > 40 and made == comparisons(os.path.join(ROOT, "docs", "repro", "report5.md"))
 
 
 def test_drope_reports_the_kept_results_with_every_comparison_of_the_committed_report(tmp_path):
@@ -178,11 +180,8 @@ def test_drope_reports_the_kept_results_with_every_comparison_of_the_committed_r
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (tmp_path / "src").exists() and not (tmp_path / "out").exists()  # nothing trained
 
-    def comparisons(text):
-        return [line for line in text.splitlines() if "** against **" in line]
-
-    made = comparisons((tmp_path / "report.md").read_text())
-    assert len(made) >= 8 and made == comparisons(open(os.path.join(ROOT, "docs", "repro", "report5_drope.md")).read())
+    made = comparisons(tmp_path / "report.md")
+    assert len(made) >= 8 and made == comparisons(os.path.join(ROOT, "docs", "repro", "report5_drope.md"))
 
 
 def test_grid5_at_another_budget_keeps_its_runs_apart_and_reports_them_beside_the_grids(tmp_path):
